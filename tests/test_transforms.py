@@ -1,0 +1,61 @@
+import io
+
+import pytest
+from PIL import Image
+
+from pipeline.transforms import BadImageError, decode_image, encode_image, resize_center_crop
+
+
+def encoded(img: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("size", [(300, 200), (200, 300), (50, 50), (20, 90)])
+def test_resize_center_crop_is_square(size):
+    out = resize_center_crop(Image.new("RGB", size), size=64)
+    assert out.size == (64, 64)
+
+
+def test_center_crop_keeps_the_middle():
+    # A wide image: left third black, middle white, right third black.
+    img = Image.new("RGB", (300, 100))
+    img.paste((255, 255, 255), (100, 0, 200, 100))
+    out = resize_center_crop(img, size=32)
+    assert out.getpixel((16, 16)) == (255, 255, 255)
+    assert out.getpixel((0, 16))[0] > 200  # the crop is the white middle, not a black edge
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P", "CMYK"])
+def test_decode_converts_to_rgb(mode):
+    fmt = "JPEG" if mode in ("L", "CMYK") else "PNG"
+    img = decode_image(encoded(Image.new(mode, (10, 12)), fmt))
+    assert img.mode == "RGB" and img.size == (10, 12)
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"", "empty file"),
+        (b"hello, I am text", "not an image"),
+        (encoded(Image.new("RGB", (64, 64), "red"), "JPEG")[:300], "truncated or corrupt"),
+        (encoded(Image.new("RGB", (64, 64), "red"), "PNG")[:60], "truncated or corrupt"),
+    ],
+)
+def test_decode_rejects_bad_bytes_with_reason(data, reason):
+    with pytest.raises(BadImageError, match=reason):
+        decode_image(data)
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "png"])
+def test_encode_round_trip(fmt):
+    img = Image.new("RGB", (16, 16), (10, 200, 30))
+    back = decode_image(encode_image(img, image_format=fmt))
+    assert back.size == (16, 16)
+    assert max(abs(a - b) for a, b in zip(back.getpixel((8, 8)), (10, 200, 30), strict=True)) <= 3
+
+
+def test_encode_rejects_unknown_format():
+    with pytest.raises(ValueError, match="'jpeg' or 'png'"):
+        encode_image(Image.new("RGB", (4, 4)), image_format="gif")
