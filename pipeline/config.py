@@ -1,0 +1,204 @@
+"""Typed job configs: defaults < YAML file < `key=value` command-line overrides."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from pipeline.errors import ConfigError
+
+# Food-101-Lite (seed 001), by the Hugging Face food101 label names; remapped to 0..9 in this order.
+FOOD101_LITE_CLASSES = (
+    "pizza",
+    "hamburger",
+    "sushi",
+    "ramen",
+    "fried_rice",
+    "steak",
+    "hot_dog",
+    "pancakes",
+    "breakfast_burrito",
+    "caesar_salad",
+)
+
+
+class _Strict(BaseModel):
+    # strict: YAML and overrides are parsed to real types, so "5" for an int is a mistake.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class SyntheticSourceConfig(_Strict):
+    num_classes: int = Field(10, ge=2, le=20, description="Number of generated classes.")
+    images_per_class: int = Field(100, ge=1, description="Images generated per class.")
+    raw_size: int = Field(96, ge=16, description="Side of the generated images, before transforms.")
+    seed: int = Field(0, description="Seed: the same seed gives byte-identical images.")
+
+
+def _absolute_or_uri(value: str | None) -> str | None:
+    # A Ray job runs in a temporary copy of the bundle: a relative path would vanish with it.
+    if value and "://" not in value and not value.startswith("/"):
+        raise ValueError(
+            f"{value!r} is relative; use an absolute path or a URI such as s3://bucket/path "
+            "(jobs run in a temporary copy of the bundle, where relative paths are lost)"
+        )
+    return value
+
+
+AbsolutePathOrURI = Annotated[str, AfterValidator(_absolute_or_uri)]
+
+
+class FolderSourceConfig(_Strict):
+    path: AbsolutePathOrURI | None = Field(
+        None, description="Root laid out as <root>/<class>/<image>; or a URI."
+    )
+
+
+class HuggingFaceSourceConfig(_Strict):
+    dataset: str = Field("ethz/food101", description="Hub id or local path for load_dataset().")
+    classes: tuple[str, ...] = Field(
+        FOOD101_LITE_CLASSES, min_length=1, description="Label names to keep, in index order."
+    )
+    fraction: float = Field(1.0, gt=0, le=1, description="Fraction of each class's images kept.")
+    train_split: str = Field("train", description="Dataset split that becomes our train split.")
+    val_split: str = Field("validation", description="Dataset split that becomes our val split.")
+    revision: str | None = Field(None, description="Dataset revision (tag or commit) to pin.")
+
+    @model_validator(mode="after")
+    def _unique_classes(self) -> HuggingFaceSourceConfig:
+        dupes = sorted({c for c in self.classes if self.classes.count(c) > 1})
+        if dupes:
+            raise ValueError(f"classes are listed twice: {dupes}")
+        return self
+
+
+class SourceConfig(_Strict):
+    kind: Literal["synthetic", "folder", "huggingface"] = Field(
+        "huggingface", description="Which of the sections below to read images from."
+    )
+    synthetic: SyntheticSourceConfig = SyntheticSourceConfig()
+    folder: FolderSourceConfig = FolderSourceConfig()
+    huggingface: HuggingFaceSourceConfig = HuggingFaceSourceConfig()
+
+    @model_validator(mode="after")
+    def _folder_has_path(self) -> SourceConfig:
+        if self.kind == "folder" and not self.folder.path:
+            raise ValueError("source.kind is 'folder' but source.folder.path is not set")
+        return self
+
+
+class PreprocessConfig(_Strict):
+    output: AbsolutePathOrURI = Field(
+        description="Dataset directory: an absolute path or a pyarrow.fs URI (s3://...)."
+    )
+    source: SourceConfig = SourceConfig()
+    image_size: int = Field(224, ge=8, description="Resize the short side, then center crop.")
+    image_format: Literal["jpeg", "png"] = Field("jpeg", description="Encoding of stored images.")
+    jpeg_quality: int = Field(95, ge=1, le=100, description="JPEG quality when image_format=jpeg.")
+    val_fraction: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="Share held out for val, for sources with no split of their own.",
+    )
+    shard_size: int = Field(1000, ge=1, description="Images per task and per Parquet file.")
+    row_group_size: int = Field(128, ge=1, description="Rows per Parquet row group.")
+    overwrite: bool = Field(False, description="Rebuild even if the output is already up to date.")
+
+    def fingerprint(self) -> str:
+        """Hash of everything that shapes the output, to tell an up-to-date dataset."""
+        data = self.model_dump(mode="json", exclude={"overwrite"})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
+    """Build `cls` from a YAML file and `dotted.key=value` overrides (values parsed as YAML)."""
+    data: dict[str, Any] = {}
+    where = "overrides"
+    if path is not None:
+        where = str(path)
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, not {type(data).__name__}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. image_size=128")
+        _set_dotted(data, key, yaml.safe_load(raw) if raw else None)
+    return validate_config(cls, data, where)
+
+
+def validate_config(cls: type[C], data: dict[str, Any], where: str = "config") -> C:
+    """Validate a plain dict (e.g. a config sent to a Ray worker) into `cls`."""
+    try:
+        return cls.model_validate(_lists_to_tuples(data))
+    except ValidationError as e:
+        problems = [_describe(cls, err) for err in e.errors()]
+        raise ConfigError(f"invalid config ({where}):\n  " + "\n  ".join(problems)) from None
+
+
+def dump_config(cfg: BaseModel) -> str:
+    """The resolved config as YAML, loadable again with load_config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parents[: i + 1])} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _lists_to_tuples(value: Any) -> Any:
+    # YAML gives lists; configs are frozen and hold tuples.
+    if isinstance(value, dict):
+        return {k: _lists_to_tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_lists_to_tuples(v) for v in value)
+    return value
+
+
+def _describe(cls: type[BaseModel], err: dict[str, Any]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc) or "<root>"
+    if err["type"] == "extra_forbidden":
+        allowed = ", ".join(_fields_at(cls, loc[:-1]))
+        return f"{key}: unknown key (allowed here: {allowed})"
+    if err["type"] == "missing":
+        return f"{key}: required, but not set (set it in the YAML file or as {key}=...)"
+    got = err.get("input")
+    shown = f" (got {got!r}, a {type(got).__name__})" if not isinstance(got, dict) else ""
+    return f"{key}: {err['msg']}{shown}"
+
+
+def _fields_at(cls: type[BaseModel], loc: list[str]) -> list[str]:
+    model: Any = cls
+    for part in loc:
+        field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
+        if field is None:
+            return []
+        model = field.annotation
+    return list(model.model_fields) if hasattr(model, "model_fields") else []

@@ -1,0 +1,131 @@
+import pytest
+
+from pipeline.cluster import BUNDLE_ROOT
+from pipeline.config import (
+    FOOD101_LITE_CLASSES,
+    PreprocessConfig,
+    dump_config,
+    load_config,
+    validate_config,
+)
+from pipeline.errors import ConfigError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_food101_lite():
+    cfg = load_config(PreprocessConfig, overrides=["output=/tmp/x"])
+    assert cfg.source.kind == "huggingface"
+    assert cfg.source.huggingface.classes == FOOD101_LITE_CLASSES
+    assert cfg.image_size == 224
+
+
+def test_precedence_defaults_yaml_cli(tmp_path):
+    path = write(tmp_path, "output: /a\nimage_size: 128\nsource: {kind: synthetic}\n")
+    cfg = load_config(PreprocessConfig, path, ["image_size=64", "source.synthetic.seed=7"])
+    assert (cfg.output, cfg.image_size, cfg.source.kind) == ("/a", 64, "synthetic")
+    assert cfg.source.synthetic.seed == 7
+    assert cfg.row_group_size == 128  # untouched default
+
+
+def test_list_override_parses_as_yaml(tmp_path):
+    cfg = load_config(
+        PreprocessConfig, overrides=["output=/o", "source.huggingface.classes=[a, b]"]
+    )
+    assert cfg.source.huggingface.classes == ("a", "b")
+
+
+def test_unknown_key_names_key_and_allowed(tmp_path):
+    path = write(tmp_path, "output: /a\nsource:\n  synthetic: {colour: red}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(PreprocessConfig, path)
+    msg = str(e.value)
+    assert "source.synthetic.colour: unknown key" in msg
+    assert "num_classes" in msg and str(path) in msg
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match=r"image_size: .*integer.*got 'big'"):
+        load_config(PreprocessConfig, overrides=["output=/o", "image_size=big"])
+    with pytest.raises(ConfigError, match="overwrite"):
+        load_config(PreprocessConfig, overrides=["output=/o", "overwrite=3"])
+
+
+def test_choice_error_lists_choices():
+    with pytest.raises(ConfigError, match=r"source.kind: .*'synthetic', 'folder' or 'huggingface'"):
+        load_config(PreprocessConfig, overrides=["output=/o", "source.kind=s3"])
+
+
+def test_missing_required_and_bad_override():
+    with pytest.raises(ConfigError, match="output: required"):
+        load_config(PreprocessConfig)
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(PreprocessConfig, overrides=["image_size"])
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(PreprocessConfig, overrides=["output=/o", "output.x=1"])
+
+
+def test_range_and_cross_field_checks():
+    with pytest.raises(ConfigError, match="val_fraction"):
+        load_config(PreprocessConfig, overrides=["output=/o", "val_fraction=1.5"])
+    with pytest.raises(ConfigError, match=r"source\.folder\.path is not set"):
+        load_config(PreprocessConfig, overrides=["output=/o", "source.kind=folder"])
+    with pytest.raises(ConfigError, match="listed twice"):
+        load_config(PreprocessConfig, overrides=["output=/o", "source.huggingface.classes=[a, a]"])
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(PreprocessConfig, tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(PreprocessConfig, write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(PreprocessConfig, write(tmp_path, "a: [\n"))
+
+
+def test_dump_round_trip_and_plain_dict(tmp_path):
+    cfg = load_config(PreprocessConfig, overrides=["output=/o", "source.kind=synthetic"])
+    again = load_config(PreprocessConfig, write(tmp_path, dump_config(cfg)))
+    assert again == cfg
+    # What workers receive: a plain dict, rebuilt into the same config.
+    assert validate_config(PreprocessConfig, cfg.model_dump(mode="json")) == cfg
+
+
+def test_fingerprint_ignores_overwrite_only():
+    a = load_config(PreprocessConfig, overrides=["output=/o"])
+    assert (
+        a.fingerprint()
+        == load_config(PreprocessConfig, overrides=["output=/o", "overwrite=true"]).fingerprint()
+    )
+    assert (
+        a.fingerprint()
+        != load_config(PreprocessConfig, overrides=["output=/o", "image_size=64"]).fingerprint()
+    )
+
+
+def test_shipped_configs_load():
+    load_config(PreprocessConfig, BUNDLE_ROOT / "configs/preprocess.yaml")
+    demo = load_config(
+        PreprocessConfig, BUNDLE_ROOT / "configs/demo-preprocess.yaml", ["output=/o"]
+    )
+    assert demo.source.kind == "synthetic"
+
+
+@pytest.mark.parametrize("key", ["output", "source.folder.path"])
+def test_relative_paths_are_refused(key):
+    with pytest.raises(ConfigError, match=rf"{key}: .*'data/x' is relative; use an absolute path"):
+        load_config(
+            PreprocessConfig,
+            overrides=[
+                "output=/o",
+                "source.kind=folder",
+                "source.folder.path=/in",
+                f"{key}=data/x",
+            ],
+        )
+    cfg = load_config(PreprocessConfig, overrides=["output=s3://b/x?endpoint_override=h:1"])
+    assert cfg.output.startswith("s3://")
