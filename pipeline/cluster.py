@@ -1,0 +1,195 @@
+"""A throwaway single-node Ray cluster on 127.0.0.1, and job submission the way users do it.
+
+Used by `make demo`, the tests and the benchmarks. The head runs `ray start --block` in its own
+process group with its own temp dir and auth token, so stopping it touches nothing else: not a
+cluster the user runs, nor their ~/.ray/auth_token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BUNDLE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_cli() -> str:
+    # The `ray` next to this interpreter: the venv's, not whatever is first on PATH.
+    return str(Path(sys.executable).with_name("ray"))
+
+
+class LocalCluster:
+    """`with LocalCluster(num_cpus=2) as cluster: cluster.submit([...])`."""
+
+    def __init__(self, *, num_cpus: int | None = None, env: dict[str, str] | None = None):
+        self.num_cpus = num_cpus
+        self.extra_env = env or {}
+        self.token = secrets.token_hex(32)
+        self.gcs_port = free_port()
+        self.dashboard_port = free_port()
+        self.temp_dir = ""
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        """For `ray job submit --address` and JobSubmissionClient."""
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def gcs_address(self) -> str:
+        """For `ray.init(address=...)`."""
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for clients of this cluster: token authentication on, our token."""
+        # As if the venv were activated: the job's `python` is this interpreter.
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        return {
+            **os.environ,
+            **self.extra_env,
+            "PATH": path,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+
+    def start(self, timeout_s: float = 90) -> LocalCluster:
+        # Short path: Ray's unix sockets live under it, and socket paths are capped at 107 bytes.
+        self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+        cmd = [
+            _ray_cli(), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+        ]  # fmt: skip
+        if self.num_cpus is not None:
+            cmd.append(f"--num-cpus={self.num_cpus}")
+        self._log = open(os.path.join(self.temp_dir, "ray-start.log"), "wb")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("Ray cluster up: dashboard %s, %s CPUs", self.address, self.num_cpus or "all")
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        # Ready when the job API answers an authenticated request.
+        request = urllib.request.Request(
+            f"{self.address}/api/jobs/", headers={"Authorization": f"Bearer {self.token}"}
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"`ray start` exited early:\n{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"Ray cluster not ready after {timeout_s:.0f}s:\n{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 30) -> str:
+        path = os.path.join(self.temp_dir, "ray-start.log")
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def stop(self) -> None:
+        """Stop what `start` started: the head's processes, then its temp dir."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                # `ray start --block` tears down its processes on SIGTERM.
+                self._proc.terminate()
+                try:
+                    self._proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+            self._kill_leftovers()
+            self._proc = None
+            self._log.close()
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _kill_leftovers(self) -> None:
+        # Anything still alive in the head's process group, or naming our temp dir, is ours.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        for pid in _pids_mentioning(self.temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def submit(
+        self,
+        args: list[str],
+        *,
+        runtime_env: str | Path | None = None,
+        timeout_s: float | None = None,
+        capture: bool = False,
+    ) -> subprocess.CompletedProcess:
+        """`ray job submit ... -- <args>`: waits for the job, tails its logs, exits non-zero if
+        the job failed. Runs from the bundle root, which `runtime_env.yaml` uploads."""
+        cmd = [
+            _ray_cli(), "job", "submit",
+            "--address", self.address,
+            "--runtime-env", str(runtime_env or BUNDLE_ROOT / "runtime_env.yaml"),
+            "--", *args,
+        ]  # fmt: skip
+        return subprocess.run(
+            cmd, cwd=BUNDLE_ROOT, env=self.env, timeout=timeout_s, text=True,
+            stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.STDOUT if capture else None,
+        )  # fmt: skip
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    pids = []
+    if not Path("/proc").is_dir():  # not Linux: the process group kill has to do
+        return pids
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(proc.name))
+    return pids
