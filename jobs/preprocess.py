@@ -1,0 +1,31 @@
+"""Preprocess images into Parquet shards plus a manifest.
+
+    ray job submit --address http://127.0.0.1:8265 --runtime-env runtime_env.yaml \
+        -- python -m jobs.preprocess --config configs/preprocess.yaml output=s3://bucket/food101
+
+Any config key can be overridden as key=value (see pipeline/config.py: PreprocessConfig).
+"""
+
+import logging
+
+import ray
+
+from pipeline.cli import job_main
+from pipeline.config import PreprocessConfig
+from pipeline.preprocess import run
+
+log = logging.getLogger("jobs.preprocess")
+
+
+def main(cfg: PreprocessConfig) -> None:
+    ray.init()
+    manifest = run(cfg)
+    train, val = manifest.splits["train"], manifest.splits["val"]
+    log.info(
+        "dataset at %s: %d classes, train %d, val %d, skipped %d",
+        cfg.output, len(manifest.classes), train.rows, val.rows, len(manifest.skipped),
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    job_main(__doc__, PreprocessConfig, "configs/preprocess.yaml", main)

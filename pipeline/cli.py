@@ -1,0 +1,43 @@
+"""What every job entrypoint shares: arguments, logging, and turning bad input into exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from pipeline.config import load_config
+from pipeline.errors import ConfigError, InputError
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[[C], None]) -> None:
+    """Parse `--config FILE key=value ...`, set up logging, run `body(config)`.
+
+    Exit codes: 0 done, 1 the input data is unusable, 2 the config is invalid."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=default_config, help="YAML file (default: %(default)s)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. image_size=128")
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stdout,
+    )
+    try:
+        cfg = load_config(config_cls, Path(args.config), args.overrides)
+        body(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

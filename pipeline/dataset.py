@@ -1,0 +1,122 @@
+"""The on-storage dataset: Parquet shards per split plus a manifest that commits them.
+
+Layout of `<output>/`:
+    manifest.json          written last: a dataset exists only once it is there
+    config.yaml            the resolved preprocessing config
+    train/part-00000.parquet, ...
+    val/part-00000.parquet, ...
+    _staging/<run>/...     a run in progress (pyarrow and Ray Data ignore `_` paths)
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict
+
+from pipeline.errors import InputError
+from pipeline.storage import Location
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SPLITS = ("train", "val")
+MANIFEST = "manifest.json"
+STAGING = "_staging"
+
+SCHEMA = pa.schema(
+    [
+        pa.field("image", pa.binary(), nullable=False),  # encoded JPEG/PNG, image_size square
+        pa.field("label", pa.int64(), nullable=False),  # index into manifest.classes
+        pa.field("label_name", pa.string(), nullable=False),
+        pa.field("source_id", pa.string(), nullable=False),  # stable id of the source image
+    ]
+)
+
+
+class ShardFile(BaseModel):
+    path: str  # relative to the dataset root
+    rows: int
+
+
+class SplitInfo(BaseModel):
+    rows: int = 0
+    counts: dict[str, int] = {}  # class name -> rows
+    files: list[ShardFile] = []
+
+
+class Skipped(BaseModel):
+    source_id: str
+    reason: str
+
+
+class Manifest(BaseModel):
+    """What a reader needs to trust and use the dataset, in one small JSON file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    created_at: str
+    fingerprint: str
+    classes: list[str]
+    image_size: int
+    image_format: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    splits: dict[str, SplitInfo]
+    skipped: list[Skipped]
+    config: dict
+
+    @staticmethod
+    def now() -> str:
+        return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_shard(location: Location, rows: list[dict], *, row_group_size: int) -> None:
+    """One Parquet file; images are already compressed, so only the small columns get zstd."""
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    location.fs.create_dir(location.path.rsplit("/", 1)[0], recursive=True)
+    pq.write_table(
+        table,
+        location.path,
+        filesystem=location.fs,
+        row_group_size=row_group_size,
+        compression={"image": "NONE", "label": "ZSTD", "label_name": "ZSTD", "source_id": "ZSTD"},
+        use_dictionary=["label_name"],
+    )
+
+
+def read_manifest(root: Location) -> Manifest | None:
+    """The committed manifest, or None if there is no complete dataset at `root`."""
+    path = root.child(MANIFEST)
+    if not path.exists():
+        return None
+    manifest = Manifest.model_validate_json(path.read_bytes())
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise InputError(
+            f"{path.uri} has schema version {manifest.schema_version}; this code reads "
+            f"{SCHEMA_VERSION}: re-run preprocessing with overwrite=true"
+        )
+    return manifest
+
+
+def publish(root: Location, staging: Location, manifest: Manifest, config_yaml: str) -> None:
+    """Move a complete staged dataset into place, committing it with the manifest last.
+
+    Readers go through the manifest, so from its removal to its rewrite they see no dataset
+    rather than a mix of two: a crash in between leaves `root` without a manifest, and the next
+    run replaces it. Object stores have no atomic directory rename, hence this order."""
+    root.child(MANIFEST).delete()
+    for split in SPLITS:
+        root.child(split).delete()
+    for split in manifest.splits.values():
+        for f in split.files:
+            target = root.child(f.path)
+            root.fs.create_dir(target.path.rsplit("/", 1)[0], recursive=True)
+            root.fs.move(staging.child(f.path).path, target.path)
+    root.child("config.yaml").write_bytes(config_yaml.encode())
+    root.child(MANIFEST).write_bytes(manifest.model_dump_json(indent=2).encode())
+    staging.delete()

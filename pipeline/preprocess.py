@@ -1,0 +1,208 @@
+"""Raw images -> resize + center crop -> Parquet shards and a manifest, in parallel on Ray.
+
+Ray tasks rather than Ray Data: each task owns one shard end to end (read, transform, write
+exactly one file per split with row groups we size), reports what it skipped and why, and can be
+retried safely because it only ever writes its own staged files. Ray Data's writer appends and
+names files itself, and its image reader fails on the corrupt files we must skip and count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+import ray
+
+from pipeline.config import PreprocessConfig, dump_config, validate_config
+from pipeline.dataset import (
+    STAGING,
+    Manifest,
+    ShardFile,
+    Skipped,
+    SplitInfo,
+    publish,
+    read_manifest,
+    write_shard,
+)
+from pipeline.errors import InputError
+from pipeline.sources import Item, Reader, assign_split, build_source
+from pipeline.storage import Location
+from pipeline.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    BadImageError,
+    decode_image,
+    encode_image,
+    resize_center_crop,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardResult:
+    files: dict[str, ShardFile] = field(default_factory=dict)  # split -> staged file
+    counts: dict[str, Counter] = field(default_factory=dict)  # split -> label -> rows
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def process_items(
+    cfg: PreprocessConfig, classes: list[str], items: list[Item], reader: Reader
+) -> tuple[dict[str, list[dict]], list[Skipped]]:
+    """Rows per split for the items that decode; the others are skipped with a reason."""
+    rows: dict[str, list[dict]] = {}
+    skipped = []
+    for item in items:
+        try:
+            img = decode_image(reader.read(item))
+        except OSError as e:
+            skipped.append(Skipped(source_id=item.source_id, reason=f"unreadable: {e}"))
+            continue
+        except BadImageError as e:
+            skipped.append(Skipped(source_id=item.source_id, reason=str(e)))
+            continue
+        img = resize_center_crop(img, size=cfg.image_size)
+        data = encode_image(img, image_format=cfg.image_format, jpeg_quality=cfg.jpeg_quality)
+        split = assign_split(item, cfg.val_fraction)
+        rows.setdefault(split, []).append(
+            {
+                "image": data,
+                "label": item.label,
+                "label_name": classes[item.label],
+                "source_id": item.source_id,
+            }
+        )
+    return rows, skipped
+
+
+# Retries cover lost workers and nodes; a shard rewrites only its own files, so a retry is safe.
+@ray.remote(num_cpus=1, max_retries=3)
+def _process_shard(
+    cfg_dict: dict, classes: list[str], shard: int, items: list[Item], reader: Reader, staging: str
+) -> ShardResult:
+    cfg = validate_config(PreprocessConfig, cfg_dict)
+    rows, skipped = process_items(cfg, classes, items, reader)
+    result = ShardResult(skipped=skipped)
+    for split, split_rows in rows.items():
+        rel = f"{split}/part-{shard:05d}.parquet"
+        write_shard(
+            Location.parse(staging).child(rel), split_rows, row_group_size=cfg.row_group_size
+        )
+        result.files[split] = ShardFile(path=rel, rows=len(split_rows))
+        result.counts[split] = Counter(r["label"] for r in split_rows)
+    return result
+
+
+def run(cfg: PreprocessConfig) -> Manifest:
+    """Build the dataset at `cfg.output` (Ray must be initialised); return its manifest."""
+    root = Location.parse(cfg.output)
+    existing = read_manifest(root)
+    if existing and existing.fingerprint == cfg.fingerprint() and not cfg.overwrite:
+        log.info(
+            "%s is up to date (same config, built %s): skipping. Pass overwrite=true to rebuild.",
+            root.uri,
+            existing.created_at,
+        )
+        return existing
+
+    source = build_source(cfg.source)
+    items = source.list_items()
+    classes = source.classes
+    log.info("source %s: %d images in %d classes", cfg.source.kind, len(items), len(classes))
+
+    # Leftovers of interrupted runs are garbage: one writer per output at a time.
+    staging_root = root.child(STAGING)
+    staging_root.delete()
+    staging = staging_root.child(uuid.uuid4().hex[:12])
+    try:
+        results = _run_shards(cfg, classes, items, source, staging)
+        manifest = _build_manifest(cfg, classes, results, total=len(items))
+        publish(root, staging, manifest, dump_config(cfg))
+    finally:
+        staging_root.delete()
+    return manifest
+
+
+def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardResult]:
+    shards = [items[i : i + cfg.shard_size] for i in range(0, len(items), cfg.shard_size)]
+    cfg_dict = cfg.model_dump(mode="json")
+    # Bounded in flight: a source read on the driver must not hold every image at once.
+    max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    pending: dict[ray.ObjectRef, int] = {}
+    results: list[ShardResult] = []
+    done_images, skipped, started = 0, 0, time.monotonic()
+    next_shard = 0
+    try:
+        while pending or next_shard < len(shards):
+            while next_shard < len(shards) and len(pending) < max_in_flight:
+                shard_items = shards[next_shard]
+                ref = _process_shard.remote(
+                    cfg_dict, classes, next_shard, shard_items, source.reader(shard_items),
+                    staging.uri,
+                )  # fmt: skip
+                pending[ref] = next_shard
+                next_shard += 1
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            result = ray.get(ref)
+            done_images += len(shards[pending.pop(ref)])
+            skipped += len(result.skipped)
+            results.append(result)
+            elapsed = time.monotonic() - started
+            log.info(
+                "progress: %d/%d images (%.0f%%), %d skipped, %.1f images/s",
+                done_images, len(items), 100 * done_images / len(items), skipped,
+                done_images / max(elapsed, 1e-9),
+            )  # fmt: skip
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
+    return results
+
+
+def _build_manifest(cfg, classes, results: list[ShardResult], *, total: int) -> Manifest:
+    skipped = sorted((s for r in results for s in r.skipped), key=lambda s: s.source_id)
+    splits = {}
+    per_class: Counter = Counter()
+    for split in ("train", "val"):
+        counts: Counter = Counter()
+        files = sorted((r.files[split] for r in results if split in r.files), key=lambda f: f.path)
+        for r in results:
+            counts.update(r.counts.get(split, {}))
+        per_class.update(counts)
+        splits[split] = SplitInfo(
+            rows=sum(f.rows for f in files),
+            counts={name: counts.get(i, 0) for i, name in enumerate(classes)},
+            files=files,
+        )
+    if not per_class:
+        reasons = Counter(s.reason.split(":")[0] for s in skipped).most_common(3)
+        raise InputError(
+            f"no usable images: all {total} inputs were skipped ({reasons}); check the source"
+        )
+    empty = [name for i, name in enumerate(classes) if per_class.get(i, 0) == 0]
+    if empty:
+        raise InputError(
+            f"classes with no usable images: {empty}. Every class needs at least one image "
+            "that decodes: fix or remove those classes"
+        )
+    for split, info in splits.items():
+        if info.rows == 0:
+            log.warning("split %r is empty (val_fraction=%s)", split, cfg.val_fraction)
+    if skipped:
+        log.warning("skipped %d of %d images (listed in the manifest)", len(skipped), total)
+    return Manifest(
+        created_at=Manifest.now(),
+        fingerprint=cfg.fingerprint(),
+        classes=classes,
+        image_size=cfg.image_size,
+        image_format=cfg.image_format,
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        splits=splits,
+        skipped=skipped,
+        config=cfg.model_dump(mode="json"),
+    )

@@ -1,0 +1,133 @@
+"""The preprocessing library on an in-process Ray instance: output layout, skips, reruns."""
+
+import io
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import CLASSES, make_image_folder
+from PIL import Image
+
+from pipeline.config import PreprocessConfig, load_config
+from pipeline.dataset import SCHEMA, read_manifest
+from pipeline.errors import InputError
+from pipeline.preprocess import run
+from pipeline.sources import Item, assign_split
+from pipeline.storage import Location
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def config(output, *overrides) -> PreprocessConfig:
+    base = ["image_size=32", "shard_size=16", "row_group_size=8", "val_fraction=0.25"]
+    return load_config(PreprocessConfig, overrides=[f"output={output}", *base, *overrides])
+
+
+def folder_config(src, out, *overrides):
+    return config(out, "source.kind=folder", f"source.folder.path={src}", *overrides)
+
+
+def read_rows(root, manifest):
+    """Every row of every file the manifest lists, with its split and file."""
+    rows = []
+    for split, info in manifest.splits.items():
+        for f in info.files:
+            table = pq.read_table(root / f.path)
+            assert table.schema.equals(SCHEMA)
+            assert table.num_rows == f.rows
+            rows += [dict(r, split=split, file=f.path) for r in table.to_pylist()]
+    return rows
+
+
+def test_folder_to_parquet(tmp_path):
+    bad = make_image_folder(tmp_path / "src", per_class=20)
+    cfg = folder_config(tmp_path / "src", tmp_path / "out")
+    manifest = run(cfg)
+    out = tmp_path / "out"
+
+    assert manifest.classes == sorted(CLASSES)
+    assert manifest.image_size == 32 and len(manifest.mean) == 3
+    assert {s.source_id: s.reason for s in manifest.skipped}.keys() == bad.keys()
+    for s in manifest.skipped:
+        assert bad[s.source_id] in s.reason
+
+    rows = read_rows(out, manifest)
+    assert len(rows) == 3 * 20
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "manifest.json", "train", "val"]
+    for r in rows:
+        assert Image.open(io.BytesIO(r["image"])).size == (32, 32)
+        assert manifest.classes[r["label"]] == r["label_name"] == r["source_id"].split("/")[0]
+        assert r["split"] == assign_split(Item(r["source_id"], r["label"]), 0.25)
+    assert len({r["source_id"] for r in rows}) == len(rows)
+    for split, info in manifest.splits.items():
+        assert info.rows == sum(1 for r in rows if r["split"] == split)
+        assert info.counts == dict(Counter(r["label_name"] for r in rows if r["split"] == split))
+    # Several files with small row groups: a reader can fetch a few images without a whole file.
+    assert len(manifest.splits["train"].files) >= 3
+    for f in manifest.splits["train"].files:
+        meta = pq.ParquetFile(out / f.path).metadata
+        assert all(meta.row_group(i).num_rows <= 8 for i in range(meta.num_row_groups))
+    assert load_config(PreprocessConfig, out / "config.yaml") == cfg
+
+
+def test_rerun_skips_overwrite_replaces(tmp_path):
+    make_image_folder(tmp_path / "src", per_class=10, corrupt=False)
+    out = tmp_path / "out"
+    first = run(folder_config(tmp_path / "src", out))
+    files = sorted(out.rglob("*.parquet"))
+    mtimes = [f.stat().st_mtime_ns for f in files]
+
+    assert run(folder_config(tmp_path / "src", out)) == first  # up to date: nothing rewritten
+    assert [f.stat().st_mtime_ns for f in files] == mtimes
+
+    again = run(folder_config(tmp_path / "src", out, "overwrite=true"))
+    assert again.created_at >= first.created_at
+    assert len(read_rows(out, again)) == 30  # replaced, not appended
+
+    # A different layout replaces the old one: no stale shards left behind.
+    bigger = run(folder_config(tmp_path / "src", out, "shard_size=100"))
+    assert len(read_rows(out, bigger)) == 30
+    assert len(list(out.rglob("*.parquet"))) == 2
+    assert not (out / "_staging").exists()
+
+
+def test_failed_run_keeps_previous_dataset(tmp_path):
+    make_image_folder(tmp_path / "src", per_class=5, corrupt=False)
+    out = tmp_path / "out"
+    good = run(folder_config(tmp_path / "src", out))
+    # Now every image of one class is broken: the run must fail and leave `out` as it was.
+    for f in (tmp_path / "src" / CLASSES[2]).iterdir():
+        f.write_bytes(b"garbage")
+    with pytest.raises(InputError, match=rf"no usable images: \['{CLASSES[2]}'\]"):
+        run(folder_config(tmp_path / "src", out, "overwrite=true"))
+    assert read_manifest(Location.parse(str(out))) == good
+    assert len(read_rows(out, good)) == 15
+    assert not (out / "_staging").exists()
+
+
+def test_zero_usable_images_fails(tmp_path):
+    for c in CLASSES:
+        (tmp_path / "src" / c).mkdir(parents=True)
+        (tmp_path / "src" / c / "a.jpg").write_bytes(b"")
+    with pytest.raises(InputError, match="no usable images: all 3 inputs were skipped"):
+        run(folder_config(tmp_path / "src", tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_synthetic_source(tmp_path):
+    m = run(config(tmp_path / "out", "source.kind=synthetic", "source.synthetic.num_classes=4",
+                   "source.synthetic.images_per_class=12", "image_format=png"))  # fmt: skip
+    assert m.classes == ["red_circle", "red_square", "red_triangle", "green_circle"]
+    assert sum(s.rows for s in m.splits.values()) == 48 and not m.skipped
+    assert read_rows(tmp_path / "out", m)[0]["image"].startswith(b"\x89PNG")
+
+
+def test_huggingface_source_keeps_its_splits(tmp_path, hf_dataset):
+    m = run(config(tmp_path / "out", "source.kind=huggingface",
+                   f"source.huggingface.dataset={hf_dataset}",
+                   "source.huggingface.classes=[steak, pizza]"))  # fmt: skip
+    assert m.classes == ["steak", "pizza"]
+    assert m.splits["train"].counts == {"steak": 10, "pizza": 10}
+    assert m.splits["val"].counts == {"steak": 4, "pizza": 4}
+    rows = read_rows(tmp_path / "out", m)
+    assert {r["source_id"].split("/")[0] for r in rows if r["split"] == "val"} == {"validation"}
