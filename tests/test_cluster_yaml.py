@@ -1,0 +1,158 @@
+"""cluster.yaml: valid for Ray's cluster launcher, pinned to the client's Ray, token auth on.
+
+No cloud calls: the schema check is the part of `ray up` that runs before it talks to AWS.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+# Private, but it is exactly what `ray up` runs; a Ray upgrade that moves it fails loudly here.
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest itself depends on tomli before 3.11
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+SEPARATORS = {";", "&&", "||", "|", "&"}
+ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    return yaml.safe_load((ROOT / "cluster.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def ray_validate(config: dict) -> None:
+    # As `ray up` does: merge the provider's defaults.yaml, then check against ray-schema.json
+    # and the cross-field rules. validate_config alone rejects any un-merged config.
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+
+def simple_commands(command: str) -> list[tuple[list[str], list[str]]]:
+    """Shell command line -> [(leading VAR=value words, argv)], one per simple command."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    out: list[tuple[list[str], list[str]]] = []
+    words: list[str] = []
+    for token in [*lexer, ";"]:
+        if token not in SEPARATORS:
+            words.append(token)
+            continue
+        n = 0
+        while n < len(words) and ASSIGNMENT.match(words[n]):
+            n += 1
+        if words:
+            out.append((words[:n], words[n:]))
+        words = []
+    return out
+
+
+def ray_starts(commands: list[str]) -> list[tuple[set[str], list[str]]]:
+    """Every `ray start` in `commands`, with the variables set for it (inline or exported)."""
+    found = []
+    for command in commands:
+        exported: set[str] = set()
+        for env, argv in simple_commands(command):
+            if argv[:1] == ["export"]:
+                exported.update(word for word in argv[1:] if ASSIGNMENT.match(word))
+            elif argv[:2] == ["ray", "start"]:
+                found.append((exported | set(env), argv))
+    return found
+
+
+def option(argv: list[str], name: str) -> str | None:
+    for i, word in enumerate(argv):
+        if word.startswith(f"{name}="):
+            return word.split("=", 1)[1]
+        if word == name and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def pip_installs(commands: list[str]) -> list[Requirement]:
+    reqs = []
+    for command in commands:
+        for _, argv in simple_commands(command):
+            if argv[:1] == ["python3"] or argv[:1] == ["python"]:
+                argv = argv[2:] if argv[1:2] == ["-m"] else argv
+            if argv[:2] in (["pip", "install"], ["pip3", "install"]):
+                reqs += [Requirement(arg) for arg in argv[2:] if not arg.startswith("-")]
+    return reqs
+
+
+def key(req: Requirement) -> tuple:
+    return canonicalize_name(req.name), frozenset(req.extras), str(req.specifier), str(req.marker)
+
+
+def test_cluster_yaml_passes_ray_validation(cluster):
+    ray_validate(cluster)
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda c: c.update(max_worker=4),  # typo of a top-level key
+        lambda c: c["available_node_types"]["gpu_worker"].update(min_worker=0),  # and nested
+        lambda c: c["available_node_types"]["gpu_worker"]["resources"].update(GPU=0.5),
+        lambda c: c.update(head_node_type="no_such_type"),
+    ],
+    ids=["top-level typo", "node-type typo", "fractional resource", "unknown head type"],
+)
+def test_ray_validation_rejects_a_broken_copy(cluster, break_it):
+    broken = copy.deepcopy(cluster)
+    break_it(broken)
+    with pytest.raises((jsonschema.ValidationError, ValueError)):
+        ray_validate(broken)
+
+
+def test_nodes_install_the_ray_the_client_pins(cluster, project):
+    (pinned,) = [Requirement(d) for d in project["dependencies"] if Requirement(d).name == "ray"]
+    assert re.fullmatch(r"==[^,*]+", str(pinned.specifier)), f"pin ray exactly: {pinned}"
+    (installed,) = [r for r in pip_installs(cluster["setup_commands"]) if r.name == "ray"]
+    assert installed.specifier == pinned.specifier, f"cluster {installed}, client {pinned}"
+    assert installed.extras == pinned.extras
+
+
+def test_nodes_install_exactly_the_runtime_deps(cluster, project):
+    # Runtime deps plus the hf extra (preprocessing's Hugging Face source); never the bundle.
+    runtime = [*project["dependencies"], *project["optional-dependencies"]["hf"]]
+    expected = {key(Requirement(d)) for d in runtime}
+    installed = [key(r) for r in pip_installs(cluster["setup_commands"])]
+    assert len(installed) == len(set(installed)), "a requirement is installed twice"
+    assert set(installed) == expected
+
+
+def test_every_ray_start_uses_token_auth(cluster):
+    for field in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = ray_starts(cluster[field])
+        assert starts, f"no `ray start` in {field}"
+        for env, argv in starts:
+            assert "RAY_AUTH_MODE=token" in env, f"{field}: {shlex.join(argv)}"
+    # The token itself reaches every node (file_mounts is remote: local).
+    assert cluster["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token"
+
+
+def test_head_dashboard_only_on_loopback(cluster):
+    (head,) = [argv for _, argv in ray_starts(cluster["head_start_ray_commands"])]
+    assert "--head" in head
+    assert option(head, "--dashboard-host") == "127.0.0.1"
+    # Without it the head never launches a worker; Ray only warns.
+    assert option(head, "--autoscaling-config") == "~/ray_bootstrap_config.yaml"
