@@ -1,0 +1,42 @@
+# Every target sets itself up: a fresh clone needs only python3 (>= 3.10) and make.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+## Start a local Ray cluster, submit the jobs to it with `ray job submit`, stop it.
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+## The whole suite: unit tests, then jobs on real local Ray clusters.
+test: $(STAMP)
+	$(PY) -m pytest
+
+## Unit tests only (no `ray start` clusters).
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+## Preprocessing throughput with 1 and 2 CPUs, side by side.
+bench: $(STAMP)
+	$(PY) bench/preprocess_throughput.py
+
+clean:
+	rm -rf outputs bench/results .pytest_cache .ruff_cache
