@@ -14,6 +14,7 @@ import datetime
 import logging
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict
 
@@ -101,6 +102,27 @@ def read_manifest(root: Location) -> Manifest | None:
             f"{SCHEMA_VERSION}: re-run preprocessing with overwrite=true"
         )
     return manifest
+
+
+def check_replaceable(root: Location, *, overwrite: bool) -> None:
+    """Refuse to publish over a directory that holds something other than our dataset.
+
+    Publishing deletes `train/` and `val/`: in a folder of raw images laid out that way, that
+    would destroy the user's data. Only our own leftovers (`_staging`) are fine without a
+    manifest."""
+    if overwrite or not root.exists() or root.child(MANIFEST).exists():
+        return
+    if not root.is_dir():
+        raise InputError(f"output {root.uri} is a file: point output at a directory")
+    entries = root.fs.get_file_info(pafs.FileSelector(root.path))
+    foreign = sorted(e.base_name for e in entries if e.base_name != STAGING)
+    if foreign:
+        raise InputError(
+            f"output {root.uri} is not empty and holds no {MANIFEST}, so it is not a dataset "
+            f"this job wrote (it has: {', '.join(foreign[:5])}). Choose an empty or new "
+            "directory; or, if a previous run was interrupted while publishing, or you mean to "
+            "replace its train/ and val/, pass overwrite=true"
+        )
 
 
 def publish(root: Location, staging: Location, manifest: Manifest, config_yaml: str) -> None:

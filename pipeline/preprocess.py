@@ -23,6 +23,7 @@ from pipeline.dataset import (
     ShardFile,
     Skipped,
     SplitInfo,
+    check_replaceable,
     publish,
     read_manifest,
     write_shard,
@@ -107,6 +108,7 @@ def run(cfg: PreprocessConfig) -> Manifest:
             existing.created_at,
         )
         return existing
+    check_replaceable(root, overwrite=cfg.overwrite)
 
     source = build_source(cfg.source)
     items = source.list_items()

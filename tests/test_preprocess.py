@@ -105,6 +105,26 @@ def test_failed_run_keeps_previous_dataset(tmp_path):
     assert not (out / "_staging").exists()
 
 
+def test_refuses_to_replace_foreign_directory(tmp_path):
+    make_image_folder(tmp_path / "src", per_class=4, corrupt=False)
+    out = tmp_path / "out"
+    (out / "train" / "cats").mkdir(parents=True)  # the user's own images, laid out like ours
+    (out / "train" / "cats" / "1.jpg").write_bytes(b"precious")
+    with pytest.raises(InputError, match=r"holds no manifest\.json.*\(it has: train\)"):
+        run(folder_config(tmp_path / "src", out))
+    assert (out / "train" / "cats" / "1.jpg").read_bytes() == b"precious"
+
+    # Leftovers of an interrupted run are ours: no need to force.
+    (tmp_path / "out2" / "_staging" / "abc").mkdir(parents=True)
+    assert run(folder_config(tmp_path / "src", tmp_path / "out2")).splits["train"].rows > 0
+
+    # Asked for explicitly: train/ and val/ are replaced, anything else stays.
+    (out / "notes.txt").write_text("keep me")
+    run(folder_config(tmp_path / "src", out, "overwrite=true"))
+    assert not (out / "train" / "cats").exists()
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
 def test_zero_usable_images_fails(tmp_path):
     for c in CLASSES:
         (tmp_path / "src" / c).mkdir(parents=True)
