@@ -134,8 +134,8 @@ def publish(root: Location, staging: Location, manifest: Manifest, config_yaml: 
     root.child(MANIFEST).delete()
     for split in SPLITS:
         root.child(split).delete()
-    for split in manifest.splits.values():
-        for f in split.files:
+    for info in manifest.splits.values():
+        for f in info.files:
             target = root.child(f.path)
             root.fs.create_dir(target.path.rsplit("/", 1)[0], recursive=True)
             root.fs.move(staging.child(f.path).path, target.path)

@@ -9,6 +9,7 @@ names files itself, and its image reader fails on the corrupt files we must skip
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -18,6 +19,7 @@ import ray
 
 from pipeline.config import PreprocessConfig, dump_config, validate_config
 from pipeline.dataset import (
+    SPLITS,
     STAGING,
     Manifest,
     ShardFile,
@@ -29,7 +31,7 @@ from pipeline.dataset import (
     write_shard,
 )
 from pipeline.errors import InputError
-from pipeline.sources import Item, Reader, assign_split, build_source
+from pipeline.sources import Item, Reader, Source, assign_split, build_source
 from pipeline.storage import Location
 from pipeline.transforms import (
     IMAGENET_MEAN,
@@ -128,18 +130,27 @@ def run(cfg: PreprocessConfig) -> Manifest:
     return manifest
 
 
+def in_flight_limit(source: Source, cpus: int) -> int | float:
+    """How many shards to have submitted at once.
+
+    Shards of ids (folders, generated data) all go at once: an autoscaling cluster sizes itself
+    by pending demand, so holding them back would keep it small. Shards that carry their bytes
+    stay a few ahead of the CPUs (re-checked as the cluster grows), or the object store would
+    hold the whole dataset."""
+    return max(4, 2 * cpus) if source.reads_on_driver else math.inf
+
+
 def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardResult]:
     shards = [items[i : i + cfg.shard_size] for i in range(0, len(items), cfg.shard_size)]
     cfg_dict = cfg.model_dump(mode="json")
-    # Bounded in flight: a source read on the driver must not hold every image at once.
-    max_in_flight = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
     pending: dict[ray.ObjectRef, int] = {}
     results: list[ShardResult] = []
     done_images, skipped, started = 0, 0, time.monotonic()
     next_shard = 0
     try:
         while pending or next_shard < len(shards):
-            while next_shard < len(shards) and len(pending) < max_in_flight:
+            limit = in_flight_limit(source, int(ray.cluster_resources().get("CPU", 0)))
+            while next_shard < len(shards) and len(pending) < limit:
                 shard_items = shards[next_shard]
                 ref = _process_shard.remote(
                     cfg_dict, classes, next_shard, shard_items, source.reader(shard_items),
@@ -169,7 +180,7 @@ def _build_manifest(cfg, classes, results: list[ShardResult], *, total: int) -> 
     skipped = sorted((s for r in results for s in r.skipped), key=lambda s: s.source_id)
     splits = {}
     per_class: Counter = Counter()
-    for split in ("train", "val"):
+    for split in SPLITS:
         counts: Counter = Counter()
         files = sorted((r.files[split] for r in results if split in r.files), key=lambda f: f.path)
         for r in results:

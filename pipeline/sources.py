@@ -48,6 +48,8 @@ class Reader(Protocol):
 
 class Source(Protocol):
     classes: list[str]
+    # True when each shard's reader carries the image bytes (through the object store).
+    reads_on_driver: bool
 
     def list_items(self) -> list[Item]: ...
 
@@ -93,6 +95,8 @@ _COLORS = {
 class SyntheticSource:
     """Coloured shapes on noisy backgrounds: class = (colour, shape), so a small CNN can learn
     it; position, size, tint and noise vary per image. Deterministic in (seed, class, index)."""
+
+    reads_on_driver = False
 
     def __init__(self, cfg: SyntheticSourceConfig):
         self.cfg = cfg
@@ -153,6 +157,8 @@ class FolderSource:
     """`root/<class>/<image>` (images may sit in subfolders of a class); local path or URI.
     Every non-hidden file is an item: the ones that do not decode are skipped and counted."""
 
+    reads_on_driver = False
+
     def __init__(self, cfg: FolderSourceConfig):
         assert cfg.path, "validated by SourceConfig"
         self.root = Location.parse(cfg.path)
@@ -211,6 +217,8 @@ class _BytesReader:
 class HuggingFaceSource:
     """A `datasets` image-classification dataset (food101 by default): the configured classes,
     picked by label name and remapped to 0..n-1, and a stable `fraction` of each class."""
+
+    reads_on_driver = True
 
     def __init__(self, cfg: HuggingFaceSourceConfig):
         self.cfg = cfg

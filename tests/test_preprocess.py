@@ -1,6 +1,7 @@
 """The preprocessing library on an in-process Ray instance: output layout, skips, reruns."""
 
 import io
+import math
 from collections import Counter
 
 import pyarrow.parquet as pq
@@ -8,11 +9,16 @@ import pytest
 from conftest import CLASSES, make_image_folder
 from PIL import Image
 
-from pipeline.config import PreprocessConfig, load_config
+from pipeline.config import (
+    FolderSourceConfig,
+    HuggingFaceSourceConfig,
+    PreprocessConfig,
+    load_config,
+)
 from pipeline.dataset import SCHEMA, read_manifest
 from pipeline.errors import InputError
-from pipeline.preprocess import run
-from pipeline.sources import Item, assign_split
+from pipeline.preprocess import in_flight_limit, run
+from pipeline.sources import FolderSource, HuggingFaceSource, Item, assign_split
 from pipeline.storage import Location
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -132,6 +138,14 @@ def test_zero_usable_images_fails(tmp_path):
     with pytest.raises(InputError, match="no usable images: all 3 inputs were skipped"):
         run(folder_config(tmp_path / "src", tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_in_flight_limit_shows_autoscaler_the_whole_job():
+    folder = FolderSource(FolderSourceConfig(path="/data"))
+    hf = HuggingFaceSource(HuggingFaceSourceConfig())
+    assert in_flight_limit(folder, cpus=0) == math.inf  # e.g. a head with CPU 0, no workers yet
+    assert in_flight_limit(hf, cpus=0) == 4
+    assert in_flight_limit(hf, cpus=16) == 32  # grows with the cluster
 
 
 def test_synthetic_source(tmp_path):
