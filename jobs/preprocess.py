@@ -1,9 +1,9 @@
-"""Preprocess images into Parquet shards plus a manifest.
+"""ray job submit --address http://127.0.0.1:8265 --runtime-env runtime_env.yaml \
+    -- python -m jobs.preprocess --config configs/preprocess.yaml output=s3://bucket/food101
 
-    ray job submit --address http://127.0.0.1:8265 --runtime-env runtime_env.yaml \
-        -- python -m jobs.preprocess --config configs/preprocess.yaml output=s3://bucket/food101
-
-Any config key can be overridden as key=value (see pipeline/config.py: PreprocessConfig).
+Preprocess images into Parquet shards plus a manifest. Any config key can be overridden as
+key=value (see pipeline/config.py: PreprocessConfig). Exit codes: 0 done, 1 unusable input
+data, 2 invalid config.
 """
 
 import logging

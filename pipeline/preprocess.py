@@ -143,6 +143,10 @@ def in_flight_limit(source: Source, cpus: int) -> int | float:
 def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardResult]:
     shards = [items[i : i + cfg.shard_size] for i in range(0, len(items), cfg.shard_size)]
     cfg_dict = cfg.model_dump(mode="json")
+    log.info(
+        "%d shards of up to %d images (shard_size) as Ray tasks, 1 CPU each; the cluster has "
+        "%d CPUs now", len(shards), cfg.shard_size, int(ray.cluster_resources().get("CPU", 0)),
+    )  # fmt: skip
     pending: dict[ray.ObjectRef, int] = {}
     results: list[ShardResult] = []
     done_images, skipped, started = 0, 0, time.monotonic()
