@@ -2,13 +2,17 @@
 
 import io
 import math
+import os
+import sys
 from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
+import ray
 from conftest import CLASSES, make_image_folder
 from PIL import Image
 
+from pipeline import preprocess
 from pipeline.config import (
     FolderSourceConfig,
     HuggingFaceSourceConfig,
@@ -18,7 +22,13 @@ from pipeline.config import (
 from pipeline.dataset import SCHEMA, read_manifest
 from pipeline.errors import InputError
 from pipeline.preprocess import in_flight_limit, run
-from pipeline.sources import FolderSource, HuggingFaceSource, Item, assign_split
+from pipeline.sources import (
+    FolderSource,
+    HuggingFaceSource,
+    Item,
+    SyntheticSource,
+    assign_split,
+)
 from pipeline.storage import Location
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -146,6 +156,42 @@ def test_in_flight_limit_shows_autoscaler_the_whole_job():
     assert in_flight_limit(folder, cpus=0) == math.inf  # e.g. a head with CPU 0, no workers yet
     assert in_flight_limit(hf, cpus=0) == 4
     assert in_flight_limit(hf, cpus=16) == 32  # grows with the cluster
+
+
+class CrashOnceSource:
+    """Generated images, but the first read anywhere kills its worker process, as a lost node
+    would. A marker file (same machine) makes it happen once."""
+
+    reads_on_driver = False
+
+    def __init__(self, inner, marker):
+        self.inner, self.marker, self.classes = inner, str(marker), inner.classes
+
+    def list_items(self):
+        return self.inner.list_items()
+
+    def reader(self, items):
+        return self
+
+    def read(self, item):
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        return self.inner.read(item)
+
+
+def test_worker_death_is_retried_without_duplicates(tmp_path, monkeypatch):
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import tests
+    cfg = config(tmp_path / "out", "source.kind=synthetic", "source.synthetic.num_classes=2",
+                 "source.synthetic.images_per_class=40")  # fmt: skip
+    inner = SyntheticSource(cfg.source.synthetic)
+    monkeypatch.setattr(
+        preprocess, "build_source", lambda _: CrashOnceSource(inner, tmp_path / "x")
+    )
+    m = run(cfg)
+    assert (tmp_path / "x").exists()  # it did crash
+    rows = read_rows(tmp_path / "out", m)
+    assert sorted(r["source_id"] for r in rows) == sorted(i.source_id for i in inner.list_items())
 
 
 def test_synthetic_source(tmp_path):
