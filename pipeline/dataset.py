@@ -79,7 +79,7 @@ class Manifest(BaseModel):
 def write_shard(location: Location, rows: list[dict], *, row_group_size: int) -> None:
     """One Parquet file; images are already compressed, so only the small columns get zstd."""
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    location.fs.create_dir(location.path.rsplit("/", 1)[0], recursive=True)
+    location.create_parent()
     pq.write_table(
         table,
         location.path,
@@ -137,7 +137,7 @@ def publish(root: Location, staging: Location, manifest: Manifest, config_yaml: 
     for info in manifest.splits.values():
         for f in info.files:
             target = root.child(f.path)
-            root.fs.create_dir(target.path.rsplit("/", 1)[0], recursive=True)
+            target.create_parent()
             root.fs.move(staging.child(f.path).path, target.path)
     root.child("config.yaml").write_bytes(config_yaml.encode())
     root.child(MANIFEST).write_bytes(manifest.model_dump_json(indent=2).encode())

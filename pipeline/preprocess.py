@@ -84,16 +84,19 @@ def process_items(
 # Retries cover lost workers and nodes; a shard rewrites only its own files, so a retry is safe.
 @ray.remote(num_cpus=1, max_retries=3)
 def _process_shard(
-    cfg_dict: dict, classes: list[str], shard: int, items: list[Item], reader: Reader, staging: str
+    cfg_dict: dict,
+    classes: list[str],
+    shard: int,
+    items: list[Item],
+    reader: Reader,
+    staging: Location,
 ) -> ShardResult:
     cfg = validate_config(PreprocessConfig, cfg_dict)
     rows, skipped = process_items(cfg, classes, items, reader)
     result = ShardResult(skipped=skipped)
     for split, split_rows in rows.items():
         rel = f"{split}/part-{shard:05d}.parquet"
-        write_shard(
-            Location.parse(staging).child(rel), split_rows, row_group_size=cfg.row_group_size
-        )
+        write_shard(staging.child(rel), split_rows, row_group_size=cfg.row_group_size)
         result.files[split] = ShardFile(path=rel, rows=len(split_rows))
         result.counts[split] = Counter(r["label"] for r in split_rows)
     return result
@@ -157,8 +160,7 @@ def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardRes
             while next_shard < len(shards) and len(pending) < limit:
                 shard_items = shards[next_shard]
                 ref = _process_shard.remote(
-                    cfg_dict, classes, next_shard, shard_items, source.reader(shard_items),
-                    staging.uri,
+                    cfg_dict, classes, next_shard, shard_items, source.reader(shard_items), staging
                 )  # fmt: skip
                 pending[ref] = next_shard
                 next_shard += 1

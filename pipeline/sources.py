@@ -180,14 +180,11 @@ class FolderSource:
         self.classes = [d.base_name for d in class_dirs]
         items = []
         for label, class_dir in enumerate(class_dirs):
-            files = [
-                f
-                for f in Location(self.root.fs, class_dir.path, class_dir.path).list_files()
-                if not f.base_name.startswith(".")
-            ]
+            class_root = self.root.child(class_dir.base_name)
+            files = [f for f in class_root.list_files() if not f.base_name.startswith(".")]
             if not files:
                 raise InputError(
-                    f"class folder {class_dir.path} is empty: add images or remove the folder"
+                    f"class folder {class_root.uri} is empty: add images or remove the folder"
                 )
             for f in files:
                 rel = posixpath.relpath(f.path, self.root.path)

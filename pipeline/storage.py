@@ -47,10 +47,15 @@ class Location:
         with self.fs.open_input_stream(self.path) as f:
             return f.read()
 
-    def write_bytes(self, data: bytes) -> None:
-        """Write so that readers see the old content or the new, never a partial file."""
+    def create_parent(self) -> str:
+        """Make the directory this file goes in; return its path."""
         parent = posixpath.dirname(self.path)
         self.fs.create_dir(parent, recursive=True)
+        return parent
+
+    def write_bytes(self, data: bytes) -> None:
+        """Write so that readers see the old content or the new, never a partial file."""
+        parent = self.create_parent()
         if isinstance(self.fs, pafs.LocalFileSystem):
             tmp = posixpath.join(parent, f".{posixpath.basename(self.path)}.tmp-{os.getpid()}")
             with self.fs.open_output_stream(tmp) as f:
