@@ -12,32 +12,37 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, InputError
+from pipeline.errors import ConfigError, InputError, TrainingFailed
 
 C = TypeVar("C", bound=BaseModel)
+
+EXIT_CODES = {InputError: 1, ConfigError: 2, TrainingFailed: 3}
 
 
 def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[[C], None]) -> None:
     """Parse `--config FILE key=value ...`, set up logging, run `body(config)`.
 
-    Exit codes: 0 done, 1 the input data is unusable, 2 the config is invalid."""
+    Exit codes: 0 done, 1 the input data is unusable, 2 the config is invalid, 3 the work
+    failed on the cluster (no room for the workers, or retries used up)."""
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", default=default_config, help="YAML file (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. image_size=128")
     args = parser.parse_args()
+    setup_logging()
+    try:
+        cfg = load_config(config_cls, Path(args.config), args.overrides)
+        body(cfg)
+    except (InputError, ConfigError, TrainingFailed) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CODES[type(e)])
+
+
+def setup_logging() -> None:
+    """INFO and up to stdout, which `ray job logs` shows; for job drivers and Ray workers."""
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stdout,
     )
-    try:
-        cfg = load_config(config_cls, Path(args.config), args.overrides)
-        body(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)

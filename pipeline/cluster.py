@@ -129,10 +129,11 @@ class LocalCluster:
         """Stop what `start` started: the head's processes, then its temp dir."""
         if self._proc is not None:
             if self._proc.poll() is None:
-                # `ray start --block` tears down its processes on SIGTERM.
+                # `ray start --block` tears down its processes on SIGTERM; after a job it can
+                # wait long on their graceful exits, and a throwaway cluster needs none.
                 self._proc.terminate()
                 try:
-                    self._proc.wait(timeout=30)
+                    self._proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
                     self._proc.wait()
@@ -157,13 +158,18 @@ class LocalCluster:
         runtime_env: str | Path | None = None,
         timeout_s: float | None = None,
         capture: bool = False,
+        submission_id: str | None = None,
+        wait: bool = True,
     ) -> subprocess.CompletedProcess:
-        """`ray job submit ... -- <args>`: waits for the job, tails its logs, exits non-zero if
-        the job failed. Runs from the bundle root, which `runtime_env.yaml` uploads."""
+        """`ray job submit ... -- <args>`: waits for the job (unless `wait=False`), tails its
+        logs, exits non-zero if the job failed. Runs from the bundle root, which
+        `runtime_env.yaml` uploads."""
         cmd = [
             _ray_cli(), "job", "submit",
             "--address", self.address,
             "--runtime-env", str(runtime_env or BUNDLE_ROOT / "runtime_env.yaml"),
+            *(["--submission-id", submission_id] if submission_id else []),
+            *([] if wait else ["--no-wait"]),
             "--", *args,
         ]  # fmt: skip
         return subprocess.run(
@@ -171,6 +177,14 @@ class LocalCluster:
             stdout=subprocess.PIPE if capture else None,
             stderr=subprocess.STDOUT if capture else None,
         )  # fmt: skip
+
+    def ray(self, *args: str, timeout_s: float = 120) -> str:
+        """Output of the `ray` CLI run against this cluster, e.g. ray("job", "status", id)."""
+        proc = subprocess.run(
+            [_ray_cli(), *args, "--address", self.address], cwd=BUNDLE_ROOT, env=self.env,
+            timeout=timeout_s, text=True, capture_output=True, check=True,
+        )  # fmt: skip
+        return proc.stdout
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -122,6 +122,87 @@ class PreprocessConfig(_Strict):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=100)]
+
+
+class OptimizerConfig(_Strict):
+    name: Literal["sgd", "adamw"] = Field("sgd", description="SGD (Nesterov momentum) or AdamW.")
+    lr: float = Field(0.1, gt=0, description="Peak learning rate, for the global batch size.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
+    weight_decay: float = Field(5e-5, ge=0, description="Weight decay.")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="Per-epoch LR schedule.")
+    warmup_epochs: int = Field(0, ge=0, description="Epochs of linear warm-up before the schedule.")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
+
+
+class ScalingConfig(_Strict):
+    num_workers: int = Field(2, ge=1, description="Training workers (one process each).")
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker (torch threads).")
+    use_gpu: bool = Field(False, description="One GPU per worker; mixed precision on it.")
+    loader_workers: int = Field(
+        2, ge=0, description="DataLoader processes per worker that decode and augment images."
+    )
+    startup_timeout_s: float = Field(
+        120,
+        gt=0,
+        description="Fail if the workers cannot all be placed within this time, at start or "
+        "after a failure (Ray would otherwise wait forever).",
+    )
+
+
+class TrainConfig(_Strict):
+    dataset: AbsolutePathOrURI = Field(description="Output directory of the preprocess job.")
+    storage_path: AbsolutePathOrURI = Field(
+        description="Where runs live (shared by all nodes): a run is <storage_path>/<name>."
+    )
+    name: RunName = Field(
+        "resnet18", description="Run name: submitting again with the same name resumes it."
+    )
+    epochs: int = Field(10, ge=1, description="Total epochs of the run, resumed ones included.")
+    global_batch_size: int = Field(
+        128, ge=1, description="Images per optimizer step over all workers (split evenly)."
+    )
+    augment: Literal["random_resized_crop", "crop_flip", "none"] = Field(
+        "random_resized_crop", description="Train-time augmentation; val is never augmented."
+    )
+    pretrained: str | None = Field(
+        None,
+        description="Initial weights: a torchvision name (IMAGENET1K_V1, downloaded) or an "
+        "absolute path to a resnet18 state_dict file; the classifier is always new.",
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 (else fp16 with a grad scaler) on GPU, fp32 on CPU."
+    )
+    seed: int = Field(0, description="Seed for weights init and data order.")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scaling: ScalingConfig = ScalingConfig()
+    max_failures: int = Field(3, ge=-1, description="Worker failures to recover from; -1: always.")
+    num_to_keep: int = Field(
+        2, ge=1, description="Best checkpoints kept by val_accuracy (the latest is kept too)."
+    )
+
+    @model_validator(mode="after")
+    def _batch_splits_evenly(self) -> TrainConfig:
+        workers = self.scaling.num_workers
+        if self.global_batch_size % workers:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} does not split evenly over "
+                f"scaling.num_workers={workers}: use a multiple of {workers}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pretrained_is_name_or_absolute(self) -> TrainConfig:
+        p = self.pretrained
+        if p and ("/" in p or p.endswith((".pt", ".pth"))) and "://" not in p:
+            _absolute_or_uri(p)
+        return self
+
+    @property
+    def batch_size_per_worker(self) -> int:
+        return self.global_batch_size // self.scaling.num_workers
+
+
 C = TypeVar("C", bound=BaseModel)
 
 

@@ -6,4 +6,8 @@ class ConfigError(ValueError):
 
 
 class InputError(ValueError):
-    """The input data cannot make a dataset (missing path, empty class, nothing usable)."""
+    """The input data cannot be used (missing path, empty class, wrong schema, ...)."""
+
+
+class TrainingFailed(RuntimeError):
+    """Training stopped for good: workers could not be placed, or failures outlasted retries."""

@@ -31,7 +31,14 @@ from pipeline.dataset import (
     write_shard,
 )
 from pipeline.errors import InputError
-from pipeline.sources import Item, Reader, Source, assign_split, build_source
+from pipeline.sources import (
+    Item,
+    Reader,
+    Source,
+    assign_split,
+    build_source,
+    stable_fraction,
+)
 from pipeline.storage import Location
 from pipeline.transforms import (
     IMAGENET_MEAN,
@@ -116,7 +123,9 @@ def run(cfg: PreprocessConfig) -> Manifest:
     check_replaceable(root, overwrite=cfg.overwrite)
 
     source = build_source(cfg.source)
-    items = source.list_items()
+    # Shards in a stable hashed order, not class by class: every row group then mixes the
+    # classes, which lets training shuffle by row group (pipeline.data) and still see them all.
+    items = sorted(source.list_items(), key=lambda it: stable_fraction("order/" + it.source_id))
     classes = source.classes
     log.info("source %s: %d images in %d classes", cfg.source.kind, len(items), len(classes))
 

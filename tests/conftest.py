@@ -97,3 +97,25 @@ def hf_dataset(tmp_path_factory):
         )
         ds.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
     return str(root)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    """A preprocessed dataset of generated images: 4 classes, 32 px, several shards of several
+    row groups; the val split has an odd number of rows (119), to catch padded evaluation."""
+    from pipeline import preprocess
+    from pipeline.config import PreprocessConfig, load_config
+
+    out = tmp_path_factory.mktemp("tiny") / "dataset"
+    cfg = load_config(PreprocessConfig, None, [
+        f"output={out}", "source.kind=synthetic", "source.synthetic.num_classes=4",
+        "source.synthetic.images_per_class=150", "source.synthetic.raw_size=48",
+        "image_size=32", "shard_size=100", "row_group_size=25",
+    ])  # fmt: skip
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        manifest = preprocess.run(cfg)
+    finally:
+        ray.shutdown()
+    assert manifest.splits["val"].rows % 2 == 1
+    return out

@@ -1,0 +1,261 @@
+"""Training: the per-worker steps on the CPU, the driver's checks, and (slow) the real job on a
+real local Ray cluster: learning, retention, worker kills, stop and resubmit, fail-fast."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from pipeline.config import TrainConfig, load_config
+from pipeline.data import ParquetImages
+from pipeline.dataset import MANIFEST, read_manifest
+from pipeline.errors import ConfigError, InputError
+from pipeline.model import build_model, load_model
+from pipeline.storage import Location
+from pipeline.train import (
+    Step,
+    build_optimizer,
+    check_dataset,
+    check_resumable,
+    evaluate,
+    pick_precision,
+    train_one_epoch,
+)
+
+
+def config(dataset, storage, *overrides) -> TrainConfig:
+    return load_config(TrainConfig, None, [f"dataset={dataset}", f"storage_path={storage}",
+                                           *overrides])  # fmt: skip
+
+
+def test_precision_is_fp32_on_cpu_unless_asked():
+    cpu = torch.device("cpu")
+    assert pick_precision("auto", cpu) == "fp32"
+    assert pick_precision("bf16", cpu) == "bf16"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_train_and_evaluate_steps_run_in_every_precision(tiny_dataset, precision):
+    # The GPU's mixed-precision path (autocast, grad scaler) runs here on the CPU.
+    root = Location.parse(str(tiny_dataset))
+    manifest = read_manifest(root)
+    step = Step(torch.device("cpu"), precision, manifest.mean, manifest.std)
+    assert step.scaler.is_enabled() == (precision == "fp16")
+    torch.manual_seed(0)
+    model = build_model(len(manifest.classes))
+    cfg = config(tiny_dataset, "/tmp/unused", "optimizer.name=adamw", "optimizer.lr=0.001")
+    optimizer, _ = build_optimizer(model, cfg)
+    # A few images: half precision on the CPU has slow kernels.
+    data = torch.utils.data.Subset(ParquetImages(root, manifest, "val"), range(12))
+    loader = DataLoader(data, batch_size=4)
+    before = [p.detach().clone() for p in model.parameters()]
+    t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), step=step)
+    assert t["images"] == len(data) and torch.isfinite(torch.tensor(t["loss_sum"]))
+    changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # fp16: the scaler skips steps whose gradients overflowed, and lowers its scale instead.
+    assert changed or (precision == "fp16" and step.scaler.get_scale() < 2.0**16)
+    v = evaluate(model, loader, step=step, num_classes=len(manifest.classes))
+    assert v["val_images"] == len(data) and 0 <= v["val_accuracy"] <= 1
+
+
+def test_lr_schedule_warms_up_then_decays(tiny_dataset):
+    cfg = config(tiny_dataset, "/tmp/x", "epochs=5", "optimizer.lr=1.0",
+                 "optimizer.warmup_epochs=1")  # fmt: skip
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), cfg)
+    lrs = []
+    for _ in range(5):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == 0.5 and lrs[1] == 1.0 and lrs[1] > lrs[2] > lrs[3] > lrs[4] > 0
+
+
+def test_global_batch_must_split_evenly():
+    with pytest.raises(ConfigError, match=r"does not split evenly over scaling.num_workers=3"):
+        config("/d", "/s", "global_batch_size=32", "scaling.num_workers=3")
+    with pytest.raises(ConfigError, match=r"name: String should match pattern"):
+        config("/d", "/s", "name=../escape")
+
+
+def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):
+    with pytest.raises(InputError, match=r"no manifest.json at dataset=.*Run the preprocess job"):
+        check_dataset(config(tmp_path / "nothing", tmp_path))
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dataset, broken)
+    manifest = json.loads((broken / MANIFEST).read_text())
+    manifest["schema_version"] = 99
+    (broken / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=r"schema version 99"):
+        check_dataset(config(broken, tmp_path))
+    del manifest["classes"]
+    manifest["schema_version"] = 1
+    (broken / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=r"not a manifest this code can read"):
+        check_dataset(config(broken, tmp_path))
+    with pytest.raises(InputError, match=r"too few for 300 workers"):
+        check_dataset(config(tiny_dataset, tmp_path, "scaling.num_workers=300",
+                             "global_batch_size=300"))  # fmt: skip
+
+
+def test_resume_refuses_a_checkpoint_of_other_classes(tiny_dataset):
+    from test_model import meta
+
+    manifest = read_manifest(Location.parse(str(tiny_dataset)))
+    with pytest.raises(InputError, match=r"trained on 3 classes .* has 4 .*pick a new name="):
+        check_resumable(meta(), manifest, checkpoint="/runs/x/epoch_0001", dataset="/d")
+
+
+# --- the real job on a real cluster ------------------------------------------------------------
+
+TRAIN = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml"]
+
+
+def train_job(cluster, dataset, storage, *overrides, **submit):
+    args = [*TRAIN, f"dataset={dataset}", f"storage_path={storage}", *overrides]
+    return cluster.submit(args, capture=True, timeout_s=600, **submit)
+
+
+def history(run: Path) -> list[dict]:
+    with open(run / "history.csv") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def wait_for(predicate, what: str, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"no {what} after {timeout_s} s")
+
+
+def kill_a_training_worker(cluster) -> int:
+    """SIGKILL one Ray Train worker process, found through Ray's state API, as a crash would."""
+    out = cluster.ray("list", "actors", "--filter", "class_name=RayTrainWorker",
+                      "--filter", "state=ALIVE", "--detail", "--format", "json")  # fmt: skip
+    pids = sorted(a["pid"] for a in json.loads(out))
+    assert len(pids) == 2, out
+    os.kill(pids[-1], signal.SIGKILL)
+    return pids[-1]
+
+
+def in_background(fn, *args, **kwargs) -> Future:
+    return ThreadPoolExecutor(max_workers=1).submit(fn, *args, **kwargs)
+
+
+@pytest.mark.slow
+def test_two_workers_learn_and_keep_the_best_checkpoints(cluster, tiny_dataset, tmp_path):
+    proc = train_job(cluster, tiny_dataset, tmp_path, "name=main", "epochs=4", "num_to_keep=1",
+                     submission_id="train-main")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+    run = tmp_path / "main"
+    summary = json.loads((run / "summary.json").read_text())
+    last = cluster.ray("job", "logs", "train-main").rstrip().splitlines()[-1]
+    assert last == f"best checkpoint: {summary['best_checkpoint']}"
+    assert "2 workers on cpu, precision fp32" in proc.stdout
+
+    h = history(run)
+    assert [r["epoch"] for r in h] == [0, 1, 2, 3]
+    assert h[-1]["train_loss"] < h[0]["train_loss"]
+    assert summary["final_accuracy"] == h[-1]["val_accuracy"] > 0.45  # 4 classes: chance is 0.25
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Retention: the best by val accuracy (num_to_keep=1) plus the latest, nothing else.
+    best = max(h, key=lambda r: r["val_accuracy"])["val_accuracy"]
+    assert summary["best_metrics"]["val_accuracy"] == best
+    kept = {p.name for p in run.glob("epoch_*")}
+    assert kept == {Path(summary["best_checkpoint"]).name, "epoch_0003"}
+
+    # The accuracy two workers computed is exactly what one process computes over all of val
+    # (119 images: an uneven split, where a DistributedSampler would count one twice).
+    model, meta = load_model(run / "epoch_0003")
+    root = Location.parse(str(tiny_dataset))
+    val = ParquetImages(root, read_manifest(root), "val")
+    one = evaluate(model, DataLoader(val, batch_size=50), num_classes=4,
+                   step=Step(torch.device("cpu"), "fp32", meta.mean, meta.std))  # fmt: skip
+    assert one["val_images"] == len(val) == 119
+    assert one["val_accuracy"] == pytest.approx(h[-1]["val_accuracy"], abs=1e-6)
+    assert one["val_loss"] == pytest.approx(h[-1]["val_loss"], rel=1e-4)
+
+    again = train_job(cluster, tiny_dataset, tmp_path, "name=main", "epochs=4")
+    assert again.returncode == 0, again.stdout
+    assert "is complete (4 epochs, epochs=4): nothing to train" in again.stdout
+    assert "epoch 0/3" not in again.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_replaced_and_training_resumes(cluster, tiny_dataset, tmp_path):
+    run = tmp_path / "killed"
+    job = in_background(train_job, cluster, tiny_dataset, tmp_path, "name=killed", "epochs=3")
+    wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
+    kill_a_training_worker(cluster)
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    assert re.search(
+        r"resumed from checkpoint \S+/killed/epoch_000\d \(epoch \d done\)", proc.stdout
+    )
+    assert [r["epoch"] for r in history(run)] == [0, 1, 2]  # each epoch exactly once
+
+
+@pytest.mark.slow
+def test_a_kill_with_max_failures_0_fails_the_job(cluster, tiny_dataset, tmp_path):
+    run = tmp_path / "fragile"
+    args = ("name=fragile", "epochs=3", "max_failures=0")
+    job = in_background(train_job, cluster, tiny_dataset, tmp_path, *args)
+    wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
+    pid = kill_a_training_worker(cluster)
+    proc = job.result()
+    assert proc.returncode != 0, proc.stdout
+    assert "training failed and max_failures=0 retries are used up" in proc.stdout
+    assert str(pid) in proc.stdout  # the last error names the worker that died
+
+
+@pytest.mark.slow
+def test_stopped_job_resumes_when_submitted_again(cluster, tiny_dataset, tmp_path):
+    run = tmp_path / "stopped"
+    args = ("name=stopped", "epochs=4")
+    first = in_background(train_job, cluster, tiny_dataset, tmp_path, *args,
+                          submission_id="train-stopped-1")  # fmt: skip
+    wait_for(lambda: (run / "epoch_0001").exists() or first.done(), "second checkpoint")
+    cluster.ray("job", "stop", "train-stopped-1")
+    first.result()
+    assert "was stopped" in cluster.ray("job", "status", "train-stopped-1")
+
+    proc = train_job(cluster, tiny_dataset, tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout
+    resumed = re.search(r"resuming from \S+/stopped/epoch_(\d+)", proc.stdout)
+    assert resumed, proc.stdout
+    done_before = int(resumed[1]) + 1
+    trained_now = re.findall(r"epoch (\d)/3: train_loss", proc.stdout)
+    assert [int(e) for e in trained_now] == list(range(done_before, 4))
+    assert [r["epoch"] for r in history(run)] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_workers_the_cluster_cannot_place_fail_fast(cluster, tiny_dataset, tmp_path):
+    started = time.monotonic()
+    proc = train_job(cluster, tiny_dataset, tmp_path, "scaling.num_workers=3",
+                     "global_batch_size=30", "scaling.startup_timeout_s=5")  # fmt: skip
+    assert proc.returncode != 0
+    assert "could not place 3 training workers with {'CPU': 1} each within 5 s" in proc.stdout
+    assert "it has {'CPU': 2.0} in total" in proc.stdout
+    assert time.monotonic() - started < 120
+
+
+@pytest.mark.slow
+def test_missing_dataset_fails_before_any_worker_starts(cluster, tmp_path):
+    proc = train_job(cluster, tmp_path / "nope", tmp_path)
+    assert proc.returncode != 0
+    assert f"no manifest.json at dataset={tmp_path / 'nope'}" in proc.stdout
+    assert "RayTrainWorker" not in proc.stdout
