@@ -37,6 +37,7 @@ format: $(STAMP)
 ## Preprocessing throughput with 1 and 2 CPUs, side by side.
 bench: $(STAMP)
 	$(PY) bench/preprocess_throughput.py
+	$(PY) bench/train_throughput.py
 
 clean:
 	rm -rf outputs bench/results .pytest_cache .ruff_cache

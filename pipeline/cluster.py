@@ -155,16 +155,30 @@ class LocalCluster:
         self,
         args: list[str],
         *,
-        runtime_env: str | Path | None = None,
         timeout_s: float | None = None,
         capture: bool = False,
-        submission_id: str | None = None,
-        wait: bool = True,
+        **options,
     ) -> subprocess.CompletedProcess:
         """`ray job submit ... -- <args>`: waits for the job (unless `wait=False`), tails its
         logs, exits non-zero if the job failed. Runs from the bundle root, which
-        `runtime_env.yaml` uploads."""
-        cmd = [
+        `runtime_env.yaml` uploads. `options`: those of `submit_command`."""
+        return subprocess.run(
+            self.submit_command(args, **options), cwd=BUNDLE_ROOT, env=self.env,
+            timeout=timeout_s, text=True,
+            stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.STDOUT if capture else None,
+        )  # fmt: skip
+
+    def submit_command(
+        self,
+        args: list[str],
+        *,
+        runtime_env: str | Path | None = None,
+        submission_id: str | None = None,
+        wait: bool = True,
+    ) -> list[str]:
+        """The `ray job submit` command line for `args`, to run from BUNDLE_ROOT with `env`."""
+        return [
             _ray_cli(), "job", "submit",
             "--address", self.address,
             "--runtime-env", str(runtime_env or BUNDLE_ROOT / "runtime_env.yaml"),
@@ -172,11 +186,6 @@ class LocalCluster:
             *([] if wait else ["--no-wait"]),
             "--", *args,
         ]  # fmt: skip
-        return subprocess.run(
-            cmd, cwd=BUNDLE_ROOT, env=self.env, timeout=timeout_s, text=True,
-            stdout=subprocess.PIPE if capture else None,
-            stderr=subprocess.STDOUT if capture else None,
-        )  # fmt: skip
 
     def ray(self, *args: str, timeout_s: float = 120) -> str:
         """Output of the `ray` CLI run against this cluster, e.g. ray("job", "status", id)."""

@@ -195,7 +195,7 @@ def check_resumable(meta: CheckpointMeta, manifest: Manifest, *, checkpoint: str
 
 def train_loop_per_worker(config: dict) -> None:
     """What each Ray Train worker runs; `config` is a TrainConfig as a plain dict."""
-    setup_logging()  # a fresh worker process: log like the job does
+    setup_logging()  # a no-op where Ray Train has set up the worker's logging already
     cfg = validate_config(TrainConfig, config)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -260,6 +260,9 @@ def train_loop_per_worker(config: dict) -> None:
     )  # fmt: skip
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
 
+    if rank == 0:
+        log.info("training epochs %d to %d: %d train images, %d val", start_epoch,
+                 cfg.epochs - 1, len(train_set), len(val_set))  # fmt: skip
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]
@@ -503,6 +506,7 @@ def plot_curves(history: list[dict]) -> bytes:
 
     matplotlib.use("Agg")  # no display on cluster nodes
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     epochs = [h["epoch"] for h in history]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -514,6 +518,7 @@ def plot_curves(history: list[dict]) -> bytes:
     right.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="Val accuracy")
     for ax in (left, right):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)

@@ -3,6 +3,7 @@
 Each job goes through `ray job submit`, exactly as a user sends it to a real cluster.
 """
 
+import json
 import logging
 import os
 import sys
@@ -14,19 +15,26 @@ OUTPUT = BUNDLE_ROOT / "outputs" / "demo"
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    dataset = OUTPUT / "dataset"
+    dataset, runs = OUTPUT / "dataset", OUTPUT / "runs"
+    steps = [
+        ("preprocess", "configs/demo-preprocess.yaml", [f"output={dataset}"]),
+        ("train", "configs/demo-train.yaml", [f"dataset={dataset}", f"storage_path={runs}"]),
+    ]
     with LocalCluster(num_cpus=os.cpu_count()) as cluster:
         print(f"Ray cluster up; dashboard at {cluster.address}", flush=True)
-        job = cluster.submit(
-            ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-             f"output={dataset}"]
-        )  # fmt: skip
-        if job.returncode != 0:
-            print("demo: the preprocess job failed (its log is above)", file=sys.stderr)
-            return job.returncode
-    print(f"\nParquet dataset written to {dataset}")
-    print(f"  manifest: {dataset / 'manifest.json'}")
-    print(f"  shards:   {dataset / 'train'}/, {dataset / 'val'}/")
+        for job, config, overrides in steps:
+            proc = cluster.submit(["python", "-m", f"jobs.{job}", "--config", config, *overrides])
+            if proc.returncode != 0:
+                print(f"demo: the {job} job failed (its log is above)", file=sys.stderr)
+                return proc.returncode
+    summary = json.loads((runs / "demo" / "summary.json").read_text())
+    best = summary["best_metrics"]
+    print(f"\nParquet dataset: {dataset} (manifest.json, train/, val/)")
+    print(f"Training run:    {summary['run']} (summary.json, history.csv, curves.png)")
+    print(f"  final val accuracy {summary['final_accuracy']:.3f} after {summary['epochs']} epochs; "
+          f"{summary['images_per_s']:.0f} images/s")  # fmt: skip
+    print(f"  best checkpoint {summary['best_checkpoint']} "
+          f"(epoch {best['epoch']}, val accuracy {best['val_accuracy']:.3f})")  # fmt: skip
     return 0
 
 
