@@ -12,11 +12,11 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, InputError, TrainingFailed
+from pipeline.errors import ClusterError, ConfigError, InputError
 
 C = TypeVar("C", bound=BaseModel)
 
-EXIT_CODES = {InputError: 1, ConfigError: 2, TrainingFailed: 3}
+EXIT_CODES = {InputError: 1, ConfigError: 2, ClusterError: 3}
 
 
 def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[[C], None]) -> None:
@@ -34,7 +34,7 @@ def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[
     try:
         cfg = load_config(config_cls, Path(args.config), args.overrides)
         body(cfg)
-    except (InputError, ConfigError, TrainingFailed) as e:
+    except (InputError, ConfigError, ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_CODES[type(e)])
 

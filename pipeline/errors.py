@@ -9,5 +9,6 @@ class InputError(ValueError):
     """The input data cannot be used (missing path, empty class, wrong schema, ...)."""
 
 
-class TrainingFailed(RuntimeError):
-    """Training stopped for good: workers could not be placed, or failures outlasted retries."""
+class ClusterError(RuntimeError):
+    """The cluster could not do the work: no room for the workers (or no GPU), or failures
+    outlasted the retries."""

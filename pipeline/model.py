@@ -95,35 +95,42 @@ def save_checkpoint(
     (d / METADATA).write_text(meta.model_dump_json(indent=2))
 
 
-def read_meta(directory: str | Path) -> CheckpointMeta:
-    path = Path(directory) / METADATA
+def _location(checkpoint: str | Path | Location) -> Location:
+    return checkpoint if isinstance(checkpoint, Location) else Location.parse(str(checkpoint))
+
+
+def read_meta(checkpoint: str | Path | Location) -> CheckpointMeta:
+    """A checkpoint's metadata.json (local or on storage), checked to be ours."""
+    loc = _location(checkpoint)
+    path = loc.child(METADATA)
     if not path.exists():
         raise InputError(
-            f"{directory} has no {METADATA}: not a checkpoint written by this bundle's train job"
+            f"{loc.uri} has no {METADATA}: not a checkpoint written by this bundle's train job"
         )
     try:
-        meta = CheckpointMeta.model_validate_json(path.read_text())
+        meta = CheckpointMeta.model_validate_json(path.read_bytes())
     except ValueError as e:
-        raise InputError(f"{path} is not valid checkpoint metadata: {e}") from None
+        raise InputError(f"{path.uri} is not valid checkpoint metadata: {e}") from None
     if meta.format != CHECKPOINT_FORMAT or meta.model != MODEL_NAME:
         raise InputError(
-            f"{directory} holds a {meta.model} checkpoint of format {meta.format}; this code "
+            f"{loc.uri} holds a {meta.model} checkpoint of format {meta.format}; this code "
             f"reads {MODEL_NAME} format {CHECKPOINT_FORMAT}"
         )
     return meta
 
 
-def load_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    return torch.load(Path(directory) / WEIGHTS, map_location="cpu", weights_only=True)
+def load_weights(checkpoint: str | Path | Location) -> dict[str, torch.Tensor]:
+    data = _location(checkpoint).child(WEIGHTS).read_bytes()
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def load_train_state(directory: str | Path) -> dict:
     return torch.load(Path(directory) / TRAIN_STATE, map_location="cpu", weights_only=True)
 
 
-def load_model(directory: str | Path) -> tuple[torch.nn.Module, CheckpointMeta]:
-    """The checkpoint's model on the CPU in eval mode, and its metadata."""
-    meta = read_meta(directory)
+def load_model(checkpoint: str | Path | Location) -> tuple[torch.nn.Module, CheckpointMeta]:
+    """The checkpoint's model (local or on storage) on the CPU in eval mode, and its metadata."""
+    meta = read_meta(checkpoint)
     model = build_model(len(meta.classes))
-    model.load_state_dict(load_weights(directory))
+    model.load_state_dict(load_weights(checkpoint))
     return model.eval(), meta

@@ -39,9 +39,8 @@ from pipeline.data import (
     train_transform,
 )
 from pipeline.dataset import MANIFEST, Manifest, read_manifest
-from pipeline.errors import InputError, TrainingFailed
+from pipeline.errors import ClusterError, InputError
 from pipeline.model import (
-    METADATA,
     CheckpointMeta,
     build_model,
     load_train_state,
@@ -360,20 +359,7 @@ def inspect_run(run_dir: Location) -> RunState:
     if result.checkpoint is None:
         return RunState(run_dir)
     latest = run_dir.child(posixpath.basename(result.checkpoint.path))
-    return RunState(run_dir, latest, read_meta_at(latest))
-
-
-def read_meta_at(checkpoint: Location) -> CheckpointMeta:
-    """A checkpoint's metadata.json, read without downloading the weights."""
-    with tempfile.TemporaryDirectory() as d:
-        path = checkpoint.child(METADATA)
-        if path.exists():
-            with open(os.path.join(d, METADATA), "wb") as f:
-                f.write(path.read_bytes())
-        try:
-            return read_meta(d)
-        except InputError as e:
-            raise InputError(str(e).replace(d, checkpoint.uri)) from None
+    return RunState(run_dir, latest, read_meta(latest))
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -435,16 +421,16 @@ def fit(cfg: TrainConfig) -> None:
     except ControllerError as e:
         if isinstance(e.controller_failure, WorkerGroupStartupTimeoutError):
             have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-            raise TrainingFailed(
+            raise ClusterError(
                 f"the cluster could not place {s.num_workers} training workers with "
                 f"{per_worker} each within {s.startup_timeout_s:.0f} s (startup_timeout_s); "
                 f"it has {have} in total. Lower scaling.num_workers or "
                 "scaling.cpus_per_worker, add nodes (or GPUs), or raise "
                 "scaling.startup_timeout_s if the cluster is autoscaling"
             ) from None
-        raise TrainingFailed(f"training failed: {e}") from None
+        raise ClusterError(f"training failed: {e}") from None
     except ray.train.TrainingFailedError as e:
-        raise TrainingFailed(
+        raise ClusterError(
             f"training failed and max_failures={cfg.max_failures} retries are used up; "
             f"the last error: {e}"
         ) from None
@@ -471,7 +457,7 @@ def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
     # Result.checkpoint is the latest; the best is by score among those Ray kept.
     best, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1][SCORE])
     latest = run_dir.child(posixpath.basename(result.checkpoint.path))
-    history = read_meta_at(latest).history
+    history = read_meta(latest).history
     final = history[-1]
     summary = {
         "run": run_dir.uri,
