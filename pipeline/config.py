@@ -203,6 +203,36 @@ class TrainConfig(_Strict):
         return self.global_batch_size // self.scaling.num_workers
 
 
+class InferConfig(_Strict):
+    model: AbsolutePathOrURI = Field(
+        description="A training run directory (its best checkpoint by val accuracy is used) or "
+        "one checkpoint directory."
+    )
+    input: AbsolutePathOrURI = Field(
+        description="A preprocessed dataset (its `split`), an image folder (<class>/<image> "
+        "gives true labels), or one image file (printed, not written)."
+    )
+    split: Literal["train", "val"] = Field("val", description="Dataset split to classify.")
+    output: AbsolutePathOrURI | None = Field(
+        None, description="Directory for predictions.parquet and summary.json (not for one image)."
+    )
+    top_k: int = Field(5, ge=1, description="Most likely classes kept per image.")
+    batch_size: int = Field(64, ge=1, description="Images per model call.")
+    use_gpu: bool = Field(False, description="One GPU per predictor actor, mixed precision.")
+    num_actors: int = Field(
+        2,
+        ge=1,
+        description="Predictor actors (each loads the model once); capped by GPUs, or "
+        "by CPUs minus one that stays free for reading and decoding.",
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 (else fp16) on GPU, fp32 on CPU."
+    )
+    gpu_timeout_s: float = Field(
+        60, gt=0, description="With use_gpu, fail if the cluster shows no GPU within this time."
+    )
+
+
 C = TypeVar("C", bound=BaseModel)
 
 

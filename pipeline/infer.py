@@ -1,0 +1,354 @@
+"""Batch inference from a training run's best checkpoint, with Ray Data.
+
+read (Parquet rows or image files) -> prepare (decode, resize + center crop to the checkpoint's
+image size: the very functions preprocessing used) -> predict (an actor pool; each actor loads
+the model once, on its GPU with use_gpu) -> predictions.parquet and summary.json, written by the
+driver as the batches stream in. One image file instead goes through a single Ray task and is
+printed: the quick check of seed 001.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import posixpath
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+import ray.data
+import torch
+
+from pipeline.config import InferConfig
+from pipeline.data import normalize
+from pipeline.dataset import MANIFEST, read_manifest
+from pipeline.errors import ClusterError, InputError
+from pipeline.model import METADATA, CheckpointMeta, load_model, read_meta
+from pipeline.storage import Location
+from pipeline.train import AMP_DTYPES, SCORE, SNAPSHOT, load_result, pick_precision
+from pipeline.transforms import BadImageError, decode_image, resize_center_crop
+
+log = logging.getLogger(__name__)
+
+PREDICTIONS, SUMMARY, CONFUSION_PNG = "predictions.parquet", "summary.json", "confusion_matrix.png"
+
+
+def resolve_checkpoint(model: Location) -> Location:
+    """`model` itself if it is a checkpoint, else the best checkpoint of the run it names."""
+    if model.child(METADATA).exists():
+        return model
+    if model.child(SNAPSHOT).exists():
+        result = load_result(model)
+        if not result.best_checkpoints:
+            raise InputError(f"run {model.uri} has no checkpoint yet: train it first")
+        best, metrics = max(result.best_checkpoints, key=lambda cm: cm[1][SCORE])
+        name = posixpath.basename(best.path)
+        log.info("run %s: best checkpoint %s (epoch %d, %s %.4f)",
+                 model.uri, name, metrics["epoch"], SCORE, metrics[SCORE])  # fmt: skip
+        return model.child(name)
+    if not model.exists():
+        raise InputError(f"model={model.uri} does not exist")
+    raise InputError(
+        f"model={model.uri} is neither a training run (no {SNAPSHOT}) nor a checkpoint (no "
+        f"{METADATA}): point it at <storage_path>/<name> of a train job, or one epoch_* in it"
+    )
+
+
+def prepare_image(data: bytes, *, image_size: int) -> np.ndarray:
+    """Encoded image -> uint8 (3, S, S), exactly as preprocessing shaped the training images."""
+    img = resize_center_crop(decode_image(data), size=image_size)
+    return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def prepare_batch(batch: dict, *, image_size: int) -> dict:
+    """Ray Data stage: encoded images -> pixels, with the reason for any that fail to decode."""
+    n = len(batch["data"])
+    pixels = np.zeros((n, 3, image_size, image_size), dtype=np.uint8)
+    errors = np.full(n, "", dtype=object)
+    for i, data in enumerate(batch["data"]):
+        try:
+            pixels[i] = prepare_image(data, image_size=image_size)
+        except BadImageError as e:
+            errors[i] = str(e)
+    return {"pixels": pixels, "source_id": batch["source_id"], "label_name": batch["label_name"],
+            "error": errors}  # fmt: skip
+
+
+class Classifier:
+    """A checkpoint's model on one device: uint8 pixels in, class probabilities out."""
+
+    def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str):
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        model, self.meta = load_model(checkpoint)
+        self.precision = pick_precision(precision, self.device)
+        if self.device.type == "cuda":
+            model = model.to(self.device, memory_format=torch.channels_last)
+        self.model = model.eval()
+
+    @torch.inference_mode()
+    def probabilities(self, pixels: np.ndarray) -> torch.Tensor:
+        x = normalize(torch.from_numpy(pixels).to(self.device), mean=self.meta.mean,
+                      std=self.meta.std)  # fmt: skip
+        if self.device.type == "cuda":
+            x = x.contiguous(memory_format=torch.channels_last)
+        dtype = AMP_DTYPES.get(self.precision, torch.float32)
+        with torch.autocast(self.device.type, dtype=dtype, enabled=self.precision != "fp32"):
+            logits = self.model(x)
+        return logits.float().softmax(dim=1).cpu()
+
+
+class Predictor:
+    """Ray Data actor: loads the model once, then classifies batch after batch."""
+
+    def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str, top_k: int):
+        self.classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=precision)
+        self.classes = self.classifier.meta.classes
+        self.index = {name: i for i, name in enumerate(self.classes)}
+        self.top_k = min(top_k, len(self.classes))
+
+    def __call__(self, batch: dict) -> dict:
+        probs, top = self.classifier.probabilities(batch["pixels"]).topk(self.top_k, dim=1)
+        pred = top[:, 0].numpy()
+        return {
+            "source_id": batch["source_id"],
+            "label": np.array([self.index.get(n, -1) for n in batch["label_name"]]),
+            "pred": pred,
+            "pred_name": np.array([self.classes[i] for i in pred], dtype=object),
+            "top_k": top.numpy(),
+            "top_k_prob": probs.numpy(),
+            "error": batch["error"],
+        }
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+
+def read_input(cfg: InferConfig, meta: CheckpointMeta) -> ray.data.Dataset:
+    """Rows of (data: encoded image, source_id, label_name or '')."""
+    root = Location.parse(cfg.input)
+    if root.child(MANIFEST).exists():
+        manifest = read_manifest(root)
+        files = [root.child(f.path).path for f in manifest.splits[cfg.split].files]
+        if not files:
+            raise InputError(f"split {cfg.split!r} of dataset {root.uri} is empty")
+        log.info("input: dataset %s, split %s, %d images", root.uri, cfg.split,
+                 manifest.splits[cfg.split].rows)  # fmt: skip
+        ds = ray.data.read_parquet(files, filesystem=root.fs,
+                                   columns=["image", "label_name", "source_id"])  # fmt: skip
+        return ds.rename_columns({"image": "data"})
+    files = [f.path for f in root.list_files()
+             if not posixpath.basename(f.path).startswith(".")]  # fmt: skip
+    if not files:
+        raise InputError(f"input={root.uri} has no files: give a dataset, a folder or an image")
+    log.info("input: folder %s, %d files", root.uri, len(files))
+    prefix = root.path.rstrip("/") + "/"
+
+    def label_rows(batch: dict) -> dict:
+        ids = [p[len(prefix) :] if p.startswith(prefix) else p for p in batch["path"]]
+        names = [i.split("/")[0] if "/" in i else "" for i in ids]
+        return {"data": batch["bytes"], "source_id": np.array(ids, dtype=object),
+                "label_name": np.array(names, dtype=object)}  # fmt: skip
+
+    ds = ray.data.read_binary_files(files, filesystem=root.fs, include_paths=True)
+    return ds.map_batches(label_rows)
+
+
+def wait_for_gpu(timeout_s: float) -> int:
+    """GPUs in the cluster, waiting up to `timeout_s` for an autoscaler to add one."""
+    deadline = time.monotonic() + timeout_s
+    while (gpus := int(ray.cluster_resources().get("GPU", 0))) == 0:
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"use_gpu=true, but the cluster has no GPU (waited {timeout_s:.0f} s, "
+                "gpu_timeout_s): run on a cluster with GPU nodes, raise gpu_timeout_s if it is "
+                "autoscaling, or set use_gpu=false"
+            )
+        time.sleep(1)
+    return gpus
+
+
+# --- batch -------------------------------------------------------------------------------------
+
+
+def run(cfg: InferConfig) -> dict:
+    """Classify `cfg.input` into `cfg.output`; return the summary (Ray initialised)."""
+    if cfg.output is None:
+        raise InputError("output= is required for a dataset or a folder (where to write)")
+    checkpoint = resolve_checkpoint(Location.parse(cfg.model))
+    meta = read_meta(checkpoint)
+    ds = read_input(cfg, meta)
+    if cfg.use_gpu:
+        actors = min(cfg.num_actors, wait_for_gpu(cfg.gpu_timeout_s))
+        per_actor = {"num_gpus": 1, "num_cpus": 1}
+    else:
+        # One CPU stays free for reading and decoding, or the pool could starve them.
+        actors = max(1, min(cfg.num_actors, int(ray.cluster_resources().get("CPU", 1)) - 1))
+        per_actor = {"num_cpus": 1}
+    log.info("checkpoint %s; %d predictor actors with %s each, batches of %d",
+             checkpoint.uri, actors, per_actor, cfg.batch_size)  # fmt: skip
+    ds = ds.map_batches(prepare_batch, fn_kwargs={"image_size": meta.image_size},
+                        batch_size=cfg.batch_size)  # fmt: skip
+    ds = ds.map_batches(
+        Predictor,
+        fn_constructor_kwargs={"checkpoint": checkpoint, "use_gpu": cfg.use_gpu,
+                               "precision": cfg.precision, "top_k": cfg.top_k},
+        batch_size=cfg.batch_size,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        **per_actor,
+    )  # fmt: skip
+
+    started = time.monotonic()
+    out = Location.parse(cfg.output)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = posixpath.join(tmp, PREDICTIONS)
+        labels, preds, skipped = write_predictions(ds, local, meta.classes)
+        seconds = time.monotonic() - started
+        summary = summarize(meta, checkpoint, labels, preds, skipped, seconds)
+        # The summary goes last, so a reader that finds it finds complete predictions.
+        out.child(SUMMARY).delete()
+        out.child(PREDICTIONS).write_bytes(open(local, "rb").read())  # noqa: SIM115
+    confusion = out.child(CONFUSION_PNG)
+    if "confusion_matrix" in summary:
+        confusion.write_bytes(plot_confusion(summary["confusion_matrix"], meta.classes))
+    else:
+        confusion.delete()
+    out.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
+    return summary
+
+
+def write_predictions(ds: ray.data.Dataset, path: str, classes: list[str]):
+    """Stream the predicted batches into one Parquet file; return labels, predictions, skips."""
+    labels, preds, skipped = [], [], []
+    with pq.ParquetWriter(path, PREDICTION_SCHEMA) as writer:
+        for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+            ok = batch["error"] == ""
+            bad = zip(batch["source_id"][~ok], batch["error"][~ok], strict=True)
+            skipped += [{"source_id": s, "reason": e} for s, e in bad]
+            if not ok.any():
+                continue
+            label = batch["label"][ok]
+            top_k, prob = batch["top_k"][ok], batch["top_k_prob"][ok]
+            k = top_k.shape[1]
+            table = pa.table(
+                {
+                    "source_id": pa.array(batch["source_id"][ok], pa.string()),
+                    "label": pa.array(label, pa.int64(), mask=label < 0),
+                    "label_name": pa.array([classes[i] if i >= 0 else None for i in label],
+                                           pa.string()),
+                    "pred": pa.array(batch["pred"][ok], pa.int64()),
+                    "pred_name": pa.array(batch["pred_name"][ok], pa.string()),
+                    "top_k": pa.FixedSizeListArray.from_arrays(
+                        pa.array(top_k.ravel(), pa.int64()), k).cast(pa.list_(pa.int64())),
+                    "top_k_prob": pa.FixedSizeListArray.from_arrays(
+                        pa.array(prob.ravel(), pa.float32()), k).cast(pa.list_(pa.float32())),
+                },
+                schema=PREDICTION_SCHEMA,
+            )  # fmt: skip
+            writer.write_table(table)
+            labels.append(label)
+            preds.append(batch["pred"][ok])
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    return cat(labels), cat(preds), sorted(skipped, key=lambda s: s["source_id"])
+
+
+PREDICTION_SCHEMA = pa.schema(
+    [
+        ("source_id", pa.string()),
+        ("label", pa.int64()),  # index into the checkpoint's classes; null when unknown
+        ("label_name", pa.string()),
+        ("pred", pa.int64()),
+        ("pred_name", pa.string()),
+        ("top_k", pa.list_(pa.int64())),  # class indices, most likely first
+        ("top_k_prob", pa.list_(pa.float32())),
+    ]
+)
+
+
+def summarize(meta, checkpoint: Location, labels, preds, skipped, seconds: float) -> dict:
+    summary = {
+        "checkpoint": checkpoint.uri,
+        "classes": meta.classes,
+        "images": len(preds),
+        "seconds": seconds,
+        "images_per_s": len(preds) / seconds if seconds else 0.0,
+        "skipped": skipped,
+    }
+    known = labels >= 0
+    if known.any():
+        y, p = labels[known], preds[known]
+        n = len(meta.classes)
+        cm = np.zeros((n, n), dtype=np.int64)
+        np.add.at(cm, (y, p), 1)  # rows: true class, columns: predicted
+        tp = np.diag(cm)
+        precision = tp / np.maximum(cm.sum(axis=0), 1)
+        recall = tp / np.maximum(cm.sum(axis=1), 1)
+        summary |= {
+            "labelled_images": int(known.sum()),
+            "accuracy": float(tp.sum() / known.sum()),
+            "per_class": {c: {"precision": float(precision[i]), "recall": float(recall[i]),
+                              "support": int(cm[i].sum())} for i, c in enumerate(meta.classes)},
+            "confusion_matrix": cm.tolist(),
+        }  # fmt: skip
+    return summary
+
+
+def plot_confusion(cm: list[list[int]], classes: list[str]) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    size = max(4, 0.6 * len(classes) + 2)
+    fig, ax = plt.subplots(figsize=(size, size))
+    ax.imshow(np.array(cm), cmap="Blues")
+    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xlabel="predicted",
+           ylabel="true", title="Confusion matrix")  # fmt: skip
+    ax.set_xticklabels(classes, rotation=45, ha="right")
+    ax.set_yticklabels(classes)
+    for i, row in enumerate(cm):
+        for j, v in enumerate(row):
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+# --- one image ---------------------------------------------------------------------------------
+
+
+@ray.remote
+def _classify_one(checkpoint: Location, data: bytes, use_gpu: bool, precision: str, k: int):
+    classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=precision)
+    pixels = prepare_image(data, image_size=classifier.meta.image_size)[None]
+    probs, top = classifier.probabilities(pixels)[0].topk(min(k, len(classifier.meta.classes)))
+    return [{"class": classifier.meta.classes[i], "index": int(i), "probability": float(p)}
+            for p, i in zip(probs, top, strict=True)]  # fmt: skip
+
+
+def classify_image(cfg: InferConfig) -> dict:
+    """One image file through one Ray task (on a GPU with use_gpu): its top-k classes."""
+    image = Location.parse(cfg.input)
+    checkpoint = resolve_checkpoint(Location.parse(cfg.model))
+    if cfg.use_gpu:
+        wait_for_gpu(cfg.gpu_timeout_s)
+    try:
+        prepare_image(image.read_bytes(), image_size=8)  # fail here, not in a task, if unreadable
+    except BadImageError as e:
+        raise InputError(f"input={image.uri}: {e}") from None
+    task = _classify_one.options(num_gpus=1 if cfg.use_gpu else 0)
+    top = ray.get(task.remote(checkpoint, image.read_bytes(), cfg.use_gpu, cfg.precision,
+                              cfg.top_k))  # fmt: skip
+    return {"input": image.uri, "checkpoint": checkpoint.uri, "top_k": top}
+
+
+def is_single_image(cfg: InferConfig) -> bool:
+    loc = Location.parse(cfg.input)
+    if not loc.exists():
+        raise InputError(f"input={loc.uri} does not exist")
+    return not loc.is_dir()
