@@ -15,11 +15,13 @@ OUTPUT = BUNDLE_ROOT / "outputs" / "demo"
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    dataset, runs = OUTPUT / "dataset", OUTPUT / "runs"
+    dataset, runs, predictions = OUTPUT / "dataset", OUTPUT / "runs", OUTPUT / "predictions"
     steps = [
         ("preprocess", "configs/demo-preprocess.yaml", [f"output={dataset}"]),
         ("train", "configs/demo-train.yaml", [f"dataset={dataset}", f"storage_path={runs}"]),
-    ]
+        ("infer", "configs/demo-infer.yaml",
+         [f"model={runs / 'demo'}", f"input={dataset}", f"output={predictions}"]),
+    ]  # fmt: skip
     with LocalCluster(num_cpus=os.cpu_count()) as cluster:
         print(f"Ray cluster up; dashboard at {cluster.address}", flush=True)
         for job, config, overrides in steps:
@@ -35,6 +37,10 @@ def main() -> int:
           f"{summary['images_per_s']:.0f} images/s")  # fmt: skip
     print(f"  best checkpoint {summary['best_checkpoint']} "
           f"(epoch {best['epoch']}, val accuracy {best['val_accuracy']:.3f})")  # fmt: skip
+    infer = json.loads((predictions / "summary.json").read_text())
+    print(f"Inference:       {predictions / 'predictions.parquet'}")
+    print(f"  {infer['images']} val images, accuracy {infer['accuracy']:.3f}, "
+          f"{infer['images_per_s']:.0f} images/s (summary.json, confusion_matrix.png)")  # fmt: skip
     return 0
 
 
