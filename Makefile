@@ -38,6 +38,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/preprocess_throughput.py
 	$(PY) bench/train_throughput.py
+	$(PY) bench/infer_throughput.py
 
 clean:
 	rm -rf outputs bench/results .pytest_cache .ruff_cache
