@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import csv
 import io
+import json
 import os
 import secrets
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 # A throwaway token for the Ray instances this process starts, or Ray writes one into the user's
@@ -119,3 +124,64 @@ def tiny_dataset(tmp_path_factory) -> Path:
         ray.shutdown()
     assert manifest.splits["val"].rows % 2 == 1
     return out
+
+
+# --- training runs, shared by test_train and test_infer --------------------------------------
+
+TRAIN = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml"]
+
+
+def train_job(cluster, dataset, storage, *overrides, **submit):
+    args = [*TRAIN, f"dataset={dataset}", f"storage_path={storage}", *overrides]
+    return cluster.submit(args, capture=True, timeout_s=600, **submit)
+
+
+def history(run: Path) -> list[dict]:
+    with open(run / "history.csv") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def wait_for(predicate, what: str, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"no {what} after {timeout_s} s")
+
+
+def kill_a_training_worker(cluster) -> int:
+    """SIGKILL one Ray Train worker process, found through Ray's state API, as a crash would."""
+    out = cluster.ray("list", "actors", "--filter", "class_name=RayTrainWorker",
+                      "--filter", "state=ALIVE", "--detail", "--format", "json")  # fmt: skip
+    pids = sorted(a["pid"] for a in json.loads(out))
+    assert len(pids) == 2, out
+    os.kill(pids[-1], signal.SIGKILL)
+    return pids[-1]
+
+
+def in_background(fn, *args, **kwargs) -> Future:
+    return ThreadPoolExecutor(max_workers=1).submit(fn, *args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def train_cluster():
+    """The cluster of the training and inference tests: shared, as they share `main_run`."""
+    with LocalCluster(num_cpus=2) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def main_run(train_cluster, tiny_dataset, tmp_path_factory):
+    """One 2-worker training run of 4 epochs, num_to_keep=1, with a training worker SIGKILLed
+    during epoch 1: what a real fault looks like. test_train checks one claim about it per test;
+    test_infer classifies with it. Returns (the job's output, the run directory)."""
+    storage = tmp_path_factory.mktemp("runs")
+    run = storage / "main"
+    job = in_background(train_job, train_cluster, tiny_dataset, storage, "name=main",
+                        "epochs=4", "num_to_keep=1", submission_id="train-main")  # fmt: skip
+    wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
+    kill_a_training_worker(train_cluster)
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    return proc, run

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import make_image_folder
 
 from pipeline.config import InferConfig, load_config
 from pipeline.errors import InputError
-from pipeline.infer import is_single_image, resolve_checkpoint, run
+from pipeline.infer import Classifier, is_single_image, resolve_checkpoint, run
+from pipeline.model import build_model, save_checkpoint
 from pipeline.storage import Location
 
 pytestmark = pytest.mark.slow
@@ -22,23 +25,15 @@ def infer_job(cluster, *overrides):
 
 
 @pytest.fixture(scope="module")
-def trained(cluster, tiny_dataset, tmp_path_factory):
-    """A 2-epoch run of the train job on the tiny dataset; returns its directory."""
-    storage = tmp_path_factory.mktemp("runs")
-    proc = cluster.submit(
-        ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml",
-         f"dataset={tiny_dataset}", f"storage_path={storage}", "name=r", "epochs=2",
-         "scaling.num_workers=1"],
-        capture=True, timeout_s=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout
-    return storage / "r"
+def trained(main_run):
+    """The run directory of the shared training run (see conftest.main_run)."""
+    return main_run[1]
 
 
 @pytest.fixture(scope="module")
-def val_predictions(cluster, trained, tiny_dataset, tmp_path_factory):
+def val_predictions(train_cluster, trained, tiny_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("preds")
-    proc = infer_job(cluster, f"model={trained}", f"input={tiny_dataset}", f"output={out}")
+    proc = infer_job(train_cluster, f"model={trained}", f"input={tiny_dataset}", f"output={out}")
     assert proc.returncode == 0, proc.stdout
     return out, proc
 
@@ -63,10 +58,12 @@ def test_val_split_predictions_match_the_summary_and_training(val_predictions, t
     assert f"predictions: {out}/predictions.parquet" in proc.stdout
 
 
-def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(cluster, trained, tmp_path):
+def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
+    train_cluster, trained, tmp_path
+):
     bad = make_image_folder(tmp_path / "images", per_class=4)
     out = tmp_path / "out"
-    proc = infer_job(cluster, f"model={trained}", f"input={tmp_path / 'images'}",
+    proc = infer_job(train_cluster, f"model={trained}", f"input={tmp_path / 'images'}",
                      f"output={out}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -79,15 +76,17 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(cluster, tr
     # One image on its own, through a single Ray task: the same top-1 as the batch path.
     one = rows[0]
     image = tmp_path / "images" / one["source_id"]
-    proc = infer_job(cluster, f"model={trained}", f"input={image}")
+    proc = infer_job(train_cluster, f"model={trained}", f"input={image}")
     assert proc.returncode == 0, proc.stdout
     printed = json.loads(proc.stdout[proc.stdout.index("{\n") : proc.stdout.index("\n}") + 2])
     assert printed["top_k"][0]["index"] == one["pred"]
     assert printed["top_k"][0]["probability"] == pytest.approx(one["top_k_prob"][0], rel=1e-4)
 
 
-def test_use_gpu_on_a_cluster_without_gpus_fails_fast(cluster, trained, tiny_dataset, tmp_path):
-    proc = infer_job(cluster, f"model={trained}", f"input={tiny_dataset}",
+def test_use_gpu_on_a_cluster_without_gpus_fails_fast(
+    train_cluster, trained, tiny_dataset, tmp_path
+):
+    proc = infer_job(train_cluster, f"model={trained}", f"input={tiny_dataset}",
                      f"output={tmp_path}", "use_gpu=true", "gpu_timeout_s=2")  # fmt: skip
     assert proc.returncode != 0
     assert "use_gpu=true, but the cluster has no GPU (waited 2 s" in proc.stdout
@@ -109,3 +108,18 @@ def test_bad_model_and_input_paths_are_clear_errors(trained, tiny_dataset, tmp_p
     with pytest.raises(InputError, match="output= is required"):
         run(cfg(model=trained, input=tiny_dataset))
     assert resolve_checkpoint(Location.parse(str(trained))).path.startswith(str(trained))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_classifier_agrees_with_cpu(tmp_path):
+    from test_model import meta
+
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path, build_model(3).eval(), meta(), {})
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)
+    ckpt = Location.parse(str(tmp_path))
+    cpu = Classifier(ckpt, use_gpu=False, precision="auto").probabilities(pixels)
+    gpu = Classifier(ckpt, use_gpu=True, precision="auto")
+    assert gpu.precision in ("bf16", "fp16")
+    assert torch.allclose(gpu.probabilities(pixels), cpu, atol=0.05)

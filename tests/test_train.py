@@ -3,18 +3,15 @@ real local Ray cluster: learning, retention, worker kills, stop and resubmit, fa
 
 from __future__ import annotations
 
-import csv
 import json
-import os
 import re
 import shutil
-import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import history, in_background, kill_a_training_worker, train_job, wait_for
 from torch.utils.data import DataLoader
 
 from pipeline.config import TrainConfig, load_config
@@ -136,56 +133,6 @@ def test_resume_refuses_a_checkpoint_of_other_classes(tiny_dataset):
 
 # --- the real job on a real cluster ------------------------------------------------------------
 
-TRAIN = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml"]
-
-
-def train_job(cluster, dataset, storage, *overrides, **submit):
-    args = [*TRAIN, f"dataset={dataset}", f"storage_path={storage}", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600, **submit)
-
-
-def history(run: Path) -> list[dict]:
-    with open(run / "history.csv") as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
-def wait_for(predicate, what: str, timeout_s: float = 300):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"no {what} after {timeout_s} s")
-
-
-def kill_a_training_worker(cluster) -> int:
-    """SIGKILL one Ray Train worker process, found through Ray's state API, as a crash would."""
-    out = cluster.ray("list", "actors", "--filter", "class_name=RayTrainWorker",
-                      "--filter", "state=ALIVE", "--detail", "--format", "json")  # fmt: skip
-    pids = sorted(a["pid"] for a in json.loads(out))
-    assert len(pids) == 2, out
-    os.kill(pids[-1], signal.SIGKILL)
-    return pids[-1]
-
-
-def in_background(fn, *args, **kwargs) -> Future:
-    return ThreadPoolExecutor(max_workers=1).submit(fn, *args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def main_run(cluster, tiny_dataset, tmp_path_factory):
-    """One 2-worker run of 4 epochs, num_to_keep=1, with a training worker SIGKILLed during
-    epoch 1: what a real fault looks like. The tests below each check one claim about it."""
-    storage = tmp_path_factory.mktemp("runs")
-    run = storage / "main"
-    job = in_background(train_job, cluster, tiny_dataset, storage, "name=main", "epochs=4",
-                        "num_to_keep=1", submission_id="train-main")  # fmt: skip
-    wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
-    kill_a_training_worker(cluster)
-    proc = job.result()
-    assert proc.returncode == 0, proc.stdout
-    return proc, run
-
 
 @pytest.mark.slow
 def test_two_workers_learn(main_run):
@@ -205,13 +152,13 @@ def test_killed_worker_is_replaced_and_every_epoch_runs_once(main_run):
 
 
 @pytest.mark.slow
-def test_reports_and_retention(cluster, main_run):
+def test_reports_and_retention(train_cluster, main_run):
     _, run = main_run
     summary = json.loads((run / "summary.json").read_text())
     h = history(run)
     assert summary["final_accuracy"] == h[-1]["val_accuracy"] and summary["epochs"] == 4
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    last = cluster.ray("job", "logs", "train-main").rstrip().splitlines()[-1]
+    last = train_cluster.ray("job", "logs", "train-main").rstrip().splitlines()[-1]
     assert last == f"best checkpoint: {summary['best_checkpoint']}"
     # Retention: the best by val accuracy (num_to_keep=1) plus the latest, nothing else.
     assert summary["best_metrics"]["val_accuracy"] == max(r["val_accuracy"] for r in h)
@@ -236,21 +183,21 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
 
 
 @pytest.mark.slow
-def test_submitting_a_finished_run_again_trains_nothing(cluster, main_run, tiny_dataset):
+def test_submitting_a_finished_run_again_trains_nothing(train_cluster, main_run, tiny_dataset):
     _, run = main_run
-    proc = train_job(cluster, tiny_dataset, run.parent, "name=main", "epochs=4")
+    proc = train_job(train_cluster, tiny_dataset, run.parent, "name=main", "epochs=4")
     assert proc.returncode == 0, proc.stdout
     assert "is complete (4 epochs, epochs=4): nothing to train" in proc.stdout
     assert "RayTrainWorker" not in proc.stdout
 
 
 @pytest.mark.slow
-def test_a_kill_with_max_failures_0_fails_the_job(cluster, tiny_dataset, tmp_path):
+def test_a_kill_with_max_failures_0_fails_the_job(train_cluster, tiny_dataset, tmp_path):
     run = tmp_path / "fragile"
     args = ("name=fragile", "epochs=2", "max_failures=0")
-    job = in_background(train_job, cluster, tiny_dataset, tmp_path, *args)
+    job = in_background(train_job, train_cluster, tiny_dataset, tmp_path, *args)
     wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
-    pid = kill_a_training_worker(cluster)
+    pid = kill_a_training_worker(train_cluster)
     proc = job.result()
     assert proc.returncode != 0, proc.stdout
     assert "training failed and max_failures=0 retries are used up" in proc.stdout
@@ -258,17 +205,17 @@ def test_a_kill_with_max_failures_0_fails_the_job(cluster, tiny_dataset, tmp_pat
 
 
 @pytest.mark.slow
-def test_stopped_job_resumes_when_submitted_again(cluster, tiny_dataset, tmp_path):
+def test_stopped_job_resumes_when_submitted_again(train_cluster, tiny_dataset, tmp_path):
     run = tmp_path / "stopped"
     args = ("name=stopped", "epochs=3")
-    first = in_background(train_job, cluster, tiny_dataset, tmp_path, *args,
+    first = in_background(train_job, train_cluster, tiny_dataset, tmp_path, *args,
                           submission_id="train-stopped-1")  # fmt: skip
     wait_for(lambda: (run / "epoch_0000").exists() or first.done(), "first checkpoint")
-    cluster.ray("job", "stop", "train-stopped-1")
+    train_cluster.ray("job", "stop", "train-stopped-1")
     first.result()
-    assert "was stopped" in cluster.ray("job", "status", "train-stopped-1")
+    assert "was stopped" in train_cluster.ray("job", "status", "train-stopped-1")
 
-    proc = train_job(cluster, tiny_dataset, tmp_path, *args)
+    proc = train_job(train_cluster, tiny_dataset, tmp_path, *args)
     assert proc.returncode == 0, proc.stdout
     resumed = re.search(r"resuming from \S+/stopped/epoch_(\d+)", proc.stdout)
     assert resumed, proc.stdout
@@ -279,9 +226,9 @@ def test_stopped_job_resumes_when_submitted_again(cluster, tiny_dataset, tmp_pat
 
 
 @pytest.mark.slow
-def test_workers_the_cluster_cannot_place_fail_fast(cluster, tiny_dataset, tmp_path):
+def test_workers_the_cluster_cannot_place_fail_fast(train_cluster, tiny_dataset, tmp_path):
     started = time.monotonic()
-    proc = train_job(cluster, tiny_dataset, tmp_path, "scaling.num_workers=3",
+    proc = train_job(train_cluster, tiny_dataset, tmp_path, "scaling.num_workers=3",
                      "global_batch_size=30", "scaling.startup_timeout_s=5")  # fmt: skip
     assert proc.returncode != 0
     assert "could not place 3 training workers with {'CPU': 1} each within 5 s" in proc.stdout
