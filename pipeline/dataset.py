@@ -16,7 +16,7 @@ import logging
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline.errors import InputError
 from pipeline.storage import Location
@@ -95,7 +95,15 @@ def read_manifest(root: Location) -> Manifest | None:
     path = root.child(MANIFEST)
     if not path.exists():
         return None
-    manifest = Manifest.model_validate_json(path.read_bytes())
+    try:
+        manifest = Manifest.model_validate_json(path.read_bytes())
+    except ValidationError as e:  # not JSON, fields missing or of the wrong type
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}"
+                             for err in e.errors()[:3])  # fmt: skip
+        raise InputError(
+            f"{path.uri} is not a manifest this code can read ({problems}). "
+            "Re-run preprocessing with overwrite=true"
+        ) from None
     if manifest.schema_version != SCHEMA_VERSION:
         raise InputError(
             f"{path.uri} has schema version {manifest.schema_version}; this code reads "

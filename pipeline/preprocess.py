@@ -112,8 +112,9 @@ def _process_shard(
 def run(cfg: PreprocessConfig) -> Manifest:
     """Build the dataset at `cfg.output` (Ray must be initialised); return its manifest."""
     root = Location.parse(cfg.output)
-    existing = read_manifest(root)
-    if existing and existing.fingerprint == cfg.fingerprint() and not cfg.overwrite:
+    # With overwrite the old manifest is not read: it may be the unreadable one to replace.
+    existing = None if cfg.overwrite else read_manifest(root)
+    if existing and existing.fingerprint == cfg.fingerprint():
         log.info(
             "%s is up to date (same config, built %s): skipping. Pass overwrite=true to rebuild.",
             root.uri,

@@ -316,13 +316,7 @@ def train_loop_per_worker(config: dict) -> None:
 def check_dataset(cfg: TrainConfig) -> Manifest:
     """The dataset's manifest, if the dataset is complete and usable for this config."""
     root = Location.parse(cfg.dataset)
-    try:
-        manifest = read_manifest(root)
-    except ValueError as e:  # pydantic: fields missing or of the wrong type
-        raise InputError(
-            f"{root.child(MANIFEST).uri} is not a manifest this code can read: {e}. "
-            "Re-run the preprocess job with overwrite=true"
-        ) from None
+    manifest = read_manifest(root)
     if manifest is None:
         raise InputError(
             f"no {MANIFEST} at dataset={root.uri}: it is not a complete preprocessed dataset. "

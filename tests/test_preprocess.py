@@ -107,6 +107,17 @@ def test_rerun_skips_overwrite_replaces(tmp_path):
     assert not (out / "_staging").exists()
 
 
+def test_unreadable_manifest_says_so_and_overwrite_replaces_it(tmp_path):
+    make_image_folder(tmp_path / "src", per_class=4, corrupt=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"schema_version": 1}')
+    with pytest.raises(InputError, match=r"is not a manifest this code can read.*overwrite=true"):
+        run(folder_config(tmp_path / "src", out))
+    rebuilt = run(folder_config(tmp_path / "src", out, "overwrite=true"))
+    assert read_manifest(Location.parse(str(out))) == rebuilt
+
+
 def test_failed_run_keeps_previous_dataset(tmp_path):
     make_image_folder(tmp_path / "src", per_class=5, corrupt=False)
     out = tmp_path / "out"
