@@ -15,6 +15,7 @@ import logging
 import posixpath
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -24,12 +25,11 @@ import ray.data
 import torch
 
 from pipeline.config import InferConfig
-from pipeline.data import normalize
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ClusterError, InputError
-from pipeline.model import METADATA, CheckpointMeta, load_model, read_meta
+from pipeline.model import METADATA, load_model, read_meta
 from pipeline.storage import Location
-from pipeline.train import AMP_DTYPES, SCORE, SNAPSHOT, load_result, pick_precision
+from pipeline.train import SCORE, SNAPSHOT, Step, load_result, pick_precision
 from pipeline.transforms import BadImageError, decode_image, resize_center_crop
 
 log = logging.getLogger(__name__)
@@ -79,25 +79,26 @@ def prepare_batch(batch: dict, *, image_size: int) -> dict:
 
 
 class Classifier:
-    """A checkpoint's model on one device: uint8 pixels in, class probabilities out."""
+    """A checkpoint's model on one device: uint8 pixels in, class probabilities out. Batches go
+    through the model as in training (`pipeline.train.Step`): same normalisation, precision
+    and memory layout."""
 
     def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str):
-        self.device = torch.device("cuda" if use_gpu else "cpu")
+        device = torch.device("cuda" if use_gpu else "cpu")
         model, self.meta = load_model(checkpoint)
-        self.precision = pick_precision(precision, self.device)
-        if self.device.type == "cuda":
-            model = model.to(self.device, memory_format=torch.channels_last)
-        self.model = model.eval()
+        self.step = Step(device, pick_precision(precision, device), self.meta.mean, self.meta.std)
+        if self.step.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model.to(device).eval()
+
+    @property
+    def precision(self) -> str:
+        return self.step.precision
 
     @torch.inference_mode()
     def probabilities(self, pixels: np.ndarray) -> torch.Tensor:
-        x = normalize(torch.from_numpy(pixels).to(self.device), mean=self.meta.mean,
-                      std=self.meta.std)  # fmt: skip
-        if self.device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
-        dtype = AMP_DTYPES.get(self.precision, torch.float32)
-        with torch.autocast(self.device.type, dtype=dtype, enabled=self.precision != "fp32"):
-            logits = self.model(x)
+        with self.step.autocast():
+            logits = self.model(self.step.inputs(torch.from_numpy(pixels)))
         return logits.float().softmax(dim=1).cpu()
 
 
@@ -127,7 +128,7 @@ class Predictor:
 # --- inputs ------------------------------------------------------------------------------------
 
 
-def read_input(cfg: InferConfig, meta: CheckpointMeta) -> ray.data.Dataset:
+def read_input(cfg: InferConfig) -> ray.data.Dataset:
     """Rows of (data: encoded image, source_id, label_name or '')."""
     root = Location.parse(cfg.input)
     if root.child(MANIFEST).exists():
@@ -180,7 +181,7 @@ def run(cfg: InferConfig) -> dict:
         raise InputError("output= is required for a dataset or a folder (where to write)")
     checkpoint = resolve_checkpoint(Location.parse(cfg.model))
     meta = read_meta(checkpoint)
-    ds = read_input(cfg, meta)
+    ds = read_input(cfg)
     if cfg.use_gpu:
         actors = min(cfg.num_actors, wait_for_gpu(cfg.gpu_timeout_s))
         per_actor = {"num_gpus": 1, "num_cpus": 1}
@@ -210,7 +211,7 @@ def run(cfg: InferConfig) -> dict:
         summary = summarize(meta, checkpoint, labels, preds, skipped, seconds)
         # The summary goes last, so a reader that finds it finds complete predictions.
         out.child(SUMMARY).delete()
-        out.child(PREDICTIONS).write_bytes(open(local, "rb").read())  # noqa: SIM115
+        out.child(PREDICTIONS).write_bytes(Path(local).read_bytes())
     confusion = out.child(CONFUSION_PNG)
     if "confusion_matrix" in summary:
         confusion.write_bytes(plot_confusion(summary["confusion_matrix"], meta.classes))
@@ -218,6 +219,19 @@ def run(cfg: InferConfig) -> dict:
         confusion.delete()
     out.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
     return summary
+
+
+PREDICTION_SCHEMA = pa.schema(
+    [
+        ("source_id", pa.string()),
+        ("label", pa.int64()),  # index into the checkpoint's classes; null when unknown
+        ("label_name", pa.string()),
+        ("pred", pa.int64()),
+        ("pred_name", pa.string()),
+        ("top_k", pa.list_(pa.int64())),  # class indices, most likely first
+        ("top_k_prob", pa.list_(pa.float32())),
+    ]
+)
 
 
 def write_predictions(ds: ray.data.Dataset, path: str, classes: list[str]):
@@ -251,21 +265,9 @@ def write_predictions(ds: ray.data.Dataset, path: str, classes: list[str]):
             writer.write_table(table)
             labels.append(label)
             preds.append(batch["pred"][ok])
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    return cat(labels), cat(preds), sorted(skipped, key=lambda s: s["source_id"])
-
-
-PREDICTION_SCHEMA = pa.schema(
-    [
-        ("source_id", pa.string()),
-        ("label", pa.int64()),  # index into the checkpoint's classes; null when unknown
-        ("label_name", pa.string()),
-        ("pred", pa.int64()),
-        ("pred_name", pa.string()),
-        ("top_k", pa.list_(pa.int64())),  # class indices, most likely first
-        ("top_k_prob", pa.list_(pa.float32())),
-    ]
-)
+    empty = [np.zeros(0, dtype=np.int64)]
+    return (np.concatenate(labels or empty), np.concatenate(preds or empty),
+            sorted(skipped, key=lambda s: s["source_id"]))  # fmt: skip
 
 
 def summarize(meta, checkpoint: Location, labels, preds, skipped, seconds: float) -> dict:
@@ -337,13 +339,13 @@ def classify_image(cfg: InferConfig) -> dict:
     checkpoint = resolve_checkpoint(Location.parse(cfg.model))
     if cfg.use_gpu:
         wait_for_gpu(cfg.gpu_timeout_s)
+    data = image.read_bytes()
     try:
-        prepare_image(image.read_bytes(), image_size=8)  # fail here, not in a task, if unreadable
+        decode_image(data)  # fail here, with what is wrong, rather than in the task
     except BadImageError as e:
         raise InputError(f"input={image.uri}: {e}") from None
     task = _classify_one.options(num_gpus=1 if cfg.use_gpu else 0)
-    top = ray.get(task.remote(checkpoint, image.read_bytes(), cfg.use_gpu, cfg.precision,
-                              cfg.top_k))  # fmt: skip
+    top = ray.get(task.remote(checkpoint, data, cfg.use_gpu, cfg.precision, cfg.top_k))
     return {"input": image.uri, "checkpoint": checkpoint.uri, "top_k": top}
 
 
