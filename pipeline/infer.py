@@ -29,7 +29,7 @@ from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ClusterError, InputError
 from pipeline.model import METADATA, load_model, read_meta
 from pipeline.storage import Location
-from pipeline.train import SCORE, SNAPSHOT, Step, load_result, pick_precision
+from pipeline.train import SCORE, SNAPSHOT, Step, best_checkpoint, load_result, pick_precision
 from pipeline.transforms import BadImageError, decode_image, resize_center_crop
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,10 @@ def resolve_checkpoint(model: Location) -> Location:
         result = load_result(model)
         if not result.best_checkpoints:
             raise InputError(f"run {model.uri} has no checkpoint yet: train it first")
-        best, metrics = max(result.best_checkpoints, key=lambda cm: cm[1][SCORE])
-        name = posixpath.basename(best.path)
+        best, metrics = best_checkpoint(model, result)
         log.info("run %s: best checkpoint %s (epoch %d, %s %.4f)",
-                 model.uri, name, metrics["epoch"], SCORE, metrics[SCORE])  # fmt: skip
-        return model.child(name)
+                 model.uri, best.uri, metrics["epoch"], SCORE, metrics[SCORE])  # fmt: skip
+        return best
     if not model.exists():
         raise InputError(f"model={model.uri} does not exist")
     raise InputError(

@@ -337,23 +337,24 @@ def check_dataset(cfg: TrainConfig) -> Manifest:
     return manifest
 
 
-@dataclass
-class RunState:
-    """What storage says about a run: its latest checkpoint's metadata, if any."""
-
-    run_dir: Location
-    latest: Location | None = None
-    meta: CheckpointMeta | None = None
+def in_run(run_dir: Location, checkpoint: ray.train.Checkpoint) -> Location:
+    """A checkpoint of Ray's record, as a Location under the run's own URI."""
+    return run_dir.child(posixpath.basename(checkpoint.path))
 
 
-def inspect_run(run_dir: Location) -> RunState:
+def best_checkpoint(run_dir: Location, result: ray.train.Result) -> tuple[Location, dict]:
+    """The retained checkpoint with the best score and its metrics (Result.checkpoint is the
+    latest, not the best)."""
+    best, metrics = max(result.best_checkpoints, key=lambda cm: cm[1][SCORE])
+    return in_run(run_dir, best), metrics
+
+
+def latest_checkpoint(run_dir: Location) -> Location | None:
+    """The run's latest checkpoint, if the run exists and has one."""
     if not run_dir.child(SNAPSHOT).exists():
-        return RunState(run_dir)
+        return None
     result = load_result(run_dir)
-    if result.checkpoint is None:
-        return RunState(run_dir)
-    latest = run_dir.child(posixpath.basename(result.checkpoint.path))
-    return RunState(run_dir, latest, read_meta(latest))
+    return in_run(run_dir, result.checkpoint) if result.checkpoint else None
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -361,16 +362,17 @@ def run(cfg: TrainConfig) -> dict:
     started = time.monotonic()
     manifest = check_dataset(cfg)
     run_dir = Location.parse(cfg.storage_path).child(cfg.name)
-    state = inspect_run(run_dir)
-    if state.meta is not None:
-        check_resumable(state.meta, manifest, checkpoint=state.latest.uri, dataset=cfg.dataset)
-        if state.meta.epoch + 1 >= cfg.epochs:
+    latest = latest_checkpoint(run_dir)
+    if latest is not None:
+        meta = read_meta(latest)
+        check_resumable(meta, manifest, checkpoint=latest.uri, dataset=cfg.dataset)
+        if meta.epoch + 1 >= cfg.epochs:
             log.info("run %s is complete (%d epochs, epochs=%d): nothing to train. Raise "
                      "epochs= to train on, or pick a new name= for a new run",
-                     run_dir.uri, state.meta.epoch + 1, cfg.epochs)  # fmt: skip
+                     run_dir.uri, meta.epoch + 1, cfg.epochs)  # fmt: skip
             return write_reports(run_dir, wall_time_s=time.monotonic() - started)
         log.info("run %s has %d of %d epochs: resuming from %s",
-                 run_dir.uri, state.meta.epoch + 1, cfg.epochs, state.latest.uri)  # fmt: skip
+                 run_dir.uri, meta.epoch + 1, cfg.epochs, latest.uri)  # fmt: skip
     else:
         log.info("new run %s", run_dir.uri)
 
@@ -448,14 +450,13 @@ def load_result(run_dir: Location) -> ray.train.Result:
 def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
     """summary.json, history.csv and curves.png in the run directory; returns the summary."""
     result = load_result(run_dir)
-    # Result.checkpoint is the latest; the best is by score among those Ray kept.
-    best, best_metrics = max(result.best_checkpoints, key=lambda cm: cm[1][SCORE])
-    latest = run_dir.child(posixpath.basename(result.checkpoint.path))
+    best, best_metrics = best_checkpoint(run_dir, result)
+    latest = in_run(run_dir, result.checkpoint)
     history = read_meta(latest).history
     final = history[-1]
     summary = {
         "run": run_dir.uri,
-        "best_checkpoint": run_dir.child(posixpath.basename(best.path)).uri,
+        "best_checkpoint": best.uri,
         "best_metrics": best_metrics,
         "latest_checkpoint": latest.uri,
         "final_accuracy": final[SCORE],
