@@ -125,15 +125,13 @@ class BlockShuffleSampler(DistributedSampler):
 
     def __init__(self, dataset: ParquetImages, *, num_replicas, rank, seed=0, window=8):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.sizes = dataset.group_sizes()
+        self.starts = dataset.starts  # row offset of each row group, then the total
         self.window = window
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self.seed + self.epoch)
-        starts = [0]
-        for n in self.sizes:
-            starts.append(starts[-1] + n)
-        order = torch.randperm(len(self.sizes), generator=g).tolist()
+        starts = self.starts
+        order = torch.randperm(len(starts) - 1, generator=g).tolist()
         indices: list[int] = []
         for w in range(0, len(order), self.window):
             groups = order[w : w + self.window]

@@ -73,7 +73,7 @@ def build_model(num_classes: int, *, pretrained: str | None = None) -> torch.nn.
 def _read_state_dict(loc: Location) -> dict[str, torch.Tensor]:
     if not loc.exists():
         raise InputError(f"pretrained weights {loc.uri} do not exist")
-    state = torch.load(io.BytesIO(loc.read_bytes()), map_location="cpu", weights_only=True)
+    state = _load_tensors(loc)
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
         state = state["model"]
     return state
@@ -120,8 +120,12 @@ def read_meta(checkpoint: str | Path | Location) -> CheckpointMeta:
 
 
 def load_weights(checkpoint: str | Path | Location) -> dict[str, torch.Tensor]:
-    data = _location(checkpoint).child(WEIGHTS).read_bytes()
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return _load_tensors(_location(checkpoint).child(WEIGHTS))
+
+
+def _load_tensors(file: Location):
+    """torch.load of a local or remote file, tensors only (weights_only), onto the CPU."""
+    return torch.load(io.BytesIO(file.read_bytes()), map_location="cpu", weights_only=True)
 
 
 def load_train_state(directory: str | Path) -> dict:
