@@ -9,7 +9,6 @@ printed: the quick check of seed 001.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import posixpath
@@ -28,6 +27,7 @@ from pipeline.config import InferConfig
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ClusterError, InputError
 from pipeline.model import METADATA, load_model, read_meta
+from pipeline.plots import plot_confusion
 from pipeline.storage import Location
 from pipeline.train import SCORE, SNAPSHOT, Step, best_checkpoint, load_result, pick_precision
 from pipeline.transforms import BadImageError, decode_image, resize_center_crop
@@ -295,29 +295,6 @@ def summarize(meta, checkpoint: Location, labels, preds, skipped, seconds: float
             "confusion_matrix": cm.tolist(),
         }  # fmt: skip
     return summary
-
-
-def plot_confusion(cm: list[list[int]], classes: list[str]) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    size = max(4, 0.6 * len(classes) + 2)
-    fig, ax = plt.subplots(figsize=(size, size))
-    ax.imshow(np.array(cm), cmap="Blues")
-    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xlabel="predicted",
-           ylabel="true", title="Confusion matrix")  # fmt: skip
-    ax.set_xticklabels(classes, rotation=45, ha="right")
-    ax.set_yticklabels(classes)
-    for i, row in enumerate(cm):
-        for j, v in enumerate(row):
-            ax.text(j, i, str(v), ha="center", va="center", fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
 
 
 # --- one image ---------------------------------------------------------------------------------

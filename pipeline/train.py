@@ -49,6 +49,7 @@ from pipeline.model import (
     save_checkpoint,
     unwrap,
 )
+from pipeline.plots import plot_curves
 from pipeline.storage import Location
 
 log = logging.getLogger(__name__)
@@ -469,7 +470,7 @@ def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
     }
     run_dir.child("summary.json").write_bytes(json.dumps(summary, indent=2).encode())
     run_dir.child("history.csv").write_bytes(history_csv(history).encode())
-    run_dir.child("curves.png").write_bytes(plot_curves(history))
+    run_dir.child("curves.png").write_bytes(plot_curves(history, score=SCORE))
     return summary
 
 
@@ -479,29 +480,3 @@ def history_csv(history: list[dict]) -> str:
     writer.writeheader()
     writer.writerows(history)
     return out.getvalue()
-
-
-def plot_curves(history: list[dict]) -> bytes:
-    """Loss and accuracy per epoch, as PNG bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on cluster nodes
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    epochs = [h["epoch"] for h in history]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
-    left.plot(epochs, [h["val_loss"] for h in history], marker="o", label="val")
-    left.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
-    left.legend()
-    right.plot(epochs, [h[SCORE] for h in history], marker="o", color="tab:green")
-    right.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="Val accuracy")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()

@@ -1,0 +1,57 @@
+"""Figures the jobs write beside their outputs, as PNG bytes (matplotlib, imported on use)."""
+
+from __future__ import annotations
+
+import io
+
+
+def plot_curves(history: list[dict], *, score: str) -> bytes:
+    """Loss and `score` per epoch, as PNG bytes."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    epochs = [h["epoch"] for h in history]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
+    left.plot(epochs, [h["val_loss"] for h in history], marker="o", label="val")
+    left.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
+    left.legend()
+    right.plot(epochs, [h[score] for h in history], marker="o", color="tab:green")
+    right.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="Val accuracy")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _png(fig)
+
+
+def plot_confusion(cm: list[list[int]], classes: list[str]) -> bytes:
+    """A confusion matrix (rows: true class, columns: predicted), as PNG bytes."""
+    plt = _pyplot()
+    size = max(4, 0.6 * len(classes) + 2)
+    fig, ax = plt.subplots(figsize=(size, size))
+    ax.imshow(cm, cmap="Blues")
+    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xlabel="predicted",
+           ylabel="true", title="Confusion matrix")  # fmt: skip
+    ax.set_xticklabels(classes, rotation=45, ha="right")
+    ax.set_yticklabels(classes)
+    for i, row in enumerate(cm):
+        for j, v in enumerate(row):
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=8)
+    return _png(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    _pyplot().close(fig)
+    return buf.getvalue()
