@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from common import preprocess_generated, write_results
 
-from pipeline.cluster import BUNDLE_ROOT, LocalCluster
+from pipeline.cluster import LocalCluster
 from pipeline.dataset import read_manifest
 from pipeline.infer import Classifier, _classify_one, prepare_image
 from pipeline.model import CheckpointMeta, build_model, save_checkpoint
@@ -33,15 +34,8 @@ from pipeline.storage import Location
 
 def make_inputs(tmp: Path, per_class: int, cpus: int) -> tuple[Path, Path]:
     dataset, checkpoint = tmp / "dataset", tmp / "checkpoint"
-    with LocalCluster(num_cpus=cpus) as cluster:
-        proc = cluster.submit(
-            ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-             f"output={dataset}", f"source.synthetic.images_per_class={per_class}",
-             "val_fraction=0.5"],
-            capture=True,
-        )  # fmt: skip
-    if proc.returncode != 0:
-        sys.exit(f"preprocess failed:\n{proc.stdout[-3000:]}")
+    preprocess_generated(dataset, f"source.synthetic.images_per_class={per_class}",
+                         "val_fraction=0.5", cpus=cpus)  # fmt: skip
     m = read_manifest(Location.parse(str(dataset)))
     checkpoint.mkdir()
     meta = CheckpointMeta(epoch=0, classes=m.classes, image_size=m.image_size, mean=m.mean,
@@ -122,10 +116,7 @@ def main() -> None:
         r["ray_data_ratio"] = round(base / r["images_per_s"], 2)
         print(f"{name:>15} {r['images']:>7} {r['images_per_s']:>9.1f} "
               f"{r['ray_data_ratio']:>11.2f}x")  # fmt: skip
-    path = BUNDLE_ROOT / "bench" / "results" / "infer.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    print(f"written to {path}")
+    write_results("infer", {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ bench/results/preprocess.json.
 
 import argparse
 import datetime
-import json
 import re
 import sys
 import tempfile
 from pathlib import Path
 
-from pipeline.cluster import BUNDLE_ROOT, LocalCluster
+from common import write_results
+
+from pipeline.cluster import LocalCluster
 from pipeline.sources import render_synthetic
 
 PROGRESS = re.compile(
@@ -81,10 +82,7 @@ def main() -> None:
             f"{r['cpus']:>5} {r['images_per_s']:>10.1f} {r['ratio']:>6.2f}x "
             f"{r['steady_images_per_s']:>8.1f} {r['steady_ratio']:>6.2f}x"
         )
-    path = BUNDLE_ROOT / "bench" / "results" / "preprocess.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2))
-    print(f"written to {path}")
+    write_results("preprocess", results)
 
 
 if __name__ == "__main__":

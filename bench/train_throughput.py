@@ -13,7 +13,6 @@ bench/results/train.json.
 
 import argparse
 import csv
-import json
 import statistics
 import subprocess
 import sys
@@ -21,19 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import preprocess_generated, write_results
+
 from pipeline.cluster import BUNDLE_ROOT, LocalCluster
-
-
-def preprocess(out: Path, image_size: int, per_class: int) -> None:
-    with LocalCluster(num_cpus=2) as cluster:
-        proc = cluster.submit(
-            ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-             f"output={out}", f"image_size={image_size}", f"source.synthetic.raw_size={image_size}",
-             f"source.synthetic.images_per_class={per_class}"],
-            capture=True,
-        )  # fmt: skip
-    if proc.returncode != 0:
-        sys.exit(f"preprocess failed:\n{proc.stdout[-3000:]}")
 
 
 def measure(dataset: Path, runs: Path, workers: int, epochs: int) -> dict:
@@ -75,7 +64,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "dataset"
-        preprocess(dataset, args.image_size, args.images_per_class)
+        size, per_class = args.image_size, args.images_per_class
+        preprocess_generated(dataset, f"image_size={size}", f"source.synthetic.raw_size={size}",
+                             f"source.synthetic.images_per_class={per_class}")  # fmt: skip
         results = [measure(dataset, Path(tmp) / "runs", w, args.epochs) for w in args.workers]
     first = results[0]
     print(f"\ntrain ResNet-18, {args.image_size} px, 6 classes x {args.images_per_class} images")
@@ -86,10 +77,7 @@ def main() -> None:
             f"{r['workers']:>8} {r['images_per_s']:>9.1f} {r['ratio']:>6.2f}x "
             f"{r['images_per_s_per_worker']:>11.1f} {r['submit_to_training_s']:>16.1f}"
         )
-    path = BUNDLE_ROOT / "bench" / "results" / "train.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    print(f"written to {path}")
+    write_results("train", {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":
