@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import signal
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,8 @@ import ray
 
 from pipeline.cluster import LocalCluster
 from pipeline.sources import render_synthetic
+
+EXIT_STATUS = pytest.StashKey[int]()
 
 CLASSES = ("red_circle", "green_square", "blue_triangle")
 
@@ -64,6 +67,23 @@ def make_image_folder(root: Path, per_class: int = 20, corrupt: bool = True) -> 
             (first / name).write_bytes(data)
             bad[f"{CLASSES[0]}/{name}"] = reason
     return bad
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Leave without the interpreter's teardown, keeping pytest's exit status. After the last
+    test, native threads of the libraries loaded here (the AWS SDK inside Arrow, Ray's core
+    worker, torch's pools) can crash while Python finalises (apache/arrow#38352): a segfault
+    that says nothing about the code under test, yet failed a CI run whose every test passed."""
+    if EXIT_STATUS in config.stash:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash[EXIT_STATUS])
 
 
 @pytest.fixture(scope="module")
