@@ -8,6 +8,7 @@ cluster the user runs, nor their ~/.ray/auth_token.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -49,6 +50,7 @@ class LocalCluster:
         self.dashboard_port = free_port()
         self.temp_dir = ""
         self._proc: subprocess.Popen | None = None
+        self.nodes: list[Node] = []
 
     @property
     def address(self) -> str:
@@ -75,24 +77,15 @@ class LocalCluster:
         }
 
     def start(self, timeout_s: float = 90) -> LocalCluster:
-        # Short path: Ray's unix sockets live under it, and socket paths are capped at 107 bytes.
-        self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-        cmd = [
-            _ray_cli(), "start", "--head", "--block",
-            "--node-ip-address=127.0.0.1",
-            f"--port={self.gcs_port}",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--temp-dir={self.temp_dir}",
-            "--disable-usage-stats",
-        ]  # fmt: skip
-        if self.num_cpus is not None:
-            cmd.append(f"--num-cpus={self.num_cpus}")
-        self._log = open(os.path.join(self.temp_dir, "ray-start.log"), "wb")  # noqa: SIM115
-        self._proc = subprocess.Popen(
-            cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        self.temp_dir, self._proc, self._log = _ray_start(
+            [
+                "--head",
+                f"--port={self.gcs_port}",
+                f"--dashboard-port={self.dashboard_port}",
+                f"--ray-client-server-port={free_port()}",
+            ],
+            self.num_cpus,
+            self.env,
         )
         try:
             self._wait_ready(timeout_s)
@@ -101,6 +94,29 @@ class LocalCluster:
             raise
         log.info("Ray cluster up: dashboard %s, %s CPUs", self.address, self.num_cpus or "all")
         return self
+
+    def add_node(self, num_cpus: int, timeout_s: float = 60) -> Node:
+        """Join one more node (`ray start --address`) with its own processes, temp dir and
+        resources; returns once the cluster counts it. `stop` stops it with the head."""
+        # A resource of its own, to tell this node from the others in the node list.
+        tag = f"local_node_{len(self.nodes) + 1}"
+        args = [f"--address={self.gcs_address}", f"--resources={json.dumps({tag: 1})}"]
+        node = Node(*_ray_start(args, num_cpus, self.env))
+        self.nodes.append(node)
+        deadline = time.monotonic() + timeout_s
+        while tag not in self.alive_resources():
+            if node.proc.poll() is not None or time.monotonic() > deadline:
+                node.remove()
+                raise RuntimeError(f"node did not join in {timeout_s:.0f}s:\n{node.log_tail()}")
+            time.sleep(0.5)
+        return node
+
+    def alive_resources(self) -> set[str]:
+        """Names of the resources that the cluster's live nodes have."""
+        out = self.ray("list", "nodes", "--format", "json", "--filter", "state=ALIVE")
+        if not out.lstrip().startswith("["):  # "No resource in the cluster", while it starts
+            return set()
+        return {name for node in json.loads(out) for name in node["resources_total"]}
 
     def _wait_ready(self, timeout_s: float) -> None:
         # Ready when the job API answers an authenticated request.
@@ -120,20 +136,21 @@ class LocalCluster:
             time.sleep(0.5)
         raise TimeoutError(f"Ray cluster not ready after {timeout_s:.0f}s:\n{self._log_tail()}")
 
-    def _log_tail(self, lines: int = 30) -> str:
-        path = os.path.join(self.temp_dir, "ray-start.log")
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+    def _log_tail(self) -> str:
+        return _log_tail(self.temp_dir)
 
     def stop(self) -> None:
-        """Stop what `start` started: the head's processes, then its temp dir."""
+        """Stop what `start` started: the nodes, the head's processes, then its temp dir."""
+        for node in self.nodes:
+            node.remove()
+        self.nodes = []
         if self._proc is not None:
             if self._proc.poll() is None:
                 # `ray start --block` tears down its processes on SIGTERM; after a job it can
                 # wait long on their graceful exits, and a throwaway cluster needs none.
                 self._proc.terminate()
                 try:
-                    self._proc.wait(timeout=10)
+                    self._proc.wait(timeout=3)
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
                     self._proc.wait()
@@ -144,12 +161,7 @@ class LocalCluster:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _kill_leftovers(self) -> None:
-        # Anything still alive in the head's process group, or naming our temp dir, is ours.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        for pid in _pids_mentioning(self.temp_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_tree(self._proc, self.temp_dir)
 
     def submit(
         self,
@@ -202,7 +214,67 @@ class LocalCluster:
         self.stop()
 
 
+class Node:
+    """A worker node of a LocalCluster: `ray start --address ... --block` and what it started."""
+
+    def __init__(self, temp_dir: str, proc: subprocess.Popen, log_file):
+        self.temp_dir, self.proc, self._log = temp_dir, proc, log_file
+
+    def kill(self) -> None:
+        """SIGKILL the node's raylet, its workers and the rest, as a machine that dies. Its
+        temp dir stays until the cluster stops: the files of a dead machine are out of reach,
+        not deleted under the feet of a process."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        _kill_tree(self.proc, self.temp_dir)
+
+    def remove(self) -> None:
+        self.kill()
+        self._log.close()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def log_tail(self) -> str:
+        return _log_tail(self.temp_dir)
+
+
+def _ray_start(args: list[str], num_cpus: int | None, env: dict[str, str]):
+    """`ray start --block <args>` on 127.0.0.1 in its own session, temp dir and free ports."""
+    # Short path: Ray's unix sockets live under it, and socket paths are capped at 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    cmd = [
+        _ray_cli(), "start", "--block", *args,
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *([f"--num-cpus={num_cpus}"] if num_cpus is not None else []),
+    ]  # fmt: skip
+    log_file = open(os.path.join(temp_dir, "ray-start.log"), "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    return temp_dir, proc, log_file
+
+
+def _log_tail(temp_dir: str, lines: int = 30) -> str:
+    with open(os.path.join(temp_dir, "ray-start.log"), errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def _kill_tree(proc: subprocess.Popen, temp_dir: str) -> None:
+    # Anything still alive in the node's process group, or naming its temp dir, is ours.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in _pids_mentioning(temp_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _pids_mentioning(text: str) -> list[int]:
+    """Processes whose command line names `text`, or that run in a directory under it (Ray
+    workers run in their runtime env's working dir, inside their node's temp dir)."""
     pids = []
     if not Path("/proc").is_dir():  # not Linux: the process group kill has to do
         return pids
@@ -211,8 +283,9 @@ def _pids_mentioning(text: str) -> list[int]:
             continue
         try:
             cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            cwd = os.readlink(proc / "cwd") if text not in cmdline else text
         except OSError:
             continue
-        if text in cmdline:
+        if text in cmdline or cwd.startswith(text):
             pids.append(int(proc.name))
     return pids

@@ -145,8 +145,9 @@ class ScalingConfig(_Strict):
     startup_timeout_s: float = Field(
         120,
         gt=0,
-        description="Fail if the workers cannot all be placed within this time, at start or "
-        "after a failure (Ray would otherwise wait forever).",
+        description="How long one attempt to place the workers waits (at start, or after a "
+        "failure) before it counts as a failure; after max_failures + 1 such attempts the job "
+        "fails (Ray would otherwise wait forever).",
     )
 
 

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 SCORE = "val_accuracy"  # what "best checkpoint" means, for retention and for inference
 SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's checkpoints
+RUN_SUMMARY = "summary.json"  # written last: a run with it has finished
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -389,8 +390,10 @@ def fit(cfg: TrainConfig) -> None:
     s = cfg.scaling
     per_worker = {"CPU": s.cpus_per_worker} | ({"GPU": 1} if s.use_gpu else {})
     # Ray Train waits this long for the workers' placement group, then retries forever unless
-    # controller failures are capped: capped at 0, "cannot place the workers" becomes an error
-    # within startup_timeout_s, at start and after a failure alike.
+    # controller failures are capped. Capped at max_failures: a worker group that cannot be
+    # placed, or that fails to start (a node lost while its workers import torch), is retried
+    # like a worker failure, and a cluster without room ends the job after max_failures + 1
+    # attempts of startup_timeout_s each.
     os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(s.startup_timeout_s)
     trainer = ray.train.torch.TorchTrainer(
         train_loop_per_worker,
@@ -402,7 +405,7 @@ def fit(cfg: TrainConfig) -> None:
             name=cfg.name,
             storage_path=cfg.storage_path,
             failure_config=ray.train.FailureConfig(
-                max_failures=cfg.max_failures, controller_failure_limit=0
+                max_failures=cfg.max_failures, controller_failure_limit=cfg.max_failures
             ),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.num_to_keep,
@@ -420,8 +423,9 @@ def fit(cfg: TrainConfig) -> None:
             have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
             raise ClusterError(
                 f"the cluster could not place {s.num_workers} training workers with "
-                f"{per_worker} each within {s.startup_timeout_s:.0f} s (startup_timeout_s); "
-                f"it has {have} in total. Lower scaling.num_workers or "
+                f"{per_worker} each within {s.startup_timeout_s:.0f} s (startup_timeout_s), "
+                f"{cfg.max_failures + 1} times (max_failures={cfg.max_failures}); it has {have} "
+                "in total. Lower scaling.num_workers or "
                 "scaling.cpus_per_worker, add nodes (or GPUs), or raise "
                 "scaling.startup_timeout_s if the cluster is autoscaling"
             ) from None
@@ -468,7 +472,7 @@ def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
         "images_per_s_per_worker": sum(h["images_per_s_per_worker"] for h in history)
         / len(history),
     }
-    run_dir.child("summary.json").write_bytes(json.dumps(summary, indent=2).encode())
+    run_dir.child(RUN_SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
     run_dir.child("history.csv").write_bytes(history_csv(history).encode())
     run_dir.child("curves.png").write_bytes(plot_curves(history, score=SCORE))
     return summary

@@ -1,0 +1,75 @@
+"""Training across nodes: a head and two worker nodes on this machine, one killed mid-run.
+
+Each node is its own `ray start` (its own raylet, object store, temp dir and CPUs), joined to
+the head over 127.0.0.1, as machines join a real cluster; storage is a directory all of them
+see, as a shared filesystem would be.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from conftest import history, in_background, train_job, wait_for
+
+from pipeline.cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Head with no CPUs (it runs drivers, never training, as in cluster.yaml) + 2 one-CPU nodes."""
+    with LocalCluster(num_cpus=0) as cluster:
+        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=1)
+        yield cluster
+
+
+def training_worker_nodes(cluster) -> list[str]:
+    out = cluster.ray("list", "actors", "--filter", "class_name=RayTrainWorker",
+                      "--filter", "state=ALIVE", "--format", "json")  # fmt: skip
+    return sorted(a["node_id"] for a in json.loads(out)) if out.lstrip().startswith("[") else []
+
+
+def test_node_lost_mid_training(nodes, tiny_dataset, tmp_path):
+    # 1. A node dies after the first checkpoint; a node rejoins 5 s later, as an autoscaler
+    # would bring one: the run recovers and finishes with every epoch once.
+    run = tmp_path / "multi"
+    args = ("name=multi", "scaling.startup_timeout_s=60")
+    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, "epochs=2")
+    wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
+    workers = training_worker_nodes(nodes)
+    assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
+    nodes.nodes[-1].kill()  # the machine dies: raylet, object store, the training worker on it
+    killed_at = time.monotonic()
+    time.sleep(5)
+    nodes.add_node(num_cpus=1)
+    wait_for(lambda: (run / "epoch_0001").exists() or job.done(), "a checkpoint after the loss")
+    recovered_s = time.monotonic() - killed_at
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    assert re.search(r"resumed from checkpoint \S+/multi/epoch_0000", proc.stdout), proc.stdout
+    assert [r["epoch"] for r in history(run)] == [0, 1]
+    print(f"node lost -> next checkpoint: {recovered_s:.0f} s")  # for the record (-s)
+
+    # 2. The same run trained on (epochs=3); a node dies and no capacity comes back: the job
+    # fails after max_failures + 1 attempts of startup_timeout_s, clearly, instead of Ray
+    # Train's endless retry (even when the node is lost while the workers start). Its
+    # checkpoints stay, for a resubmit once the cluster has room.
+    args = ("name=multi", "scaling.startup_timeout_s=5", "max_failures=2", "epochs=3")
+    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args)
+    wait_for(lambda: len(training_worker_nodes(nodes)) == 2 or job.done(), "training workers")
+    nodes.nodes[-1].kill()
+    killed_at = time.monotonic()
+    proc = job.result()
+    waited = time.monotonic() - killed_at
+    assert proc.returncode != 0, proc.stdout
+    expected = "could not place 2 training workers with {'CPU': 1} each within 5 s"
+    assert f"{expected} (startup_timeout_s), 3 times (max_failures=2)" in proc.stdout, proc.stdout
+    assert "it has {'CPU': 1.0} in total" in proc.stdout  # what is left: one node
+    assert waited < 90, f"the job took {waited:.0f} s to give up"
+    assert (run / "epoch_0001" / "model.pt").exists()
+    print(f"node lost, no capacity -> job failed after {waited:.0f} s")
