@@ -17,12 +17,14 @@ import ray
 
 from pipeline.cli import job_main
 from pipeline.config import InferConfig
-from pipeline.infer import classify_image, is_single_image, run
 
 log = logging.getLogger("jobs.infer")
 
 
 def main(cfg: InferConfig) -> None:
+    # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
+    from pipeline.infer import classify_image, is_single_image, run
+
     ray.init()
     if is_single_image(cfg):
         print(json.dumps(classify_image(cfg), indent=2), flush=True)

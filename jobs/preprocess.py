@@ -12,12 +12,14 @@ import ray
 
 from pipeline.cli import job_main
 from pipeline.config import PreprocessConfig
-from pipeline.preprocess import run
 
 log = logging.getLogger("jobs.preprocess")
 
 
 def main(cfg: PreprocessConfig) -> None:
+    # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
+    from pipeline.preprocess import run
+
     ray.init()
     manifest = run(cfg)
     train, val = manifest.splits["train"], manifest.splits["val"]

@@ -16,12 +16,14 @@ import ray
 
 from pipeline.cli import job_main
 from pipeline.config import TrainConfig
-from pipeline.train import run
 
 log = logging.getLogger("jobs.train")
 
 
 def main(cfg: TrainConfig) -> None:
+    # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
+    from pipeline.train import run
+
     ray.init()
     summary = run(cfg)
     best = summary["best_metrics"]

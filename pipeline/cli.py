@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,22 @@ def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[
         body(cfg)
     except (InputError, ConfigError, ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_CODES[type(e)])
+        exit_now(EXIT_CODES[type(e)])
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Flush, leave Ray, and exit without the interpreter's teardown. The job is done and its
+    outputs are in place; the teardown of torch, Ray and Arrow's AWS SDK costs seconds per job
+    and can crash (apache/arrow#38352), which would turn a job that succeeded into a failure."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def setup_logging() -> None:
