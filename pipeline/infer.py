@@ -29,7 +29,15 @@ from pipeline.errors import ClusterError, InputError
 from pipeline.model import METADATA, load_model, read_meta
 from pipeline.plots import plot_confusion
 from pipeline.storage import Location
-from pipeline.train import SCORE, SNAPSHOT, Step, best_checkpoint, load_result, pick_precision
+from pipeline.train import (
+    RUN_SUMMARY,
+    SCORE,
+    SNAPSHOT,
+    Step,
+    best_checkpoint,
+    load_result,
+    pick_precision,
+)
 from pipeline.transforms import BadImageError, decode_image, resize_center_crop
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,13 @@ def resolve_checkpoint(model: Location) -> Location:
     if model.child(METADATA).exists():
         return model
     if model.child(SNAPSHOT).exists():
+        if not model.child(RUN_SUMMARY).exists():
+            # A scheduler that retries inference must not classify with a half-trained model.
+            raise InputError(
+                f"run {model.uri} has not finished training (no {RUN_SUMMARY}): let its train "
+                "job finish (submitting it again resumes it), or pass one checkpoint directory "
+                f"as model={model.uri}/epoch_NNNN"
+            )
         result = load_result(model)
         if not result.best_checkpoints:
             raise InputError(f"run {model.uri} has no checkpoint yet: train it first")

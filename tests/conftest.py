@@ -205,3 +205,50 @@ def main_run(train_cluster, tiny_dataset, tmp_path_factory):
     proc = job.result()
     assert proc.returncode == 0, proc.stdout
     return proc, run
+
+
+# --- the Airflow example, read as Airflow would ----------------------------------------------
+
+DAG_FILE = Path(__file__).resolve().parent.parent / "examples" / "airflow" / "ray_cv_dag.py"
+
+
+def airflow_dag_tasks(env: dict[str, str]) -> list[dict]:
+    """Parse the example DAG with `env` (its RAY_CV_* settings) as Airflow's DAG processor
+    would, and return each task's arguments, in the order `chain` runs them. Airflow itself is
+    not installed here: the two names the DAG takes from it are stand-ins that record."""
+    import runpy
+    import types
+    from unittest import mock
+
+    tasks: list[dict] = []
+    order: list[str] = []
+
+    class BashOperator:
+        def __init__(self, **kwargs):
+            self.task_id = kwargs["task_id"]
+            tasks.append(kwargs)
+
+    class DAG:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def chain(*operators):
+        order.extend(op.task_id for op in operators)
+
+    modules = {name: types.ModuleType(name) for name in (
+        "airflow", "airflow.sdk", "airflow.providers", "airflow.providers.standard",
+        "airflow.providers.standard.operators", "airflow.providers.standard.operators.bash",
+    )}  # fmt: skip
+    modules["airflow.sdk"].DAG, modules["airflow.sdk"].chain = DAG, chain
+    modules["airflow.providers.standard.operators.bash"].BashOperator = BashOperator
+    with mock.patch.dict(sys.modules, modules), mock.patch.dict(os.environ, env):
+        runpy.run_path(str(DAG_FILE))
+    by_id = {t["task_id"]: t for t in tasks}
+    assert sorted(order) == sorted(by_id), "every task is chained, once"
+    return [by_id[task_id] for task_id in order]

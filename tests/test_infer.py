@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -108,6 +109,15 @@ def test_bad_model_and_input_paths_are_clear_errors(trained, tiny_dataset, tmp_p
     with pytest.raises(InputError, match="output= is required"):
         run(cfg(model=trained, input=tiny_dataset))
     assert resolve_checkpoint(Location.parse(str(trained))).path.startswith(str(trained))
+
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(trained, unfinished)
+    (unfinished / "summary.json").unlink()
+    with pytest.raises(InputError, match=r"has not finished training \(no summary.json\)"):
+        resolve_checkpoint(Location.parse(str(unfinished)))
+    # One of its checkpoints is still usable, explicitly.
+    ckpt = sorted(unfinished.glob("epoch_*"))[0]
+    assert resolve_checkpoint(Location.parse(str(ckpt))).path == str(ckpt)
 
 
 @pytest.mark.gpu

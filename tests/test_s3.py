@@ -1,13 +1,24 @@
-"""Source folder and output on a real S3-compatible server (moto), through `ray job submit`."""
+"""The chain as the Airflow example runs it, with everything on a real S3-compatible server
+(moto, on loopback): the image folder, the dataset, checkpoints, the resume, the predictions."""
+
+import csv
+import io
+import json
+import re
+import shlex
+import subprocess
+from concurrent.futures import Future
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from conftest import CLASSES, make_image_folder
+from conftest import CLASSES, airflow_dag_tasks, in_background, make_image_folder, wait_for
 
-from pipeline.cluster import LocalCluster, free_port
+from pipeline.cluster import BUNDLE_ROOT, LocalCluster, free_port
 from pipeline.dataset import read_manifest
 from pipeline.storage import Location
+from pipeline.submit import step_command
+from pipeline.train import SNAPSHOT
 
 pytestmark = pytest.mark.slow
 BUCKET = "bundle-test"
@@ -61,27 +72,119 @@ def upload(fs, local_root, prefix):
                 f.write(path.read_bytes())
 
 
-def test_preprocess_from_and_to_s3(s3, s3_cluster, tmp_path):
-    bad = make_image_folder(tmp_path / "src", per_class=12)
-    upload(s3, tmp_path / "src", f"{BUCKET}/raw")
-    job = ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-           "source.kind=folder", f"source.folder.path=s3://{BUCKET}/raw",
-           f"output=s3://{BUCKET}/datasets/shapes", "image_size=32", "shard_size=10"]  # fmt: skip
-    proc = s3_cluster.submit(job, capture=True, timeout_s=300)
-    assert proc.returncode == 0, proc.stdout
+# --- the chain, as the Airflow example runs it, with everything on S3 ------------------------
 
-    root = Location.parse(f"s3://{BUCKET}/datasets/shapes")
-    manifest = read_manifest(root)
+CHAIN_ROOT = f"s3://{BUCKET}/chain"
+CHAIN_SETTINGS = [
+    "preprocess.source.kind=folder", f"preprocess.source.folder.path=s3://{BUCKET}/raw",
+    "preprocess.image_size=32", "preprocess.shard_size=30", "preprocess.row_group_size=10",
+    "train.name=s3run", "train.epochs=2", "train.global_batch_size=16",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dag(s3_cluster):
+    tasks = airflow_dag_tasks({
+        "RAY_CV_BUNDLE": str(BUNDLE_ROOT), "RAY_CV_ADDRESS": s3_cluster.address,
+        "RAY_CV_ROOT": CHAIN_ROOT, "RAY_CV_PROFILE": "demo",
+        "RAY_CV_SET": shlex.join(CHAIN_SETTINGS),
+    })  # fmt: skip
+    return {t["task_id"]: t for t in tasks}
+
+
+def start_task(task: dict, cluster: LocalCluster) -> tuple[subprocess.Popen, list[str], Future]:
+    """Run a DAG task's command as Airflow's BashOperator would (its cwd, its env on top of the
+    worker's, the token Variable rendered); its output lines collect in the list as they come."""
+    env = {k: v.replace("{{ var.value.ray_auth_token }}", cluster.token)
+           for k, v in task["env"].items()}  # fmt: skip
+    proc = subprocess.Popen(
+        task["bash_command"], shell=True, cwd=task["cwd"], env={**cluster.env, **env},
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    lines: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+
+    return proc, lines, in_background(read)
+
+
+def run_task(task: dict, cluster: LocalCluster) -> tuple[int, str]:
+    proc, lines, reading = start_task(task, cluster)
+    reading.result(timeout=600)
+    return proc.wait(), "".join(lines)
+
+
+def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, dag, tmp_path):
+    # Preprocessing: an image folder on S3 (with files that are not images) -> Parquet on S3.
+    bad = make_image_folder(tmp_path / "src", per_class=40)
+    upload(s3, tmp_path / "src", f"{BUCKET}/raw")
+    code, out = run_task(dag["preprocess"], s3_cluster)
+    assert code == 0, out
+    dataset = Location.parse(f"{CHAIN_ROOT}/dataset")
+    manifest = read_manifest(dataset)
     assert manifest.classes == sorted(CLASSES)
     assert {s.source_id for s in manifest.skipped} == set(bad)
-    rows = sum(pq.read_table(root.child(f.path).path, filesystem=s3).num_rows
+    rows = sum(pq.read_table(dataset.child(f.path).path, filesystem=s3).num_rows
                for info in manifest.splits.values() for f in info.files)  # fmt: skip
-    assert rows == 36
-    keys = [i.path for i in root.list_files()]
+    assert rows == 120
+    keys = [i.path for i in dataset.list_files()]
     assert not [k for k in keys if "/_staging/" in k]
-    assert f"{root.path}/config.yaml" in keys
+    assert f"{dataset.path}/config.yaml" in keys
+    val_rows = manifest.splits["val"].rows
 
-    # Re-submitting the same job is a no-op that says so.
-    again = s3_cluster.submit(job, capture=True, timeout_s=300)
-    assert again.returncode == 0 and "is up to date" in again.stdout
-    assert read_manifest(root) == manifest
+    # Training, stopped from outside with `ray job stop` after its first checkpoint on S3: the
+    # step fails (exit 4), where `ray job submit` would have exited 0.
+    run = Location.parse(f"{CHAIN_ROOT}/runs/s3run")
+    proc, lines, reading = start_task(dag["train"], s3_cluster)
+    wait_for(lambda: any("[train] submitted" in line for line in lines), "submission")
+    (submission_id,) = [re.search(r"\[train\] submitted (\S+):", line)[1]
+                        for line in lines if "[train] submitted" in line]  # fmt: skip
+    # A checkpoint counts once Ray Train has recorded it in the run's snapshot.
+    wait_for(lambda: run.child(SNAPSHOT).exists() or proc.poll() is not None,
+             "first checkpoint on S3")  # fmt: skip
+    s3_cluster.ray("job", "stop", submission_id)
+    reading.result(timeout=300)
+    out = "".join(lines)
+    proc.wait()
+    assert proc.returncode == 4, out
+    assert f"[train] {submission_id} was stopped" in out
+
+    # The scheduler's retry: the same command resumes from the checkpoint on S3.
+    code, out = run_task(dag["train"], s3_cluster)
+    assert code == 0, out
+    resumed = re.search(rf"resuming from {CHAIN_ROOT}/runs/s3run/epoch_(\d+)", out)
+    assert resumed, out
+    trained_now = [int(e) for e in re.findall(r"epoch (\d)/1: train_loss", out)]
+    assert trained_now == list(range(int(resumed[1]) + 1, 2))
+    summary = json.loads(run.child("summary.json").read_bytes())
+    rows = csv.DictReader(io.StringIO(run.child("history.csv").read_bytes().decode()))
+    assert [int(r["epoch"]) for r in rows] == [0, 1]
+    assert summary["best_checkpoint"].startswith(f"{CHAIN_ROOT}/runs/s3run/epoch_")
+    kept = {i.path.rsplit("/", 2)[-2] for i in run.list_files() if i.path.endswith("/model.pt")}
+    assert kept == {"epoch_0000", "epoch_0001"}
+
+    # Inference reads the best checkpoint from S3 and writes its predictions there.
+    code, out = run_task(dag["infer"], s3_cluster)
+    assert code == 0, out
+    predictions = Location.parse(f"{CHAIN_ROOT}/predictions/s3run")
+    result = json.loads(predictions.child("summary.json").read_bytes())
+    assert result["checkpoint"] == summary["best_checkpoint"]
+    assert result["images"] == val_rows
+    assert result["accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"], abs=1e-6)
+    table = pq.read_table(predictions.child("predictions.parquet").path, filesystem=s3)
+    assert table.num_rows == val_rows
+
+
+def test_chain_stops_at_the_first_failed_job_with_its_exit_code(s3_cluster):
+    missing = f"preprocess.source.folder.path=s3://{BUCKET}/no-such-folder"
+    sets = ["preprocess.source.kind=folder", missing]
+    root = f"s3://{BUCKET}/broken"
+    cmd = step_command(s3_cluster.address, root, "all", profile="demo", sets=sets)
+    proc = subprocess.run(cmd, cwd=BUNDLE_ROOT, env=s3_cluster.env, text=True,
+                          capture_output=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the preprocess job's own code
+    assert f"s3://{BUCKET}/no-such-folder does not exist" in proc.stdout
+    assert re.search(r"\[preprocess\] \S+ failed with exit code 1", proc.stderr)
+    assert "[train]" not in proc.stdout + proc.stderr

@@ -1,12 +1,12 @@
 """Training: the per-worker steps on the CPU, the driver's checks, and (slow) the real job on a
-real local Ray cluster: learning, retention, worker kills, stop and resubmit, fail-fast."""
+real local Ray cluster: learning, retention, worker kills. (Stop and resubmit: test_s3, with the
+run on S3. Workers the cluster cannot place, failing within a bound: test_multinode.)"""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -202,35 +202,3 @@ def test_a_kill_with_max_failures_0_fails_the_job(train_cluster, tiny_dataset, t
     assert proc.returncode != 0, proc.stdout
     assert "training failed and max_failures=0 retries are used up" in proc.stdout
     assert str(pid) in proc.stdout  # the last error names the worker that died
-
-
-@pytest.mark.slow
-def test_stopped_job_resumes_when_submitted_again(train_cluster, tiny_dataset, tmp_path):
-    run = tmp_path / "stopped"
-    args = ("name=stopped", "epochs=3")
-    first = in_background(train_job, train_cluster, tiny_dataset, tmp_path, *args,
-                          submission_id="train-stopped-1")  # fmt: skip
-    wait_for(lambda: (run / "epoch_0000").exists() or first.done(), "first checkpoint")
-    train_cluster.ray("job", "stop", "train-stopped-1")
-    first.result()
-    assert "was stopped" in train_cluster.ray("job", "status", "train-stopped-1")
-
-    proc = train_job(train_cluster, tiny_dataset, tmp_path, *args)
-    assert proc.returncode == 0, proc.stdout
-    resumed = re.search(r"resuming from \S+/stopped/epoch_(\d+)", proc.stdout)
-    assert resumed, proc.stdout
-    done_before = int(resumed[1]) + 1
-    trained_now = re.findall(r"epoch (\d)/2: train_loss", proc.stdout)
-    assert [int(e) for e in trained_now] == list(range(done_before, 3))
-    assert [r["epoch"] for r in history(run)] == [0, 1, 2]
-
-
-@pytest.mark.slow
-def test_workers_the_cluster_cannot_place_fail_fast(train_cluster, tiny_dataset, tmp_path):
-    started = time.monotonic()
-    proc = train_job(train_cluster, tiny_dataset, tmp_path, "scaling.num_workers=3",
-                     "global_batch_size=30", "scaling.startup_timeout_s=5")  # fmt: skip
-    assert proc.returncode != 0
-    assert "could not place 3 training workers with {'CPU': 1} each within 5 s" in proc.stdout
-    assert "it has {'CPU': 2.0} in total" in proc.stdout
-    assert time.monotonic() - started < 120

@@ -1,0 +1,194 @@
+"""Submit the bundle's jobs to a Ray cluster in order: the chain a scheduler runs.
+
+    python -m pipeline.submit --address http://127.0.0.1:8265 --root s3://bucket/ray-cv all
+    python -m pipeline.submit --address ... --root ... --set train.epochs=20 train
+
+Every job goes to the cluster with runtime_env.yaml, as `ray job submit` sends it; its log is
+streamed here. Paths come from `--root`: the dataset at <root>/dataset, training runs under
+<root>/runs (the run named by the train config), predictions at <root>/predictions/<run name>.
+So each step can be retried on its own: preprocessing is a no-op when its dataset is up to date,
+training resumes its run or says it is complete, and inference replaces its output.
+
+Only a job that SUCCEEDED counts: `ray job submit` itself exits 0 for a job that was stopped.
+Exit codes: 0 every step succeeded; the failed job's own exit code (1 unusable input, 2 invalid
+config, 3 the cluster could not do it; 1 when the job died without one); 4 the job was stopped
+(`ray job stop`) or this command interrupted, which stops the job too; 2 an invalid config or
+argument here, before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import logging
+import posixpath
+import secrets
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pipeline.cli import setup_logging
+from pipeline.config import InferConfig, PreprocessConfig, TrainConfig, load_config
+from pipeline.errors import ConfigError
+
+BUNDLE_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {"preprocess": PreprocessConfig, "train": TrainConfig, "infer": InferConfig}
+STEPS = tuple(CONFIGS)
+STOPPED_EXIT = 4
+
+
+@dataclass(frozen=True)
+class Job:
+    step: str
+    entrypoint: list[str]  # what the job runs on the cluster
+
+
+def plan(root: str, *, profile: str = "", sets: list[str] = ()) -> list[Job]:
+    """The three jobs, with their paths under `root` and the `step.key=value` overrides.
+
+    Every config is loaded and validated here, so a bad one fails before anything is submitted."""
+    root = root.rstrip("/") if "://" in root else str(Path(root).resolve())
+    overrides: dict[str, list[str]] = {step: [] for step in STEPS}
+    for item in sets:
+        step, dot, rest = item.partition(".")
+        if step not in overrides or not dot:
+            raise ConfigError(f"--set {item!r}: must start with one of {', '.join(STEPS)}, "
+                              "then the job's key, e.g. train.epochs=20")  # fmt: skip
+        overrides[step].append(rest)
+    dataset, runs = posixpath.join(root, "dataset"), posixpath.join(root, "runs")
+    paths = {"preprocess": [f"output={dataset}"],
+             "train": [f"dataset={dataset}", f"storage_path={runs}"]}  # fmt: skip
+    train = load_config(TrainConfig, BUNDLE_ROOT / _config_file("train", profile),
+                        [*paths["train"], *overrides["train"]])  # fmt: skip
+    paths["infer"] = [
+        f"model={posixpath.join(runs, train.name)}",
+        f"input={dataset}",
+        f"output={posixpath.join(root, 'predictions', train.name)}",
+    ]
+    jobs = []
+    for step in STEPS:
+        config_file = _config_file(step, profile)
+        args = [*paths[step], *overrides[step]]
+        load_config(CONFIGS[step], BUNDLE_ROOT / config_file, args)
+        entrypoint = ["python", "-m", f"jobs.{step}", "--config", config_file, *args]
+        jobs.append(Job(step, entrypoint))
+    return jobs
+
+
+def _config_file(step: str, profile: str) -> str:
+    return f"configs/{profile + '-' if profile else ''}{step}.yaml"
+
+
+def step_command(address: str, root: str, step: str, *, profile: str = "",
+                 sets: list[str] = ()) -> list[str]:  # fmt: skip
+    """The command line that runs one step: what a scheduler's task runs (see examples/)."""
+    return [
+        "python", "-m", "pipeline.submit", "--address", address, "--root", root,
+        *(["--profile", profile] if profile else []),
+        *[f"--set={s}" for s in sets],
+        step,
+    ]  # fmt: skip
+
+
+def runtime_env() -> dict:
+    """runtime_env.yaml, with the working dir made absolute: the bundle, wherever we run from."""
+    env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
+    env["working_dir"] = str((BUNDLE_ROOT / env.get("working_dir", ".")).resolve())
+    return env
+
+
+def submit_and_wait(address: str, job: Job) -> int:
+    """Submit `job`, stream its log to stdout, return its exit code (0 only for SUCCEEDED)."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    started = time.monotonic()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    submission_id = f"ray-cv-{job.step}-{stamp}-{secrets.token_hex(3)}"
+    client.submit_job(
+        entrypoint=shlex.join(job.entrypoint),
+        runtime_env=runtime_env(),
+        submission_id=submission_id,
+    )
+    print(f"[{job.step}] submitted {submission_id}: {shlex.join(job.entrypoint)}", flush=True)
+    try:
+        with _sigterm_as_interrupt():
+            asyncio.run(_stream_logs(client, submission_id))
+            info = client.get_job_info(submission_id)
+            while not info.status.is_terminal():  # the log stream can end a moment early
+                time.sleep(0.5)
+                info = client.get_job_info(submission_id)
+    except KeyboardInterrupt:
+        # A scheduler killing its task (or Ctrl-C) must not leave the job running unseen.
+        client.stop_job(submission_id)
+        print(f"[{job.step}] interrupted: stopped {submission_id}", file=sys.stderr, flush=True)
+        return STOPPED_EXIT
+    if info.status == JobStatus.SUCCEEDED:
+        took = time.monotonic() - started
+        print(f"[{job.step}] {submission_id} succeeded in {took:.0f} s", flush=True)
+        return 0
+    if info.status == JobStatus.STOPPED:
+        print(f"[{job.step}] {submission_id} was stopped", file=sys.stderr, flush=True)
+        return STOPPED_EXIT
+    code = info.driver_exit_code or 1
+    print(f"[{job.step}] {submission_id} failed with exit code {code}: {info.message}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return code
+
+
+async def _stream_logs(client, submission_id: str) -> None:
+    async for lines in client.tail_job_logs(submission_id):
+        sys.stdout.write(lines)
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    # Airflow, cron wrappers and CI runners end a task with SIGTERM.
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.submit", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add = parser.add_argument
+    add("--address", required=True, help="the cluster's dashboard: http://HOST:8265")
+    add("--root", required=True, help="where outputs go: s3://bucket/prefix or a shared path")
+    add("--profile", default="", help="'demo' for configs/demo-<step>.yaml; default <step>.yaml")
+    add("--set", action="append", default=[], metavar="STEP.KEY=VALUE",
+        help="override a job's config, e.g. --set train.epochs=20 (repeatable)")  # fmt: skip
+    parser.add_argument("step", choices=[*STEPS, "all"])
+    args = parser.parse_args(argv)
+    setup_logging()
+    logging.getLogger("ray").setLevel(logging.WARNING)  # the SDK's upload and websocket chatter
+    try:
+        jobs = plan(args.root, profile=args.profile, sets=args.set)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for job in jobs:
+        if args.step in (job.step, "all"):
+            code = submit_and_wait(args.address, job)
+            if code != 0:
+                return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
