@@ -156,3 +156,63 @@ def test_head_dashboard_only_on_loopback(cluster):
     assert option(head, "--dashboard-host") == "127.0.0.1"
     # Without it the head never launches a worker; Ray only warns.
     assert option(head, "--autoscaling-config") == "~/ray_bootstrap_config.yaml"
+
+
+def workers_fitting(node_types: dict, demand: dict[str, float]) -> int:
+    """How many bundles of `demand` the cluster's worker nodes hold, all scaled up to max."""
+    total = 0
+    for node in node_types.values():
+        per_node = min(
+            int(node["resources"].get(name, 0) // amount) for name, amount in demand.items()
+        )
+        total += per_node * node.get("max_workers", 0)
+    return total
+
+
+@pytest.fixture(scope="module")
+def worker_types(cluster) -> dict:
+    return {k: v for k, v in cluster["available_node_types"].items()
+            if k != cluster["head_node_type"]}  # fmt: skip
+
+
+def test_head_runs_no_training(cluster):
+    head = cluster["available_node_types"][cluster["head_node_type"]]
+    assert head["resources"].get("CPU") == 0 and not head["resources"].get("GPU")
+
+
+def test_gpu_workers_scale_from_zero_one_gpu_each(worker_types):
+    gpu = [t for t in worker_types.values() if t["resources"].get("GPU")]
+    assert gpu, "no GPU worker type"
+    for t in gpu:
+        assert t["resources"]["GPU"] == 1 and t.get("min_workers", 0) == 0
+        assert t["max_workers"] >= 1
+
+
+def test_worker_types_can_hold_the_default_train_config(worker_types, cluster):
+    from pipeline.config import TrainConfig, load_config
+
+    cfg = load_config(TrainConfig, ROOT / "configs/train.yaml").scaling
+    demand = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
+    # Each Ray Train worker starts loader_workers DataLoader processes within its CPUs.
+    assert cfg.loader_workers <= cfg.cpus_per_worker
+    assert workers_fitting(worker_types, demand) >= cfg.num_workers, demand
+    assert cfg.num_workers <= cluster["max_workers"]
+
+
+def test_worker_types_can_hold_the_default_infer_config(worker_types):
+    from pipeline.config import InferConfig, load_config
+
+    cfg = load_config(InferConfig, ROOT / "configs/infer.yaml")
+    assert cfg.use_gpu
+    assert workers_fitting(worker_types, {"GPU": 1}) >= cfg.num_actors
+    # The read and decode stages need CPUs beside the GPU actors: at least one per GPU node.
+    gpu_nodes = [t for t in worker_types.values() if t["resources"].get("GPU")]
+    assert all(t["resources"]["CPU"] >= 2 for t in gpu_nodes)
+
+
+def test_workers_fitting_counts_what_a_node_holds():
+    nodes = {"g": {"resources": {"CPU": 4, "GPU": 1}, "max_workers": 2},
+             "c": {"resources": {"CPU": 8}, "max_workers": 1}}  # fmt: skip
+    assert workers_fitting(nodes, {"CPU": 3, "GPU": 1}) == 2
+    assert workers_fitting(nodes, {"CPU": 3}) == 2 + 2
+    assert workers_fitting(nodes, {"CPU": 5, "GPU": 1}) == 0
