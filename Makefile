@@ -34,9 +34,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## Preprocessing throughput with 1 and 2 CPUs, side by side.
+## Benchmarks, each against its plain alternative in the same run; results in bench/results/.
 bench: $(STAMP)
 	$(PY) bench/preprocess_throughput.py
+	$(PY) bench/loader.py
 	$(PY) bench/train_throughput.py
 	$(PY) bench/infer_throughput.py
 
