@@ -113,10 +113,16 @@ class LocalCluster:
 
     def alive_resources(self) -> set[str]:
         """Names of the resources that the cluster's live nodes have."""
-        out = self.ray("list", "nodes", "--format", "json", "--filter", "state=ALIVE")
-        if not out.lstrip().startswith("["):  # "No resource in the cluster", while it starts
-            return set()
-        return {name for node in json.loads(out) for name in node["resources_total"]}
+        nodes = self.state("nodes", "state=ALIVE")
+        return {name for node in nodes for name in node["resources_total"]}
+
+    def state(self, kind: str, *filters: str, detail: bool = False) -> list[dict]:
+        """`ray list <kind> --filter ...` through the state API, e.g. state("actors",
+        "class_name=RayTrainWorker", "state=ALIVE")."""
+        args = [arg for f in filters for arg in ("--filter", f)]
+        out = self.ray("list", kind, *args, *(["--detail"] if detail else []), "--format", "json")
+        # With nothing to list, it prints "No resource in the cluster", JSON or not.
+        return json.loads(out) if out.lstrip().startswith("[") else []
 
     def _wait_ready(self, timeout_s: float) -> None:
         # Ready when the job API answers an authenticated request.

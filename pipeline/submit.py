@@ -34,11 +34,11 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.cli import setup_logging
+from pipeline.cli import EXIT_CODES, setup_logging
+from pipeline.cluster import BUNDLE_ROOT
 from pipeline.config import InferConfig, PreprocessConfig, TrainConfig, load_config
 from pipeline.errors import ConfigError
 
-BUNDLE_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"preprocess": PreprocessConfig, "train": TrainConfig, "infer": InferConfig}
 STEPS = tuple(CONFIGS)
 STOPPED_EXIT = 4
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = plan(args.root, profile=args.profile, sets=args.set)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CODES[ConfigError]
     for job in jobs:
         if args.step in (job.step, "all"):
             code = submit_and_wait(args.address, job)

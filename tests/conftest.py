@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 import secrets
 import signal
@@ -170,12 +169,15 @@ def wait_for(predicate, what: str, timeout_s: float = 300):
     raise TimeoutError(f"no {what} after {timeout_s} s")
 
 
+def training_workers(cluster) -> list[dict]:
+    """The live Ray Train worker actors, from Ray's state API."""
+    return cluster.state("actors", "class_name=RayTrainWorker", "state=ALIVE", detail=True)
+
+
 def kill_a_training_worker(cluster) -> int:
     """SIGKILL one Ray Train worker process, found through Ray's state API, as a crash would."""
-    out = cluster.ray("list", "actors", "--filter", "class_name=RayTrainWorker",
-                      "--filter", "state=ALIVE", "--detail", "--format", "json")  # fmt: skip
-    pids = sorted(a["pid"] for a in json.loads(out))
-    assert len(pids) == 2, out
+    pids = sorted(a["pid"] for a in training_workers(cluster))
+    assert len(pids) == 2, pids
     os.kill(pids[-1], signal.SIGKILL)
     return pids[-1]
 

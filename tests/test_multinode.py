@@ -7,12 +7,11 @@ see, as a shared filesystem would be.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
 import pytest
-from conftest import history, in_background, train_job, wait_for
+from conftest import history, in_background, train_job, training_workers, wait_for
 
 from pipeline.cluster import LocalCluster
 
@@ -29,9 +28,7 @@ def nodes():
 
 
 def training_worker_nodes(cluster) -> list[str]:
-    out = cluster.ray("list", "actors", "--filter", "class_name=RayTrainWorker",
-                      "--filter", "state=ALIVE", "--format", "json")  # fmt: skip
-    return sorted(a["node_id"] for a in json.loads(out)) if out.lstrip().startswith("[") else []
+    return sorted(a["node_id"] for a in training_workers(cluster))
 
 
 def test_node_lost_mid_training(nodes, tiny_dataset, tmp_path):
