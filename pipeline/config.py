@@ -223,8 +223,14 @@ class InferConfig(_Strict):
     num_actors: int = Field(
         2,
         ge=1,
-        description="Predictor actors (each loads the model once); capped by GPUs, or "
-        "by CPUs minus one that stays free for reading and decoding.",
+        description="Predictor actors (each loads the model once); capped by the cluster's GPUs "
+        "with use_gpu, else by its CPUs // cpus_per_actor.",
+    )
+    cpus_per_actor: int = Field(
+        1,
+        ge=1,
+        description="Without use_gpu: CPUs, and torch threads, of each predictor actor, which "
+        "decodes its own batches.",
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 (else fp16) on GPU, fp32 on CPU."

@@ -24,8 +24,8 @@ import ray.data
 import torch
 
 from pipeline.config import InferConfig
-from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ClusterError, InputError
+from pipeline.inputs import read_input
 from pipeline.model import METADATA, load_model, read_meta
 from pipeline.plots import plot_confusion
 from pipeline.storage import Location
@@ -117,15 +117,30 @@ class Classifier:
 
 
 class Predictor:
-    """Ray Data actor: loads the model once, then classifies batch after batch."""
+    """Ray Data actor: loads the model once, then classifies batch after batch (of pixels, or
+    of encoded images that it decodes itself when given `decode_size`)."""
 
-    def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str, top_k: int):
+    def __init__(
+        self,
+        checkpoint: Location,
+        *,
+        use_gpu: bool,
+        precision: str,
+        top_k: int,
+        decode_size: int | None = None,
+        threads: int | None = None,
+    ):
+        if threads:
+            torch.set_num_threads(threads)
+        self.decode_size = decode_size
         self.classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=precision)
         self.classes = self.classifier.meta.classes
         self.index = {name: i for i, name in enumerate(self.classes)}
         self.top_k = min(top_k, len(self.classes))
 
     def __call__(self, batch: dict) -> dict:
+        if self.decode_size:
+            batch = prepare_batch(batch, image_size=self.decode_size)
         probs, top = self.classifier.probabilities(batch["pixels"]).topk(self.top_k, dim=1)
         pred = top[:, 0].numpy()
         return {
@@ -137,39 +152,6 @@ class Predictor:
             "top_k_prob": probs.numpy(),
             "error": batch["error"],
         }
-
-
-# --- inputs ------------------------------------------------------------------------------------
-
-
-def read_input(cfg: InferConfig) -> ray.data.Dataset:
-    """Rows of (data: encoded image, source_id, label_name or '')."""
-    root = Location.parse(cfg.input)
-    if root.child(MANIFEST).exists():
-        manifest = read_manifest(root)
-        files = [root.child(f.path).path for f in manifest.splits[cfg.split].files]
-        if not files:
-            raise InputError(f"split {cfg.split!r} of dataset {root.uri} is empty")
-        log.info("input: dataset %s, split %s, %d images", root.uri, cfg.split,
-                 manifest.splits[cfg.split].rows)  # fmt: skip
-        ds = ray.data.read_parquet(files, filesystem=root.fs,
-                                   columns=["image", "label_name", "source_id"])  # fmt: skip
-        return ds.rename_columns({"image": "data"})
-    files = [f.path for f in root.list_files()
-             if not posixpath.basename(f.path).startswith(".")]  # fmt: skip
-    if not files:
-        raise InputError(f"input={root.uri} has no files: give a dataset, a folder or an image")
-    log.info("input: folder %s, %d files", root.uri, len(files))
-    prefix = root.path.rstrip("/") + "/"
-
-    def label_rows(batch: dict) -> dict:
-        ids = [p[len(prefix) :] if p.startswith(prefix) else p for p in batch["path"]]
-        names = [i.split("/")[0] if "/" in i else "" for i in ids]
-        return {"data": batch["bytes"], "source_id": np.array(ids, dtype=object),
-                "label_name": np.array(names, dtype=object)}  # fmt: skip
-
-    ds = ray.data.read_binary_files(files, filesystem=root.fs, include_paths=True)
-    return ds.map_batches(label_rows)
 
 
 def wait_for_gpu(timeout_s: float) -> int:
@@ -196,33 +178,44 @@ def run(cfg: InferConfig) -> dict:
     checkpoint = resolve_checkpoint(Location.parse(cfg.model))
     meta = read_meta(checkpoint)
     ds = read_input(cfg)
+    predictor = {"checkpoint": checkpoint, "use_gpu": cfg.use_gpu, "precision": cfg.precision,
+                 "top_k": cfg.top_k}  # fmt: skip
     if cfg.use_gpu:
         actors = min(cfg.num_actors, wait_for_gpu(cfg.gpu_timeout_s))
         per_actor = {"num_gpus": 1, "num_cpus": 1}
+        # CPU tasks decode while the GPUs classify.
+        ds = ds.map_batches(prepare_batch, fn_kwargs={"image_size": meta.image_size},
+                            batch_size=cfg.batch_size)  # fmt: skip
     else:
-        # One CPU stays free for reading and decoding, or the pool could starve them.
-        actors = max(1, min(cfg.num_actors, int(ray.cluster_resources().get("CPU", 1)) - 1))
-        per_actor = {"num_cpus": 1}
+        # Each actor decodes its own batches with its CPUs, then runs the model on all of them
+        # (torch threads = cpus_per_actor): a separate decoding stage would need CPUs that the
+        # actors hold, and decoding is a few percent of a CPU forward pass.
+        cpus, have = cfg.cpus_per_actor, int(ray.cluster_resources().get("CPU", 0))
+        if have < cpus:
+            raise ClusterError(
+                f"cpus_per_actor={cpus}, but the cluster has {have} CPUs: lower cpus_per_actor"
+            )
+        actors = min(cfg.num_actors, have // cpus)
+        per_actor = {"num_cpus": cpus}
+        predictor |= {"decode_size": meta.image_size, "threads": cpus}
     log.info("checkpoint %s; %d predictor actors with %s each, batches of %d",
              checkpoint.uri, actors, per_actor, cfg.batch_size)  # fmt: skip
-    ds = ds.map_batches(prepare_batch, fn_kwargs={"image_size": meta.image_size},
-                        batch_size=cfg.batch_size)  # fmt: skip
-    ds = ds.map_batches(
-        Predictor,
-        fn_constructor_kwargs={"checkpoint": checkpoint, "use_gpu": cfg.use_gpu,
-                               "precision": cfg.precision, "top_k": cfg.top_k},
-        batch_size=cfg.batch_size,
-        compute=ray.data.ActorPoolStrategy(size=actors),
-        **per_actor,
-    )  # fmt: skip
+    ds = ds.map_batches(Predictor, fn_constructor_kwargs=predictor, batch_size=cfg.batch_size,
+                        compute=ray.data.ActorPoolStrategy(size=actors), **per_actor)  # fmt: skip
 
     started = time.monotonic()
     out = Location.parse(cfg.output)
     with tempfile.TemporaryDirectory() as tmp:
         local = posixpath.join(tmp, PREDICTIONS)
-        labels, preds, skipped = write_predictions(ds, local, meta.classes)
+        labels, preds, skipped, first = write_predictions(ds, local, meta.classes)
         seconds = time.monotonic() - started
         summary = summarize(meta, checkpoint, labels, preds, skipped, seconds)
+        if first is not None:
+            # Start-up (actors importing torch, loading the model) apart from the steady rate.
+            first_at, first_images = first
+            summary["first_batch_s"] = first_at - started
+            rest = started + seconds - first_at
+            summary["steady_images_per_s"] = (len(preds) - first_images) / rest if rest else 0.0
         # The summary goes last, so a reader that finds it finds complete predictions.
         out.child(SUMMARY).delete()
         out.child(PREDICTIONS).write_bytes(Path(local).read_bytes())
@@ -249,11 +242,13 @@ PREDICTION_SCHEMA = pa.schema(
 
 
 def write_predictions(ds: ray.data.Dataset, path: str, classes: list[str]):
-    """Stream the predicted batches into one Parquet file; return labels, predictions, skips."""
-    labels, preds, skipped = [], [], []
+    """Stream the predicted batches into one Parquet file; return labels, predictions, skips,
+    and when the first batch arrived with how many images (None if none did)."""
+    labels, preds, skipped, first = [], [], [], None
     with pq.ParquetWriter(path, PREDICTION_SCHEMA) as writer:
         for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
             ok = batch["error"] == ""
+            first = first or (time.monotonic(), int(ok.sum()))
             bad = zip(batch["source_id"][~ok], batch["error"][~ok], strict=True)
             skipped += [{"source_id": s, "reason": e} for s, e in bad]
             if not ok.any():
@@ -281,7 +276,7 @@ def write_predictions(ds: ray.data.Dataset, path: str, classes: list[str]):
             preds.append(batch["pred"][ok])
     empty = [np.zeros(0, dtype=np.int64)]
     return (np.concatenate(labels or empty), np.concatenate(preds or empty),
-            sorted(skipped, key=lambda s: s["source_id"]))  # fmt: skip
+            sorted(skipped, key=lambda s: s["source_id"]), first)  # fmt: skip
 
 
 def summarize(meta, checkpoint: Location, labels, preds, skipped, seconds: float) -> dict:

@@ -57,6 +57,9 @@ def test_val_split_predictions_match_the_summary_and_training(val_predictions, t
     assert all(abs(sum(r["top_k_prob"]) - 1) < 1e-3 for r in table)
     assert (out / "confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
     assert f"predictions: {out}/predictions.parquet" in proc.stdout
+    # The demo config's one actor with both CPUs, decoding its own batches; start-up timed apart.
+    assert "1 predictor actors with {'num_cpus': 2} each" in proc.stdout
+    assert 0 < summary["first_batch_s"] < summary["seconds"] and summary["steady_images_per_s"] > 0
 
 
 def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
@@ -84,13 +87,15 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
     assert printed["top_k"][0]["probability"] == pytest.approx(one["top_k_prob"][0], rel=1e-4)
 
 
-def test_use_gpu_on_a_cluster_without_gpus_fails_fast(
-    train_cluster, trained, tiny_dataset, tmp_path
-):
+def test_resources_the_cluster_lacks_fail_fast(train_cluster, trained, tiny_dataset, tmp_path):
     proc = infer_job(train_cluster, f"model={trained}", f"input={tiny_dataset}",
                      f"output={tmp_path}", "use_gpu=true", "gpu_timeout_s=2")  # fmt: skip
     assert proc.returncode != 0
     assert "use_gpu=true, but the cluster has no GPU (waited 2 s" in proc.stdout
+    proc = infer_job(train_cluster, f"model={trained}", f"input={tiny_dataset}",
+                     f"output={tmp_path}", "cpus_per_actor=64")  # fmt: skip
+    assert proc.returncode != 0
+    assert "cpus_per_actor=64, but the cluster has 2 CPUs: lower cpus_per_actor" in proc.stdout
     assert not (tmp_path / "summary.json").exists()
 
 
