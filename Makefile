@@ -38,7 +38,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/preprocess_throughput.py
 	$(PY) bench/loader.py
-	$(PY) bench/train_throughput.py
+	$(PY) bench/train_throughput.py --repeat 3
 	$(PY) bench/infer_throughput.py
 
 clean:

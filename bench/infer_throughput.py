@@ -54,7 +54,7 @@ def ray_data(dataset: Path, checkpoint: Path, out: Path, cpus: int, batch: int) 
         proc = cluster.submit(
             ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml",
              f"model={checkpoint}", f"input={dataset}", f"output={out}",
-             f"batch_size={batch}", f"num_actors={cpus}"],
+             f"batch_size={batch}", f"num_actors={cpus}", "cpus_per_actor=1"],
             capture=True,
         )  # fmt: skip
     if proc.returncode != 0:

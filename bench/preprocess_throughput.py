@@ -1,23 +1,31 @@
-"""Preprocessing throughput with 1 and 2 CPUs, measured side by side in one run.
+"""Preprocessing throughput with 1 and 2 CPUs, and against a plain PIL + pyarrow loop.
 
     make bench        # or: .venv/bin/python bench/preprocess_throughput.py --images 1200
 
-Builds one folder of food-photo-sized JPEGs (512x384), then for each CPU count starts a fresh
-local cluster and submits the same preprocess job (224 px, JPEG out) with `ray job submit`.
-Two figures per run, both from the job's own log: `images/s` from the first shard submitted to
-the last one written (worker start-up and torch import included, as a user sees it), and
-`steady` from the first shard done to the last (start-up excluded). Results go to
-bench/results/preprocess.json.
+Builds one folder of food-photo-sized JPEGs (512x384), then:
+- plain: this process, one core: PIL decode, resize + center crop to 224 px, JPEG encode,
+  Parquet shards of the same size written with pyarrow (no manifest, no split, no checks);
+- for each CPU count, a fresh local cluster and the same preprocess job (224 px, JPEG out)
+  submitted with `ray job submit`. Two figures per run, both from the job's own log: `images/s`
+  from the first shard submitted to the last one written (worker start-up and torch import
+  included, as a user sees it), and `steady` from the first shard done to the last.
+Targets (issue 6): 2 CPUs >= 1.7x 1 CPU; the job >= 0.9x plain per core.
+Results go to bench/results/preprocess.json.
 """
 
 import argparse
 import datetime
+import io
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from common import write_results
+from PIL import Image
 
 from pipeline.cluster import LocalCluster
 from pipeline.sources import render_synthetic
@@ -35,6 +43,29 @@ def make_folder(root: Path, images: int, classes: int = 6) -> None:
         (root / name).mkdir(parents=True, exist_ok=True)
         img = render_synthetic(name, size=512, seed=0, index=i).crop((0, 0, 512, 384))
         img.save(root / name / f"{i:05d}.jpg", quality=90)
+
+
+def plain(src: Path, out: Path, size: int = 224, shard_size: int = 50) -> dict:
+    """What a hand-written loop does: no Ray, one core."""
+    out.mkdir()
+    started, rows, shards = time.monotonic(), [], 0
+    paths = sorted(src.glob("*/*.jpg"))
+    for i, path in enumerate(paths):
+        img = Image.open(path).convert("RGB")
+        scale = size / min(img.size)
+        w, h = round(img.width * scale), round(img.height * scale)
+        img = img.resize((w, h), Image.BILINEAR)
+        left, top = (w - size) // 2, (h - size) // 2
+        buf = io.BytesIO()
+        img.crop((left, top, left + size, top + size)).save(buf, format="JPEG", quality=95)
+        rows.append({"image": buf.getvalue(), "label_name": path.parent.name})
+        if len(rows) == shard_size or i == len(paths) - 1:
+            pq.write_table(pa.Table.from_pylist(rows), out / f"shard-{shards:05d}.parquet")
+            rows, shards = [], shards + 1
+    return {
+        "images": len(paths),
+        "images_per_s": round(len(paths) / (time.monotonic() - started), 1),
+    }
 
 
 def measure(src: Path, out: Path, cpus: int) -> dict:
@@ -71,18 +102,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         make_folder(src, args.images)
+        base = plain(src, Path(tmp) / "plain")
         results = [measure(src, Path(tmp) / f"out{c}", c) for c in args.cpus]
     first = results[0]
     print(f"\npreprocess, {args.images} JPEGs 512x384 -> 224 px")
-    print(f"{'CPUs':>5} {'images/s':>10} {'ratio':>7} {'steady':>8} {'ratio':>7}")
+    print(f"plain PIL + pyarrow loop, 1 core: {base['images_per_s']:.1f} images/s")
+    print(f"{'CPUs':>5} {'images/s':>10} {'ratio':>7} {'steady':>8} {'ratio':>7} "
+          f"{'steady per CPU / plain':>23}")  # fmt: skip
     for r in results:
         r["ratio"] = round(r["images_per_s"] / first["images_per_s"], 2)
         r["steady_ratio"] = round(r["steady_images_per_s"] / first["steady_images_per_s"], 2)
+        r["steady_per_cpu_over_plain"] = round(
+            r["steady_images_per_s"] / r["cpus"] / base["images_per_s"], 2
+        )
         print(
             f"{r['cpus']:>5} {r['images_per_s']:>10.1f} {r['ratio']:>6.2f}x "
-            f"{r['steady_images_per_s']:>8.1f} {r['steady_ratio']:>6.2f}x"
+            f"{r['steady_images_per_s']:>8.1f} {r['steady_ratio']:>6.2f}x "
+            f"{r['steady_per_cpu_over_plain']:>22.2f}x"
         )
-    write_results("preprocess", results)
+    targets = {"two_over_one_cpu": 1.7, "per_cpu_over_plain": 0.9}
+    write_results("preprocess", {"args": vars(args), "plain": base, "results": results,
+                                 "targets": targets})  # fmt: skip
 
 
 if __name__ == "__main__":

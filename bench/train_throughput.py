@@ -1,18 +1,24 @@
-"""Training throughput with 1 and 2 workers, and the time from `ray job submit` to training.
+"""Ray Train's overhead: TorchTrainer with 1 worker against a plain PyTorch loop, 2 workers
+against 1, and the time from `ray job submit` to the first training step.
 
     .venv/bin/python bench/train_throughput.py --image-size 64 --epochs 3
 
-Preprocesses generated images once, then for each worker count starts a fresh local cluster
-with that many CPUs and submits the train job (1 CPU per worker, no DataLoader processes) with
-`ray job submit`. Reported, from the run's own history.csv and log: images/s of all workers
-together and per worker (median over the epochs after the first, which pays for warm-up), and
-the seconds from submission to rank 0's "training epochs" line, the moment before the first
-step (job start-up, worker start-up and torch import included). Results go to
-bench/results/train.json.
+Preprocesses generated images once, then:
+- plain: one process, the same model, loader (ParquetImages, the block-shuffle sampler,
+  DataLoader), batch size, optimizer and train step as a worker, torch threads = 1;
+- for each worker count, a fresh local cluster with that many CPUs and the train job (1 CPU
+  per worker, no DataLoader processes) submitted with `ray job submit`.
+Images/s are medians over the epochs after the first (which pays for warm-up): for the job, from
+its history.csv, all workers together. With --repeat N, N rounds of all of it, and the ratios'
+medians. Start-up is timed from the submission to lines of the
+job's log: the driver ready ("new run"), the workers up (rank 0's "workers on"), the first step
+(rank 0's "training epochs"). Targets (issue 6): 1 worker >= 0.95x plain, submission to first
+step < 15 s. Results go to bench/results/train.json.
 """
 
 import argparse
 import csv
+import json
 import statistics
 import subprocess
 import sys
@@ -20,18 +26,59 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from common import preprocess_generated, write_results
+from torch.utils.data import DataLoader
 
 from pipeline.cluster import BUNDLE_ROOT, LocalCluster
+from pipeline.config import TrainConfig, load_config
+from pipeline.data import BlockShuffleSampler, ParquetImages, train_transform
+from pipeline.dataset import read_manifest
+from pipeline.model import build_model
+from pipeline.storage import Location
+from pipeline.train import Step, build_optimizer, train_one_epoch
+
+MILESTONES = {"driver_ready_s": "new run", "workers_up_s": "workers on",
+              "first_step_s": "training epochs"}  # fmt: skip
 
 
-def measure(dataset: Path, runs: Path, workers: int, epochs: int) -> dict:
+def plain(dataset: Path, epochs: int, overrides: list[str]) -> dict:
+    """The worker's training step in this process, without Ray."""
+    torch.set_num_threads(1)
+    cfg = load_config(TrainConfig, BUNDLE_ROOT / "configs/demo-train.yaml",
+                      [f"dataset={dataset}", f"storage_path={dataset.parent}",
+                       "scaling.num_workers=1", *overrides])  # fmt: skip
+    root = Location.parse(cfg.dataset)
+    manifest = read_manifest(root)
+    step = Step(torch.device("cpu"), "fp32", manifest.mean, manifest.std)
+    torch.manual_seed(cfg.seed)
+    model = build_model(len(manifest.classes))
+    optimizer, _ = build_optimizer(model, cfg)
+    images = ParquetImages(
+        root,
+        manifest,
+        "train",
+        transform=train_transform(cfg.augment, image_size=manifest.image_size),
+    )
+    sampler = BlockShuffleSampler(images, num_replicas=1, rank=0, seed=cfg.seed)
+    loader = DataLoader(images, batch_size=cfg.batch_size_per_worker, sampler=sampler,
+                        drop_last=True, num_workers=cfg.scaling.loader_workers)  # fmt: skip
+    rates = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), step=step)
+        rates.append(t["images"] / t["seconds"])
+    return {"images_per_s": round(statistics.median(rates[1:]), 1)}
+
+
+def measure(dataset: Path, runs: Path, workers: int, epochs: int, overrides: list[str],
+            name: str) -> dict:  # fmt: skip
     args = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml",
-            f"dataset={dataset}", f"storage_path={runs}", f"name=w{workers}", f"epochs={epochs}",
-            f"scaling.num_workers={workers}", "global_batch_size=32"]  # fmt: skip
+            f"dataset={dataset}", f"storage_path={runs}", f"name={name}", f"epochs={epochs}",
+            f"scaling.num_workers={workers}", *overrides]  # fmt: skip
     with LocalCluster(num_cpus=workers) as cluster:
-        # Streamed, to time when rank 0's "training epochs" line arrives.
-        submitted, first_step = time.monotonic(), None
+        # Streamed, to time when the milestone lines arrive.
+        submitted, seen = time.monotonic(), {}
         proc = subprocess.Popen(
             cluster.submit_command(args), cwd=BUNDLE_ROOT, env=cluster.env, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -39,11 +86,12 @@ def measure(dataset: Path, runs: Path, workers: int, epochs: int) -> dict:
         output = []
         for line in proc.stdout:
             output.append(line)
-            if first_step is None and "training epochs" in line:
-                first_step = time.monotonic()
-        if proc.wait() != 0 or first_step is None:
+            for key, text in MILESTONES.items():
+                if key not in seen and text in line:
+                    seen[key] = round(time.monotonic() - submitted, 1)
+        if proc.wait() != 0 or len(seen) < len(MILESTONES):
             sys.exit(f"training failed with {workers} workers:\n{''.join(output)[-3000:]}")
-    with open(runs / f"w{workers}" / "history.csv") as f:
+    with open(runs / name / "history.csv") as f:
         steady = list(csv.DictReader(f))[1:]
     return {
         "workers": workers,
@@ -51,7 +99,7 @@ def measure(dataset: Path, runs: Path, workers: int, epochs: int) -> dict:
         "images_per_s_per_worker": round(
             statistics.median(float(r["images_per_s_per_worker"]) for r in steady), 1
         ),
-        "submit_to_training_s": round(first_step - submitted, 1),
+        **seen,
     }
 
 
@@ -61,23 +109,42 @@ def main() -> None:
     parser.add_argument("--images-per-class", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; ratios are their medians")
     args = parser.parse_args()
+    overrides = ["global_batch_size=32"]
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "dataset"
         size, per_class = args.image_size, args.images_per_class
         preprocess_generated(dataset, f"image_size={size}", f"source.synthetic.raw_size={size}",
                              f"source.synthetic.images_per_class={per_class}")  # fmt: skip
-        results = [measure(dataset, Path(tmp) / "runs", w, args.epochs) for w in args.workers]
-    first = results[0]
+        for i in range(args.repeat):
+            base = plain(dataset, args.epochs, overrides)
+            jobs = [measure(dataset, Path(tmp) / "runs", w, args.epochs, overrides, f"w{w}r{i}")
+                    for w in args.workers]  # fmt: skip
+            for r in jobs:
+                r["over_plain"] = round(r["images_per_s"] / base["images_per_s"], 2)
+                r["over_first"] = round(r["images_per_s"] / jobs[0]["images_per_s"], 2)
+            rounds.append({"plain": base, "jobs": jobs})
     print(f"\ntrain ResNet-18, {args.image_size} px, 6 classes x {args.images_per_class} images")
-    print(f"{'workers':>8} {'images/s':>9} {'ratio':>7} {'per worker':>11} {'submit->train s':>16}")
-    for r in results:
-        r["ratio"] = round(r["images_per_s"] / first["images_per_s"], 2)
-        print(
-            f"{r['workers']:>8} {r['images_per_s']:>9.1f} {r['ratio']:>6.2f}x "
-            f"{r['images_per_s_per_worker']:>11.1f} {r['submit_to_training_s']:>16.1f}"
-        )
-    write_results("train", {"args": vars(args), "results": results})
+    print(f"{'round':>5} {'plain':>6} {'workers':>8} {'images/s':>9} {'/plain':>7} "
+          f"{'/1 worker':>10}  seconds from submission to: "
+          "driver ready, workers up, first step")  # fmt: skip
+    for i, r in enumerate(rounds):
+        for j in r["jobs"]:
+            print(f"{i:>5} {r['plain']['images_per_s']:>6.1f} {j['workers']:>8} "
+                  f"{j['images_per_s']:>9.1f} {j['over_plain']:>6.2f}x {j['over_first']:>9.2f}x"
+                  f"  {j['driver_ready_s']}, {j['workers_up_s']}, {j['first_step_s']}")  # fmt: skip
+    medians = {}
+    for k, w in enumerate(args.workers):
+        medians[f"{w}_workers"] = {
+            key: statistics.median(r["jobs"][k][key] for r in rounds)
+            for key in ("over_plain", "over_first", *MILESTONES)
+        }
+    print(f"medians over {args.repeat} rounds: {json.dumps(medians)}")
+    targets = {"one_worker_over_plain": 0.95, "first_step_s": 15}
+    write_results("train", {"args": vars(args), "rounds": rounds, "medians": medians,
+                            "targets": targets})  # fmt: skip
 
 
 if __name__ == "__main__":
