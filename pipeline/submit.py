@@ -63,23 +63,25 @@ def plan(root: str, *, profile: str = "", sets: list[str] = ()) -> list[Job]:
                               "then the job's key, e.g. train.epochs=20")  # fmt: skip
         overrides[step].append(rest)
     dataset, runs = posixpath.join(root, "dataset"), posixpath.join(root, "runs")
-    paths = {"preprocess": [f"output={dataset}"],
-             "train": [f"dataset={dataset}", f"storage_path={runs}"]}  # fmt: skip
-    train = load_config(TrainConfig, BUNDLE_ROOT / _config_file("train", profile),
-                        [*paths["train"], *overrides["train"]])  # fmt: skip
-    paths["infer"] = [
-        f"model={posixpath.join(runs, train.name)}",
+    args = {
+        "preprocess": [f"output={dataset}", *overrides["preprocess"]],
+        "train": [f"dataset={dataset}", f"storage_path={runs}", *overrides["train"]],
+    }
+
+    def load(step: str):
+        return load_config(CONFIGS[step], BUNDLE_ROOT / _config_file(step, profile), args[step])
+
+    load("preprocess")
+    name = load("train").name  # inference reads the run that training writes
+    args["infer"] = [
+        f"model={posixpath.join(runs, name)}",
         f"input={dataset}",
-        f"output={posixpath.join(root, 'predictions', train.name)}",
+        f"output={posixpath.join(root, 'predictions', name)}",
+        *overrides["infer"],
     ]
-    jobs = []
-    for step in STEPS:
-        config_file = _config_file(step, profile)
-        args = [*paths[step], *overrides[step]]
-        load_config(CONFIGS[step], BUNDLE_ROOT / config_file, args)
-        entrypoint = ["python", "-m", f"jobs.{step}", "--config", config_file, *args]
-        jobs.append(Job(step, entrypoint))
-    return jobs
+    load("infer")
+    return [Job(step, ["python", "-m", f"jobs.{step}", "--config", _config_file(step, profile),
+                       *args[step]]) for step in STEPS]  # fmt: skip
 
 
 def _config_file(step: str, profile: str) -> str:
