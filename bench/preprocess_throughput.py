@@ -45,7 +45,10 @@ def make_folder(root: Path, images: int, classes: int = 6) -> None:
         img.save(root / name / f"{i:05d}.jpg", quality=90)
 
 
-def plain(src: Path, out: Path, size: int = 224, shard_size: int = 50) -> dict:
+SIZE, SHARD_SIZE = 224, 50  # for the job and the plain loop alike
+
+
+def plain(src: Path, out: Path, size: int = SIZE, shard_size: int = SHARD_SIZE) -> dict:
     """What a hand-written loop does: no Ray, one core."""
     out.mkdir()
     started, rows, shards = time.monotonic(), [], 0
@@ -73,7 +76,7 @@ def measure(src: Path, out: Path, cpus: int) -> dict:
         proc = cluster.submit(
             ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
              "source.kind=folder", f"source.folder.path={src}", f"output={out}",
-             "image_size=224", "shard_size=50", "overwrite=true"],
+             f"image_size={SIZE}", f"shard_size={SHARD_SIZE}", "overwrite=true"],
             capture=True,
         )  # fmt: skip
     if proc.returncode != 0:
@@ -105,7 +108,7 @@ def main() -> None:
         base = plain(src, Path(tmp) / "plain")
         results = [measure(src, Path(tmp) / f"out{c}", c) for c in args.cpus]
     first = results[0]
-    print(f"\npreprocess, {args.images} JPEGs 512x384 -> 224 px")
+    print(f"\npreprocess, {args.images} JPEGs 512x384 -> {SIZE} px")
     print(f"plain PIL + pyarrow loop, 1 core: {base['images_per_s']:.1f} images/s")
     print(f"{'CPUs':>5} {'images/s':>10} {'ratio':>7} {'steady':>8} {'ratio':>7} "
           f"{'steady per CPU / plain':>23}")  # fmt: skip

@@ -4,8 +4,8 @@ against 1, and the time from `ray job submit` to the first training step.
     .venv/bin/python bench/train_throughput.py --image-size 64 --epochs 3
 
 Preprocesses generated images once, then:
-- plain: one process, the same model, loader (ParquetImages, the block-shuffle sampler,
-  DataLoader), batch size, optimizer and train step as a worker, torch threads = 1;
+- plain: one process, the same model, loader (`pipeline.train.train_data`, the worker's own),
+  batch size, optimizer and train step as a worker, torch threads = 1;
 - for each worker count, a fresh local cluster with that many CPUs and the train job (1 CPU
   per worker, no DataLoader processes) submitted with `ray job submit`.
 Images/s are medians over the epochs after the first (which pays for warm-up): for the job, from
@@ -28,15 +28,13 @@ from pathlib import Path
 
 import torch
 from common import preprocess_generated, write_results
-from torch.utils.data import DataLoader
 
 from pipeline.cluster import BUNDLE_ROOT, LocalCluster
 from pipeline.config import TrainConfig, load_config
-from pipeline.data import BlockShuffleSampler, ParquetImages, train_transform
 from pipeline.dataset import read_manifest
 from pipeline.model import build_model
 from pipeline.storage import Location
-from pipeline.train import Step, build_optimizer, train_one_epoch
+from pipeline.train import Step, build_optimizer, train_data, train_one_epoch
 
 MILESTONES = {"driver_ready_s": "new run", "workers_up_s": "workers on",
               "first_step_s": "training epochs"}  # fmt: skip
@@ -50,23 +48,17 @@ def plain(dataset: Path, epochs: int, overrides: list[str]) -> dict:
                        "scaling.num_workers=1", *overrides])  # fmt: skip
     root = Location.parse(cfg.dataset)
     manifest = read_manifest(root)
-    step = Step(torch.device("cpu"), "fp32", manifest.mean, manifest.std)
+    cpu = torch.device("cpu")
+    step = Step(cpu, "fp32", manifest.mean, manifest.std)
     torch.manual_seed(cfg.seed)
     model = build_model(len(manifest.classes))
     optimizer, _ = build_optimizer(model, cfg)
-    images = ParquetImages(
-        root,
-        manifest,
-        "train",
-        transform=train_transform(cfg.augment, image_size=manifest.image_size),
-    )
-    sampler = BlockShuffleSampler(images, num_replicas=1, rank=0, seed=cfg.seed)
-    loader = DataLoader(images, batch_size=cfg.batch_size_per_worker, sampler=sampler,
-                        drop_last=True, num_workers=cfg.scaling.loader_workers)  # fmt: skip
+    loader, sampler = train_data(cfg, root, manifest, rank=0, world=1, device=cpu)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
     rates = []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), step=step)
+        t = train_one_epoch(model, loader, optimizer, criterion, step=step)
         rates.append(t["images"] / t["seconds"])
     return {"images_per_s": round(statistics.median(rates[1:]), 1)}
 

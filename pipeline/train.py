@@ -194,6 +194,28 @@ def check_resumable(meta: CheckpointMeta, manifest: Manifest, *, checkpoint: str
         )
 
 
+def loader_args(cfg: TrainConfig, device: torch.device) -> dict:
+    return {
+        "num_workers": cfg.scaling.loader_workers,
+        "persistent_workers": cfg.scaling.loader_workers > 0,
+        "pin_memory": device.type == "cuda",
+    }
+
+
+def train_data(cfg: TrainConfig, root: Location, manifest: Manifest, *, rank: int, world: int,
+               device: torch.device) -> tuple[DataLoader, BlockShuffleSampler]:  # fmt: skip
+    """This worker's training loader (decode + augment in `loader_workers` processes) and its
+    sampler, whose `set_epoch` reshuffles. Without Ray Train's wrapping: the benchmark's plain
+    loop uses it as it is."""
+    tf = train_transform(cfg.augment, image_size=manifest.image_size)
+    train_set = ParquetImages(root, manifest, "train", transform=tf)
+    sampler = BlockShuffleSampler(train_set, num_replicas=world, rank=rank, seed=cfg.seed)
+    batch = cfg.batch_size_per_worker
+    loader = DataLoader(train_set, batch_size=batch, sampler=sampler,
+                        drop_last=len(sampler) > batch, **loader_args(cfg, device))  # fmt: skip
+    return loader, sampler
+
+
 def train_loop_per_worker(config: dict) -> None:
     """What each Ray Train worker runs; `config` is a TrainConfig as a plain dict."""
     setup_logging()  # a no-op where Ray Train has set up the worker's logging already
@@ -235,27 +257,11 @@ def train_loop_per_worker(config: dict) -> None:
         scheduler.load_state_dict(train_state["scheduler"])
         step.scaler.load_state_dict(train_state["scaler"])
 
-    batch = cfg.batch_size_per_worker
-    loader_args = {
-        "num_workers": cfg.scaling.loader_workers,
-        "persistent_workers": cfg.scaling.loader_workers > 0,
-        "pin_memory": device.type == "cuda",
-    }
-    tf = train_transform(cfg.augment, image_size=manifest.image_size)
-    train_set = ParquetImages(root, manifest, "train", transform=tf)
-    sampler = BlockShuffleSampler(train_set, num_replicas=world, rank=rank, seed=cfg.seed)
-    train_loader = ray.train.torch.prepare_data_loader(
-        DataLoader(
-            train_set,
-            batch_size=batch,
-            sampler=sampler,
-            drop_last=len(sampler) > batch,
-            **loader_args,
-        )
-    )
+    loader, sampler = train_data(cfg, root, manifest, rank=rank, world=world, device=device)
+    train_set, train_loader = loader.dataset, ray.train.torch.prepare_data_loader(loader)
     val_set = ParquetImages(root, manifest, "val")
     val_loader = ray.train.torch.prepare_data_loader(
-        DataLoader(val_set, batch_size=batch, **loader_args,
+        DataLoader(val_set, batch_size=cfg.batch_size_per_worker, **loader_args(cfg, device),
                    sampler=ShardSampler(len(val_set), num_replicas=world, rank=rank)),
         add_dist_sampler=False,
     )  # fmt: skip
