@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 ## Start a local Ray cluster, submit the jobs to it with `ray job submit`, stop it.
 demo: $(STAMP)
-	$(PY) scripts/demo.py
+	$(PY) -m scripts.demo
 
 ## The whole suite: unit tests, then jobs on real local Ray clusters.
 test: $(STAMP)
@@ -36,10 +36,10 @@ format: $(STAMP)
 
 ## Benchmarks, each against its plain alternative in the same run; results in bench/results/.
 bench: $(STAMP)
-	$(PY) bench/preprocess_throughput.py
-	$(PY) bench/loader.py
-	$(PY) bench/train_throughput.py --repeat 3
-	$(PY) bench/infer_throughput.py
+	$(PY) -m bench.preprocess_throughput
+	$(PY) -m bench.loader
+	$(PY) -m bench.train_throughput --repeat 3
+	$(PY) -m bench.infer_throughput
 
 clean:
 	rm -rf outputs bench/results .pytest_cache .ruff_cache

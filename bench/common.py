@@ -4,17 +4,24 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.cluster import BUNDLE_ROOT, LocalCluster
+from harness.cluster import BUNDLE_ROOT, LocalCluster
 
 
 def preprocess_generated(out: Path, *overrides: str, cpus: int = 2) -> None:
     """The demo's generated dataset at `out` (with `overrides`), by the real preprocess job."""
     with LocalCluster(num_cpus=cpus) as cluster:
         proc = cluster.submit(
-            ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-             f"output={out}", *overrides],
+            [
+                "python",
+                "-m",
+                "jobs.preprocess",
+                "--config",
+                "configs/demo-preprocess.yaml",
+                f"output={out}",
+                *overrides,
+            ],
             capture=True,
-        )  # fmt: skip
+        )
     if proc.returncode != 0:
         sys.exit(f"preprocess failed:\n{proc.stdout[-3000:]}")
 

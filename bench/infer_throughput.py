@@ -1,7 +1,7 @@
 """Batch inference images/s: the infer job's Ray Data path, a plain PyTorch loop, and one Ray
-task per image (seed 001's pattern), side by side on the same Parquet split and checkpoint.
+task per image (the one-image pattern of the tutorial), side by side on one split and checkpoint.
 
-    .venv/bin/python bench/infer_throughput.py        # 224 px, 600 val images, 2 CPUs
+    .venv/bin/python -m bench.infer_throughput        # 224 px, 600 val images, 2 CPUs
 
 Preprocesses generated images (half of them in val), writes a ResNet-18 checkpoint (random
 weights: speed does not depend on them), then measures on `--cpus` CPUs:
@@ -11,8 +11,8 @@ weights: speed does not depend on them), then measures on `--cpus` CPUs:
   start-up not) and `steady` after the first batch (start-up excluded);
 - plain_loop: one process, torch threads = CPUs, pyarrow reads + the same decode + model;
 - task_per_image: `--task-images` images, one `@ray.remote` task each, loading the model per
-  task, as seed 001 does for one image (the workers warmed up first).
-Targets (issue 6): ray_data >= 0.85x plain_loop, >= 20x task_per_image.
+  task, as the tutorial does for one image (the workers warmed up first).
+Targets: ray_data >= 0.85x plain_loop, >= 20x task_per_image.
 Results go to bench/results/infer.json.
 """
 
@@ -26,43 +26,70 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from common import preprocess_generated, write_results
 
-from pipeline.cluster import LocalCluster
+from bench.common import preprocess_generated, write_results
+from harness.cluster import LocalCluster
+from pipeline.checkpoint import CheckpointMeta, save_checkpoint
 from pipeline.dataset import read_manifest
-from pipeline.infer import Classifier, _classify_one, prepare_image
-from pipeline.model import CheckpointMeta, build_model, save_checkpoint
+from pipeline.infer import SUMMARY, Classifier, _classify_one, prepare_image
+from pipeline.model import build_model
 from pipeline.storage import Location
 
 
 def make_inputs(tmp: Path, per_class: int, size: int, cpus: int) -> tuple[Path, Path]:
     dataset, checkpoint = tmp / "dataset", tmp / "checkpoint"
-    preprocess_generated(dataset, f"source.synthetic.images_per_class={per_class}",
-                         f"image_size={size}", f"source.synthetic.raw_size={size + size // 7}",
-                         "val_fraction=0.5", cpus=cpus)  # fmt: skip
+    preprocess_generated(
+        dataset,
+        f"source.synthetic.images_per_class={per_class}",
+        f"image_size={size}",
+        f"source.synthetic.raw_size={size + size // 7}",
+        "val_fraction=0.5",
+        cpus=cpus,
+    )
     m = read_manifest(Location.parse(str(dataset)))
     checkpoint.mkdir()
-    meta = CheckpointMeta(epoch=0, classes=m.classes, image_size=m.image_size, mean=m.mean,
-                          std=m.std, dataset_fingerprint=m.fingerprint, metrics={}, history=[],
-                          config={})  # fmt: skip
-    save_checkpoint(checkpoint, build_model(len(m.classes)), meta, {})
+    meta = CheckpointMeta(
+        epoch=0,
+        classes=m.classes,
+        image_size=m.image_size,
+        mean=m.mean,
+        std=m.std,
+        dataset_fingerprint=m.fingerprint,
+        metrics={},
+        history=[],
+        config={},
+    )
+    save_checkpoint(checkpoint, build_model(len(m.classes)).state_dict(), meta, {})
     return dataset, checkpoint
 
 
 def ray_data(dataset: Path, checkpoint: Path, out: Path, cpus: int, batch: int) -> dict:
     with LocalCluster(num_cpus=cpus) as cluster:
         proc = cluster.submit(
-            ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml",
-             f"model={checkpoint}", f"input={dataset}", f"output={out}",
-             f"batch_size={batch}", f"num_actors={cpus}", "cpus_per_actor=1"],
+            [
+                "python",
+                "-m",
+                "jobs.infer",
+                "--config",
+                "configs/demo-infer.yaml",
+                f"model={checkpoint}",
+                f"input={dataset}",
+                f"output={out}",
+                f"batch_size={batch}",
+                f"num_actors={cpus}",
+                "cpus_per_actor=1",
+            ],
             capture=True,
-        )  # fmt: skip
+        )
     if proc.returncode != 0:
         sys.exit(f"inference failed:\n{proc.stdout[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    return {"images": summary["images"], "images_per_s": round(summary["images_per_s"], 1),
-            "steady_images_per_s": round(summary["steady_images_per_s"], 1),
-            "first_batch_s": round(summary["first_batch_s"], 1)}  # fmt: skip
+    summary = json.loads((out / SUMMARY).read_text())
+    return {
+        "images": summary["images"],
+        "images_per_s": round(summary["images_per_s"], 1),
+        "steady_images_per_s": round(summary["steady_images_per_s"], 1),
+        "first_batch_s": round(summary["first_batch_s"], 1),
+    }
 
 
 def plain_loop(dataset: Path, checkpoint: Path, cpus: int, batch: int) -> dict:
@@ -75,8 +102,9 @@ def plain_loop(dataset: Path, checkpoint: Path, cpus: int, batch: int) -> dict:
     for f in files:
         for group in pq.ParquetFile(f).iter_batches(batch_size=batch, columns=["image"]):
             size = classifier.meta.image_size
-            pixels = np.stack([prepare_image(d, image_size=size)
-                               for d in group.column("image").to_pylist()])  # fmt: skip
+            pixels = np.stack(
+                [prepare_image(d, image_size=size) for d in group.column("image").to_pylist()]
+            )
             classifier.probabilities(pixels).argmax(dim=1)
             images += len(pixels)
     return {"images": images, "images_per_s": round(images / (time.monotonic() - started), 1)}
@@ -109,8 +137,9 @@ def main() -> None:
     parser.add_argument("--task-images", type=int, default=40)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        dataset, checkpoint = make_inputs(Path(tmp), args.images_per_class, args.image_size,
-                                          args.cpus)  # fmt: skip
+        dataset, checkpoint = make_inputs(
+            Path(tmp), args.images_per_class, args.image_size, args.cpus
+        )
         ray = ray_data(dataset, checkpoint, Path(tmp) / "out", args.cpus, args.batch_size)
         plain = plain_loop(dataset, checkpoint, args.cpus, args.batch_size)
         tasks = task_per_image(dataset, checkpoint, args.cpus, args.task_images)
@@ -129,7 +158,7 @@ def main() -> None:
     for name, r in (("plain_loop", plain), ("task_per_image", tasks)):
         print(f"{name:>15} {r['images']:>7} {r['images_per_s']:>9.1f}")
     for name, value in ratios.items():
-        print(f"ray_data {name.replace('_', ' ')}: {value}x")  # fmt: skip
+        print(f"ray_data {name.replace('_', ' ')}: {value}x")
     targets = {"over_plain": 0.85, "over_task_per_image": 20}
     results = {"ray_data": ray, "plain_loop": plain, "task_per_image": tasks}
     write_results("infer", {"args": vars(args), **results, "ratios": ratios, "targets": targets})

@@ -1,8 +1,8 @@
 """Training data loader: its speed against the training step's, and its memory against dataset size.
 
-    .venv/bin/python bench/loader.py --image-size 224 --images 300
+    .venv/bin/python -m bench.loader --image-size 224 --images 300
 
-Targets (issue 6): 1. the loader delivers at least 4x the images/s one training worker's step
+Targets: 1. the loader delivers at least 4x the images/s one training worker's step
 consumes, at 224 px, on the same CPU; 2. a worker's peak resident memory over one epoch grows at
 most 1.25x when the dataset grows 4x.
 
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import preprocess_generated, write_results
+from bench.common import preprocess_generated, write_results
 
 CLASSES = 6
 
@@ -33,8 +33,8 @@ CLASSES = 6
 def loader(dataset: Path, *, image_size: int, batch: int, workers: int):
     from torch.utils.data import DataLoader
 
-    from pipeline.data import BlockShuffleSampler, ParquetImages, train_transform
     from pipeline.dataset import read_manifest
+    from pipeline.loader import BlockShuffleSampler, ParquetImages, train_transform
     from pipeline.storage import Location
 
     root = Location.parse(str(dataset))
@@ -47,7 +47,7 @@ def loader(dataset: Path, *, image_size: int, batch: int, workers: int):
 
 
 def loader_rate(dataset: Path, *, image_size: int, batch: int, workers: int) -> float:
-    from pipeline.data import normalize
+    from pipeline.step import normalize
 
     batches, manifest = loader(dataset, image_size=image_size, batch=batch, workers=workers)
     images, started = 0, None
@@ -87,8 +87,9 @@ def peak_rss_mb(dataset: Path, image_size: int, batch: int) -> float:
         "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])"
     )
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", code], check=True, text=True,
-                         capture_output=True, cwd=root)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, text=True, capture_output=True, cwd=root
+    )
     # VmHWM, the peak RSS of this process image, in KiB. Not getrusage's ru_maxrss: on Linux
     # that survives exec, so it would report the peak of the process we forked from.
     return int(out.stdout.split()[-1]) / 1024
@@ -96,9 +97,14 @@ def peak_rss_mb(dataset: Path, image_size: int, batch: int) -> float:
 
 def generate(out: Path, images: int, image_size: int) -> Path:
     per_class = max(2, images // CLASSES)
-    preprocess_generated(out, f"image_size={image_size}", f"source.synthetic.raw_size={image_size}",
-                         f"source.synthetic.images_per_class={per_class}", "shard_size=200",
-                         "row_group_size=50")  # fmt: skip
+    preprocess_generated(
+        out,
+        f"image_size={image_size}",
+        f"source.synthetic.raw_size={image_size}",
+        f"source.synthetic.images_per_class={per_class}",
+        "shard_size=200",
+        "row_group_size=50",
+    )
     return out
 
 
@@ -114,12 +120,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp:
         small = generate(Path(tmp) / "small", args.images, args.image_size)
         large = generate(Path(tmp) / "large", 4 * args.images, args.image_size)
-        load = loader_rate(large, image_size=args.image_size, batch=args.batch,
-                           workers=args.loader_workers)  # fmt: skip
-        step = step_rate(image_size=args.image_size, batch=args.batch, threads=args.threads,
-                         steps=args.steps)  # fmt: skip
-        rss = {"N": peak_rss_mb(small, args.image_size, args.batch),
-               "4N": peak_rss_mb(large, args.image_size, args.batch)}  # fmt: skip
+        load = loader_rate(
+            large, image_size=args.image_size, batch=args.batch, workers=args.loader_workers
+        )
+        step = step_rate(
+            image_size=args.image_size, batch=args.batch, threads=args.threads, steps=args.steps
+        )
+        rss = {
+            "N": peak_rss_mb(small, args.image_size, args.batch),
+            "4N": peak_rss_mb(large, args.image_size, args.batch),
+        }
     results = {
         "args": vars(args),
         "loader_images_per_s": load,
@@ -133,8 +143,10 @@ def main() -> int:
     }
     print(json.dumps(results, indent=2))
     print(f"loader {load:.1f} images/s vs step {step:.1f}: {load / step:.2f}x (target >= 4)")
-    print(f"peak RSS {rss['N']:.0f} MiB (N) vs {rss['4N']:.0f} MiB (4N): "
-          f"{rss['4N'] / rss['N']:.2f}x (target <= 1.25)")  # fmt: skip
+    print(
+        f"peak RSS {rss['N']:.0f} MiB (N) vs {rss['4N']:.0f} MiB (4N): "
+        f"{rss['4N'] / rss['N']:.2f}x (target <= 1.25)"
+    )
     write_results("loader", results)
     return 0
 

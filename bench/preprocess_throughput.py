@@ -1,6 +1,6 @@
 """Preprocessing throughput with 1 and 2 CPUs, and against a plain PIL + pyarrow loop.
 
-    make bench        # or: .venv/bin/python bench/preprocess_throughput.py --images 1200
+    make bench        # or: .venv/bin/python -m bench.preprocess_throughput --images 1200
 
 Builds one folder of food-photo-sized JPEGs (512x384), then:
 - plain: this process, one core: PIL decode, resize + center crop to 224 px, JPEG encode,
@@ -9,7 +9,7 @@ Builds one folder of food-photo-sized JPEGs (512x384), then:
   submitted with `ray job submit`. Two figures per run, both from the job's own log: `images/s`
   from the first shard submitted to the last one written (worker start-up and torch import
   included, as a user sees it), and `steady` from the first shard done to the last.
-Targets (issue 6): 2 CPUs >= 1.7x 1 CPU; the job >= 0.9x plain per core.
+Targets: 2 CPUs >= 1.7x 1 CPU; the job >= 0.9x plain per core.
 Results go to bench/results/preprocess.json.
 """
 
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from common import write_results
 from PIL import Image
 
-from pipeline.cluster import LocalCluster
+from bench.common import write_results
+from harness.cluster import LocalCluster
 from pipeline.sources import render_synthetic
 
 PROGRESS = re.compile(
@@ -38,8 +38,14 @@ PROGRESS = re.compile(
 
 def make_folder(root: Path, images: int, classes: int = 6) -> None:
     for i in range(images):
-        name = ["red_circle", "green_square", "blue_triangle", "yellow_circle", "cyan_square",
-                "orange_triangle"][i % classes]  # fmt: skip
+        name = [
+            "red_circle",
+            "green_square",
+            "blue_triangle",
+            "yellow_circle",
+            "cyan_square",
+            "orange_triangle",
+        ][i % classes]
         (root / name).mkdir(parents=True, exist_ok=True)
         img = render_synthetic(name, size=512, seed=0, index=i).crop((0, 0, 512, 384))
         img.save(root / name / f"{i:05d}.jpg", quality=90)
@@ -74,11 +80,21 @@ def plain(src: Path, out: Path, size: int = SIZE, shard_size: int = SHARD_SIZE) 
 def measure(src: Path, out: Path, cpus: int) -> dict:
     with LocalCluster(num_cpus=cpus) as cluster:
         proc = cluster.submit(
-            ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-             "source.kind=folder", f"source.folder.path={src}", f"output={out}",
-             f"image_size={SIZE}", f"shard_size={SHARD_SIZE}", "overwrite=true"],
+            [
+                "python",
+                "-m",
+                "jobs.preprocess",
+                "--config",
+                "configs/demo-preprocess.yaml",
+                "source.kind=folder",
+                f"source.folder.path={src}",
+                f"output={out}",
+                f"image_size={SIZE}",
+                f"shard_size={SHARD_SIZE}",
+                "overwrite=true",
+            ],
             capture=True,
-        )  # fmt: skip
+        )
     if proc.returncode != 0:
         sys.exit(f"preprocess failed with {cpus} CPUs:\n{proc.stdout[-3000:]}")
     lines = PROGRESS.findall(proc.stdout)
@@ -110,8 +126,10 @@ def main() -> None:
     first = results[0]
     print(f"\npreprocess, {args.images} JPEGs 512x384 -> {SIZE} px")
     print(f"plain PIL + pyarrow loop, 1 core: {base['images_per_s']:.1f} images/s")
-    print(f"{'CPUs':>5} {'images/s':>10} {'ratio':>7} {'steady':>8} {'ratio':>7} "
-          f"{'steady per CPU / plain':>23}")  # fmt: skip
+    print(
+        f"{'CPUs':>5} {'images/s':>10} {'ratio':>7} {'steady':>8} {'ratio':>7} "
+        f"{'steady per CPU / plain':>23}"
+    )
     for r in results:
         r["ratio"] = round(r["images_per_s"] / first["images_per_s"], 2)
         r["steady_ratio"] = round(r["steady_images_per_s"] / first["steady_images_per_s"], 2)
@@ -124,8 +142,9 @@ def main() -> None:
             f"{r['steady_per_cpu_over_plain']:>22.2f}x"
         )
     targets = {"two_over_one_cpu": 1.7, "per_cpu_over_plain": 0.9}
-    write_results("preprocess", {"args": vars(args), "plain": base, "results": results,
-                                 "targets": targets})  # fmt: skip
+    write_results(
+        "preprocess", {"args": vars(args), "plain": base, "results": results, "targets": targets}
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Ray Train's overhead: TorchTrainer with 1 worker against a plain PyTorch loop, 2 workers
 against 1, and the time from `ray job submit` to the first training step.
 
-    .venv/bin/python bench/train_throughput.py --image-size 64 --epochs 3
+    .venv/bin/python -m bench.train_throughput --image-size 64 --epochs 3
 
 Preprocesses generated images once, then:
-- plain: one process, the same model, loader (`pipeline.train.train_data`, the worker's own),
+- plain: one process, the same model, loader (`pipeline.train_loop.train_data`, the worker's own),
   batch size, optimizer and train step as a worker, torch threads = 1;
 - for each worker count, a fresh local cluster with that many CPUs and the train job (1 CPU
   per worker, no DataLoader processes) submitted with `ray job submit`.
@@ -12,7 +12,7 @@ Images/s are medians over the epochs after the first (which pays for warm-up): f
 its history.csv, all workers together. With --repeat N, N rounds of all of it, and the ratios'
 medians. Start-up is timed from the submission to lines of the
 job's log: the driver ready ("new run"), the workers up (rank 0's "workers on"), the first step
-(rank 0's "training epochs"). Targets (issue 6): 1 worker >= 0.95x plain, submission to first
+(rank 0's "training epochs"). Targets: 1 worker >= 0.95x plain, submission to first
 step < 15 s. Results go to bench/results/train.json.
 """
 
@@ -27,25 +27,37 @@ import time
 from pathlib import Path
 
 import torch
-from common import preprocess_generated, write_results
 
-from pipeline.cluster import BUNDLE_ROOT, LocalCluster
+from bench.common import preprocess_generated, write_results
+from harness.cluster import BUNDLE_ROOT, LocalCluster
 from pipeline.config import TrainConfig, load_config
 from pipeline.dataset import read_manifest
 from pipeline.model import build_model
+from pipeline.runs import HISTORY_CSV
+from pipeline.step import Step
 from pipeline.storage import Location
-from pipeline.train import Step, build_optimizer, train_data, train_one_epoch
+from pipeline.train_loop import build_optimizer, train_data, train_one_epoch
 
-MILESTONES = {"driver_ready_s": "new run", "workers_up_s": "workers on",
-              "first_step_s": "training epochs"}  # fmt: skip
+MILESTONES = {
+    "driver_ready_s": "new run",
+    "workers_up_s": "workers on",
+    "first_step_s": "training epochs",
+}
 
 
 def plain(dataset: Path, epochs: int, overrides: list[str]) -> dict:
     """The worker's training step in this process, without Ray."""
     torch.set_num_threads(1)
-    cfg = load_config(TrainConfig, BUNDLE_ROOT / "configs/demo-train.yaml",
-                      [f"dataset={dataset}", f"storage_path={dataset.parent}",
-                       "scaling.num_workers=1", *overrides])  # fmt: skip
+    cfg = load_config(
+        TrainConfig,
+        BUNDLE_ROOT / "configs/demo-train.yaml",
+        [
+            f"dataset={dataset}",
+            f"storage_path={dataset.parent}",
+            "scaling.num_workers=1",
+            *overrides,
+        ],
+    )
     root = Location.parse(cfg.dataset)
     manifest = read_manifest(root)
     cpu = torch.device("cpu")
@@ -63,18 +75,33 @@ def plain(dataset: Path, epochs: int, overrides: list[str]) -> dict:
     return {"images_per_s": round(statistics.median(rates[1:]), 1)}
 
 
-def measure(dataset: Path, runs: Path, workers: int, epochs: int, overrides: list[str],
-            name: str) -> dict:  # fmt: skip
-    args = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml",
-            f"dataset={dataset}", f"storage_path={runs}", f"name={name}", f"epochs={epochs}",
-            f"scaling.num_workers={workers}", *overrides]  # fmt: skip
+def measure(
+    dataset: Path, runs: Path, workers: int, epochs: int, overrides: list[str], name: str
+) -> dict:
+    args = [
+        "python",
+        "-m",
+        "jobs.train",
+        "--config",
+        "configs/demo-train.yaml",
+        f"dataset={dataset}",
+        f"storage_path={runs}",
+        f"name={name}",
+        f"epochs={epochs}",
+        f"scaling.num_workers={workers}",
+        *overrides,
+    ]
     with LocalCluster(num_cpus=workers) as cluster:
         # Streamed, to time when the milestone lines arrive.
         submitted, seen = time.monotonic(), {}
         proc = subprocess.Popen(
-            cluster.submit_command(args), cwd=BUNDLE_ROOT, env=cluster.env, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cluster.submit_command(args),
+            cwd=BUNDLE_ROOT,
+            env=cluster.env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         output = []
         for line in proc.stdout:
             output.append(line)
@@ -83,7 +110,7 @@ def measure(dataset: Path, runs: Path, workers: int, epochs: int, overrides: lis
                     seen[key] = round(time.monotonic() - submitted, 1)
         if proc.wait() != 0 or len(seen) < len(MILESTONES):
             sys.exit(f"training failed with {workers} workers:\n{''.join(output)[-3000:]}")
-    with open(runs / name / "history.csv") as f:
+    with open(runs / name / HISTORY_CSV) as f:
         steady = list(csv.DictReader(f))[1:]
     return {
         "workers": workers,
@@ -108,25 +135,35 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "dataset"
         size, per_class = args.image_size, args.images_per_class
-        preprocess_generated(dataset, f"image_size={size}", f"source.synthetic.raw_size={size}",
-                             f"source.synthetic.images_per_class={per_class}")  # fmt: skip
+        preprocess_generated(
+            dataset,
+            f"image_size={size}",
+            f"source.synthetic.raw_size={size}",
+            f"source.synthetic.images_per_class={per_class}",
+        )
         for i in range(args.repeat):
             base = plain(dataset, args.epochs, overrides)
-            jobs = [measure(dataset, Path(tmp) / "runs", w, args.epochs, overrides, f"w{w}r{i}")
-                    for w in args.workers]  # fmt: skip
+            jobs = [
+                measure(dataset, Path(tmp) / "runs", w, args.epochs, overrides, f"w{w}r{i}")
+                for w in args.workers
+            ]
             for r in jobs:
                 r["over_plain"] = round(r["images_per_s"] / base["images_per_s"], 2)
                 r["over_first"] = round(r["images_per_s"] / jobs[0]["images_per_s"], 2)
             rounds.append({"plain": base, "jobs": jobs})
     print(f"\ntrain ResNet-18, {args.image_size} px, 6 classes x {args.images_per_class} images")
-    print(f"{'round':>5} {'plain':>6} {'workers':>8} {'images/s':>9} {'/plain':>7} "
-          f"{'/1 worker':>10}  seconds from submission to: "
-          "driver ready, workers up, first step")  # fmt: skip
+    print(
+        f"{'round':>5} {'plain':>6} {'workers':>8} {'images/s':>9} {'/plain':>7} "
+        f"{'/1 worker':>10}  seconds from submission to: "
+        "driver ready, workers up, first step"
+    )
     for i, r in enumerate(rounds):
         for j in r["jobs"]:
-            print(f"{i:>5} {r['plain']['images_per_s']:>6.1f} {j['workers']:>8} "
-                  f"{j['images_per_s']:>9.1f} {j['over_plain']:>6.2f}x {j['over_first']:>9.2f}x"
-                  f"  {j['driver_ready_s']}, {j['workers_up_s']}, {j['first_step_s']}")  # fmt: skip
+            print(
+                f"{i:>5} {r['plain']['images_per_s']:>6.1f} {j['workers']:>8} "
+                f"{j['images_per_s']:>9.1f} {j['over_plain']:>6.2f}x {j['over_first']:>9.2f}x"
+                f"  {j['driver_ready_s']}, {j['workers_up_s']}, {j['first_step_s']}"
+            )
     medians = {}
     for k, w in enumerate(args.workers):
         medians[f"{w}_workers"] = {
@@ -135,8 +172,9 @@ def main() -> None:
         }
     print(f"medians over {args.repeat} rounds: {json.dumps(medians)}")
     targets = {"one_worker_over_plain": 0.95, "first_step_s": 15}
-    write_results("train", {"args": vars(args), "rounds": rounds, "medians": medians,
-                            "targets": targets})  # fmt: skip
+    write_results(
+        "train", {"args": vars(args), "rounds": rounds, "medians": medians, "targets": targets}
+    )
 
 
 if __name__ == "__main__":

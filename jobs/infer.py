@@ -5,9 +5,9 @@
 Classify a preprocessed dataset split or an image folder with the best checkpoint of a training
 run (or a given checkpoint), on Ray Data; writes predictions.parquet and summary.json (accuracy,
 per-class precision and recall, confusion matrix when labels are known) to output. Given one
-image file as input, prints its top-k classes as JSON instead. Any config key can be overridden
-as key=value (see pipeline/config.py: InferConfig). Exit codes: 0 done, 1 unusable input (run,
-checkpoint, images), 2 invalid config, 3 no GPU for use_gpu=true.
+image file as input, prints its top-k classes as JSON instead. Exit codes: 0 done, 1 unusable
+input (run, checkpoint, images), 2 invalid config, 3 the cluster cannot run it (no GPU for
+use_gpu=true, fewer CPUs than cpus_per_actor).
 """
 
 import json
@@ -15,27 +15,39 @@ import logging
 
 import ray
 
-from pipeline.cli import job_main
+from jobs.cli import job_main
 from pipeline.config import InferConfig
+from pipeline.errors import InputError
+from pipeline.storage import Location
 
 log = logging.getLogger("jobs.infer")
 
 
 def main(cfg: InferConfig) -> None:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
-    from pipeline.infer import classify_image, is_single_image, run
+    from pipeline import infer
 
-    ray.init()
-    if is_single_image(cfg):
-        print(json.dumps(classify_image(cfg), indent=2), flush=True)
+    model, source = Location.parse(cfg.model), Location.parse(cfg.input)
+    if not source.exists():
+        raise InputError(f"input={source.uri} does not exist")
+    if not source.is_dir():
+        ray.init()
+        print(json.dumps(infer.classify_image(cfg, model=model, image=source), indent=2))
         return
-    summary = run(cfg)
+    if cfg.output is None:
+        raise InputError("output= is required for a dataset or a folder (where to write)")
+    output = Location.parse(cfg.output)
+    ray.init()
+    summary = infer.run(cfg, model=model, source=source, output=output)
     accuracy = summary.get("accuracy")
     log.info(
-        "%d images, %.1f images/s, %d skipped%s", summary["images"], summary["images_per_s"],
-        len(summary["skipped"]), "" if accuracy is None else f", accuracy {accuracy:.4f}",
-    )  # fmt: skip
-    print(f"predictions: {cfg.output.rstrip('/')}/predictions.parquet", flush=True)
+        "%d images, %.1f images/s, %d skipped%s",
+        summary["images"],
+        summary["images_per_s"],
+        len(summary["skipped"]),
+        "" if accuracy is None else f", accuracy {accuracy:.4f}",
+    )
+    print(f"predictions: {output.child(infer.PREDICTIONS).uri}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """ray job submit --address http://127.0.0.1:8265 --runtime-env runtime_env.yaml \
     -- python -m jobs.preprocess --config configs/preprocess.yaml output=s3://bucket/food101
 
-Preprocess images into Parquet shards plus a manifest. Any config key can be overridden as
-key=value (see pipeline/config.py: PreprocessConfig). Exit codes: 0 done, 1 unusable input
+Preprocess images into Parquet shards plus a manifest. Exit codes: 0 done, 1 unusable input
 data, 2 invalid config.
 """
 
@@ -10,8 +9,9 @@ import logging
 
 import ray
 
-from pipeline.cli import job_main
+from jobs.cli import job_main
 from pipeline.config import PreprocessConfig
+from pipeline.storage import Location
 
 log = logging.getLogger("jobs.preprocess")
 
@@ -20,13 +20,14 @@ def main(cfg: PreprocessConfig) -> None:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
     from pipeline.preprocess import run
 
+    output = Location.parse(cfg.output)
     ray.init()
-    manifest = run(cfg)
+    manifest = run(cfg, output=output)
     train, val = manifest.splits["train"], manifest.splits["val"]
     log.info(
         "dataset at %s: %d classes, train %d, val %d, skipped %d",
-        cfg.output, len(manifest.classes), train.rows, val.rows, len(manifest.skipped),
-    )  # fmt: skip
+        *(output.uri, len(manifest.classes), train.rows, val.rows, len(manifest.skipped)),
+    )
 
 
 if __name__ == "__main__":

@@ -5,8 +5,7 @@
 Train ResNet-18 on a preprocessed dataset with Ray Train, fault-tolerant: failed workers are
 restarted from the latest checkpoint (max_failures), and submitting the same run name again
 resumes it. Writes summary.json, history.csv and curves.png into <storage_path>/<name> and prints
-the best checkpoint's path last. Any config key can be overridden as key=value (see
-pipeline/config.py: TrainConfig). Exit codes: 0 done, 1 unusable input (dataset, checkpoint),
+the best checkpoint's path last. Exit codes: 0 done, 1 unusable input (dataset, checkpoint),
 2 invalid config, 3 training failed (workers could not be placed, or retries used up).
 """
 
@@ -14,8 +13,9 @@ import logging
 
 import ray
 
-from pipeline.cli import job_main
+from jobs.cli import job_main
 from pipeline.config import TrainConfig
+from pipeline.storage import Location
 
 log = logging.getLogger("jobs.train")
 
@@ -24,14 +24,18 @@ def main(cfg: TrainConfig) -> None:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
     from pipeline.train import run
 
+    dataset, runs = Location.parse(cfg.dataset), Location.parse(cfg.storage_path)
     ray.init()
-    summary = run(cfg)
+    summary = run(cfg, dataset=dataset, runs=runs)
     best = summary["best_metrics"]
     log.info(
         "%d epochs, final val accuracy %.4f; best val accuracy %.4f at epoch %d; %.1f images/s",
-        summary["epochs"], summary["final_accuracy"], best["val_accuracy"], best["epoch"],
+        summary["epochs"],
+        summary["final_accuracy"],
+        best["val_accuracy"],
+        best["epoch"],
         summary["images_per_s"],
-    )  # fmt: skip
+    )
     print(f"best checkpoint: {summary['best_checkpoint']}", flush=True)
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import textwrap
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -16,10 +20,11 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic_core import PydanticUndefined
 
 from pipeline.errors import ConfigError
 
-# Food-101-Lite (seed 001), by the Hugging Face food101 label names; remapped to 0..9 in this order.
+# Food-101-Lite: ten classes of food101, by its label names; remapped to 0..9 in this order.
 FOOD101_LITE_CLASSES = (
     "pizza",
     "hamburger",
@@ -135,7 +140,7 @@ class OptimizerConfig(_Strict):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
 
 
-class ScalingConfig(_Strict):
+class TrainScalingConfig(_Strict):
     num_workers: int = Field(2, ge=1, description="Training workers (one process each).")
     cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker (torch threads).")
     use_gpu: bool = Field(False, description="One GPU per worker; mixed precision on it.")
@@ -172,14 +177,19 @@ class TrainConfig(_Strict):
         "absolute path to a resnet18 state_dict file; the classifier is always new.",
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="auto: bf16 (else fp16 with a grad scaler) on GPU, fp32 on CPU."
+        "auto",
+        description="auto: on GPU bf16 from Ampere (compute capability 8.0) on, else fp16 with "
+        "a grad scaler; fp32 on CPU.",
     )
     seed: int = Field(0, description="Seed for weights init and data order.")
     optimizer: OptimizerConfig = OptimizerConfig()
-    scaling: ScalingConfig = ScalingConfig()
+    scaling: TrainScalingConfig = TrainScalingConfig()
     max_failures: int = Field(3, ge=-1, description="Worker failures to recover from; -1: always.")
     num_to_keep: int = Field(
         2, ge=1, description="Best checkpoints kept by val_accuracy (the latest is kept too)."
+    )
+    log_every_s: float = Field(
+        30, gt=0, description="Seconds between progress lines within an epoch (rank 0)."
     )
 
     @model_validator(mode="after")
@@ -243,6 +253,22 @@ class InferConfig(_Strict):
 C = TypeVar("C", bound=BaseModel)
 
 
+class _YAMLLoader(yaml.SafeLoader):
+    """YAML with numbers as people write them. PyYAML follows YAML 1.1, where `1e-3` and
+    `1.0e3` are strings (an exponent needs a dot and a sign); YAML 1.2 reads them as floats."""
+
+
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YAMLLoader)
+
+
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
     """Build `cls` from a YAML file and `dotted.key=value` overrides (values parsed as YAML)."""
     data: dict[str, Any] = {}
@@ -250,7 +276,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     if path is not None:
         where = str(path)
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = parse_yaml(Path(path).read_text()) or {}
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except yaml.YAMLError as e:
@@ -260,8 +286,8 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like key=value, e.g. image_size=128")
-        _set_dotted(data, key, yaml.safe_load(raw) if raw else None)
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. {_example(cls)}")
+        _set_dotted(data, key, parse_yaml(raw) if raw else None)
     return validate_config(cls, data, where)
 
 
@@ -320,3 +346,50 @@ def _fields_at(cls: type[BaseModel], loc: list[str]) -> list[str]:
             return []
         model = field.annotation
     return list(model.model_fields) if hasattr(model, "model_fields") else []
+
+
+def _example(cls: type[BaseModel]) -> str:
+    key, _, default, _ = next(k for k in describe_keys(cls) if k[2] != "required")
+    return f"{key}={default}"
+
+
+def describe_keys(cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, description) of every setting of `cls`, sections flattened."""
+    keys = []
+    for name, field in cls.model_fields.items():
+        key, annotation = prefix + name, field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys += describe_keys(annotation, key + ".")
+            continue
+        if field.default is PydanticUndefined:
+            default = "required"
+        else:
+            default = json.dumps(field.default) if field.default is not None else "null"
+            default = default.replace('"', "")
+        keys.append((key, _type_name(annotation), default, field.description or ""))
+    return keys
+
+
+def keys_help(cls: type[BaseModel]) -> str:
+    """The settings of `cls` as `key=value` help text: one entry per key."""
+    lines = []
+    for key, kind, default, description in describe_keys(cls):
+        lines.append(f"  {key} ({kind}, default {default})")
+        lines += textwrap.wrap(
+            description, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6
+        )
+    return "\n".join(lines)
+
+
+def _type_name(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if origin in (typing.Union, types.UnionType):
+        named = [_type_name(a) for a in args if a is not type(None)]
+        return " or ".join(named) + (" or null" if type(None) in args else "")
+    if origin is tuple:
+        return f"list of {_type_name(args[0])}"
+    return getattr(annotation, "__name__", str(annotation))

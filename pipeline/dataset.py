@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"
+CONFIG_YAML = "config.yaml"
 STAGING = "_staging"
 
 SCHEMA = pa.schema(
@@ -98,8 +99,9 @@ def read_manifest(root: Location) -> Manifest | None:
     try:
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as e:  # not JSON, fields missing or of the wrong type
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}"
-                             for err in e.errors()[:3])  # fmt: skip
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors()[:3]
+        )
         raise InputError(
             f"{path.uri} is not a manifest this code can read ({problems}). "
             "Re-run preprocessing with overwrite=true"
@@ -147,6 +149,6 @@ def publish(root: Location, staging: Location, manifest: Manifest, config_yaml: 
             target = root.child(f.path)
             target.create_parent()
             root.fs.move(staging.child(f.path).path, target.path)
-    root.child("config.yaml").write_bytes(config_yaml.encode())
+    root.child(CONFIG_YAML).write_bytes(config_yaml.encode())
     root.child(MANIFEST).write_bytes(manifest.model_dump_json(indent=2).encode())
     staging.delete()

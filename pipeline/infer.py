@@ -4,7 +4,7 @@ read (Parquet rows or image files) -> prepare (decode, resize + center crop to t
 image size: the very functions preprocessing used) -> predict (an actor pool; each actor loads
 the model once, on its GPU with use_gpu) -> predictions.parquet and summary.json, written by the
 driver as the batches stream in. One image file instead goes through a single Ray task and is
-printed: the quick check of seed 001.
+printed: the quick check.
 """
 
 from __future__ import annotations
@@ -23,21 +23,15 @@ import ray
 import ray.data
 import torch
 
+from pipeline.checkpoint import METADATA, read_meta
 from pipeline.config import InferConfig
 from pipeline.errors import ClusterError, InputError
 from pipeline.inputs import read_input
-from pipeline.model import METADATA, load_model, read_meta
+from pipeline.model import load_model
 from pipeline.plots import plot_confusion
+from pipeline.runs import RUN_SUMMARY, SCORE, SNAPSHOT, best_checkpoint, load_result
+from pipeline.step import Step, pick_precision
 from pipeline.storage import Location
-from pipeline.train import (
-    RUN_SUMMARY,
-    SCORE,
-    SNAPSHOT,
-    Step,
-    best_checkpoint,
-    load_result,
-    pick_precision,
-)
 from pipeline.transforms import BadImageError, decode_image, resize_center_crop
 
 log = logging.getLogger(__name__)
@@ -61,8 +55,14 @@ def resolve_checkpoint(model: Location) -> Location:
         if not result.best_checkpoints:
             raise InputError(f"run {model.uri} has no checkpoint yet: train it first")
         best, metrics = best_checkpoint(model, result)
-        log.info("run %s: best checkpoint %s (epoch %d, %s %.4f)",
-                 model.uri, best.uri, metrics["epoch"], SCORE, metrics[SCORE])  # fmt: skip
+        log.info(
+            "run %s: best checkpoint %s (epoch %d, %s %.4f)",
+            model.uri,
+            best.uri,
+            metrics["epoch"],
+            SCORE,
+            metrics[SCORE],
+        )
         return best
     if not model.exists():
         raise InputError(f"model={model.uri} does not exist")
@@ -88,22 +88,24 @@ def prepare_batch(batch: dict, *, image_size: int) -> dict:
             pixels[i] = prepare_image(data, image_size=image_size)
         except BadImageError as e:
             errors[i] = str(e)
-    return {"pixels": pixels, "source_id": batch["source_id"], "label_name": batch["label_name"],
-            "error": errors}  # fmt: skip
+    return {
+        "pixels": pixels,
+        "source_id": batch["source_id"],
+        "label_name": batch["label_name"],
+        "error": errors,
+    }
 
 
 class Classifier:
     """A checkpoint's model on one device: uint8 pixels in, class probabilities out. Batches go
-    through the model as in training (`pipeline.train.Step`): same normalisation, precision
+    through the model as in training (`pipeline.step.Step`): same normalisation, precision
     and memory layout."""
 
     def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str):
         device = torch.device("cuda" if use_gpu else "cpu")
         model, self.meta = load_model(checkpoint)
         self.step = Step(device, pick_precision(precision, device), self.meta.mean, self.meta.std)
-        if self.step.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        self.model = model.to(device).eval()
+        self.model = self.step.prepare(model).to(device).eval()
 
     @property
     def precision(self) -> str:
@@ -171,21 +173,25 @@ def wait_for_gpu(timeout_s: float) -> int:
 # --- batch -------------------------------------------------------------------------------------
 
 
-def run(cfg: InferConfig) -> dict:
-    """Classify `cfg.input` into `cfg.output`; return the summary (Ray initialised)."""
-    if cfg.output is None:
-        raise InputError("output= is required for a dataset or a folder (where to write)")
-    checkpoint = resolve_checkpoint(Location.parse(cfg.model))
+def run(cfg: InferConfig, *, model: Location, source: Location, output: Location) -> dict:
+    """Classify `source` (a dataset or an image folder) with `model` (a run or a checkpoint)
+    into `output`; return the summary (Ray initialised)."""
+    checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
-    ds = read_input(cfg)
-    predictor = {"checkpoint": checkpoint, "use_gpu": cfg.use_gpu, "precision": cfg.precision,
-                 "top_k": cfg.top_k}  # fmt: skip
+    ds = read_input(source, split=cfg.split)
+    predictor = {
+        "checkpoint": checkpoint,
+        "use_gpu": cfg.use_gpu,
+        "precision": cfg.precision,
+        "top_k": cfg.top_k,
+    }
     if cfg.use_gpu:
         actors = min(cfg.num_actors, wait_for_gpu(cfg.gpu_timeout_s))
         per_actor = {"num_gpus": 1, "num_cpus": 1}
         # CPU tasks decode while the GPUs classify.
-        ds = ds.map_batches(prepare_batch, fn_kwargs={"image_size": meta.image_size},
-                            batch_size=cfg.batch_size)  # fmt: skip
+        ds = ds.map_batches(
+            prepare_batch, fn_kwargs={"image_size": meta.image_size}, batch_size=cfg.batch_size
+        )
     else:
         # Each actor decodes its own batches with its CPUs, then runs the model on all of them
         # (torch threads = cpus_per_actor): a separate decoding stage would need CPUs that the
@@ -198,13 +204,22 @@ def run(cfg: InferConfig) -> dict:
         actors = min(cfg.num_actors, have // cpus)
         per_actor = {"num_cpus": cpus}
         predictor |= {"decode_size": meta.image_size, "threads": cpus}
-    log.info("checkpoint %s; %d predictor actors with %s each, batches of %d",
-             checkpoint.uri, actors, per_actor, cfg.batch_size)  # fmt: skip
-    ds = ds.map_batches(Predictor, fn_constructor_kwargs=predictor, batch_size=cfg.batch_size,
-                        compute=ray.data.ActorPoolStrategy(size=actors), **per_actor)  # fmt: skip
+    log.info(
+        "checkpoint %s; %d predictor actors with %s each, batches of %d",
+        checkpoint.uri,
+        actors,
+        per_actor,
+        cfg.batch_size,
+    )
+    ds = ds.map_batches(
+        Predictor,
+        fn_constructor_kwargs=predictor,
+        batch_size=cfg.batch_size,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        **per_actor,
+    )
 
     started = time.monotonic()
-    out = Location.parse(cfg.output)
     with tempfile.TemporaryDirectory() as tmp:
         local = posixpath.join(tmp, PREDICTIONS)
         labels, preds, skipped, first = write_predictions(ds, local, meta.classes)
@@ -217,14 +232,14 @@ def run(cfg: InferConfig) -> dict:
             rest = started + seconds - first_at
             summary["steady_images_per_s"] = (len(preds) - first_images) / rest if rest else 0.0
         # The summary goes last, so a reader that finds it finds complete predictions.
-        out.child(SUMMARY).delete()
-        out.child(PREDICTIONS).write_bytes(Path(local).read_bytes())
-    confusion = out.child(CONFUSION_PNG)
+        output.child(SUMMARY).delete()
+        output.child(PREDICTIONS).write_bytes(Path(local).read_bytes())
+    confusion = output.child(CONFUSION_PNG)
     if "confusion_matrix" in summary:
         confusion.write_bytes(plot_confusion(summary["confusion_matrix"], meta.classes))
     else:
         confusion.delete()
-    out.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
+    output.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
     return summary
 
 
@@ -260,23 +275,30 @@ def write_predictions(ds: ray.data.Dataset, path: str, classes: list[str]):
                 {
                     "source_id": pa.array(batch["source_id"][ok], pa.string()),
                     "label": pa.array(label, pa.int64(), mask=label < 0),
-                    "label_name": pa.array([classes[i] if i >= 0 else None for i in label],
-                                           pa.string()),
+                    "label_name": pa.array(
+                        [classes[i] if i >= 0 else None for i in label], pa.string()
+                    ),
                     "pred": pa.array(batch["pred"][ok], pa.int64()),
                     "pred_name": pa.array(batch["pred_name"][ok], pa.string()),
                     "top_k": pa.FixedSizeListArray.from_arrays(
-                        pa.array(top_k.ravel(), pa.int64()), k).cast(pa.list_(pa.int64())),
+                        pa.array(top_k.ravel(), pa.int64()), k
+                    ).cast(pa.list_(pa.int64())),
                     "top_k_prob": pa.FixedSizeListArray.from_arrays(
-                        pa.array(prob.ravel(), pa.float32()), k).cast(pa.list_(pa.float32())),
+                        pa.array(prob.ravel(), pa.float32()), k
+                    ).cast(pa.list_(pa.float32())),
                 },
                 schema=PREDICTION_SCHEMA,
-            )  # fmt: skip
+            )
             writer.write_table(table)
             labels.append(label)
             preds.append(batch["pred"][ok])
     empty = [np.zeros(0, dtype=np.int64)]
-    return (np.concatenate(labels or empty), np.concatenate(preds or empty),
-            sorted(skipped, key=lambda s: s["source_id"]), first)  # fmt: skip
+    return (
+        np.concatenate(labels or empty),
+        np.concatenate(preds or empty),
+        sorted(skipped, key=lambda s: s["source_id"]),
+        first,
+    )
 
 
 def summarize(meta, checkpoint: Location, labels, preds, skipped, seconds: float) -> dict:
@@ -300,10 +322,16 @@ def summarize(meta, checkpoint: Location, labels, preds, skipped, seconds: float
         summary |= {
             "labelled_images": int(known.sum()),
             "accuracy": float(tp.sum() / known.sum()),
-            "per_class": {c: {"precision": float(precision[i]), "recall": float(recall[i]),
-                              "support": int(cm[i].sum())} for i, c in enumerate(meta.classes)},
+            "per_class": {
+                c: {
+                    "precision": float(precision[i]),
+                    "recall": float(recall[i]),
+                    "support": int(cm[i].sum()),
+                }
+                for i, c in enumerate(meta.classes)
+            },
             "confusion_matrix": cm.tolist(),
-        }  # fmt: skip
+        }
     return summary
 
 
@@ -315,14 +343,15 @@ def _classify_one(checkpoint: Location, data: bytes, use_gpu: bool, precision: s
     classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=precision)
     pixels = prepare_image(data, image_size=classifier.meta.image_size)[None]
     probs, top = classifier.probabilities(pixels)[0].topk(min(k, len(classifier.meta.classes)))
-    return [{"class": classifier.meta.classes[i], "index": int(i), "probability": float(p)}
-            for p, i in zip(probs, top, strict=True)]  # fmt: skip
+    return [
+        {"class": classifier.meta.classes[i], "index": int(i), "probability": float(p)}
+        for p, i in zip(probs, top, strict=True)
+    ]
 
 
-def classify_image(cfg: InferConfig) -> dict:
+def classify_image(cfg: InferConfig, *, model: Location, image: Location) -> dict:
     """One image file through one Ray task (on a GPU with use_gpu): its top-k classes."""
-    image = Location.parse(cfg.input)
-    checkpoint = resolve_checkpoint(Location.parse(cfg.model))
+    checkpoint = resolve_checkpoint(model)
     if cfg.use_gpu:
         wait_for_gpu(cfg.gpu_timeout_s)
     data = image.read_bytes()
@@ -333,10 +362,3 @@ def classify_image(cfg: InferConfig) -> dict:
     task = _classify_one.options(num_gpus=1 if cfg.use_gpu else 0)
     top = ray.get(task.remote(checkpoint, data, cfg.use_gpu, cfg.precision, cfg.top_k))
     return {"input": image.uri, "checkpoint": checkpoint.uri, "top_k": top}
-
-
-def is_single_image(cfg: InferConfig) -> bool:
-    loc = Location.parse(cfg.input)
-    if not loc.exists():
-        raise InputError(f"input={loc.uri} does not exist")
-    return not loc.is_dir()

@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
 
-from pipeline.config import InferConfig
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import InputError
 from pipeline.storage import Location
@@ -27,38 +26,47 @@ READ_TASKS = 2
 FILES_PER_READ = 64
 
 
-def read_input(cfg: InferConfig) -> ray.data.Dataset:
+def read_input(root: Location, *, split: str) -> ray.data.Dataset:
     """Rows of (data: encoded image, source_id, label_name or ''): one read per Parquet shard
-    of the split, or per FILES_PER_READ image files."""
-    root = Location.parse(cfg.input)
+    of a dataset's `split`, or per FILES_PER_READ image files of a folder."""
     if root.child(MANIFEST).exists():
         manifest = read_manifest(root)
-        files = [root.child(f.path).path for f in manifest.splits[cfg.split].files]
+        files = [root.child(f.path).path for f in manifest.splits[split].files]
         if not files:
-            raise InputError(f"split {cfg.split!r} of dataset {root.uri} is empty")
-        log.info("input: dataset %s, split %s, %d images", root.uri, cfg.split,
-                 manifest.splits[cfg.split].rows)  # fmt: skip
+            raise InputError(f"split {split!r} of dataset {root.uri} is empty")
+        log.info(
+            "input: dataset %s, split %s, %d images", root.uri, split, manifest.splits[split].rows
+        )
         reader, blocks = read_shard, len(files)
     else:
-        files = [f.path for f in root.list_files()
-                 if not posixpath.basename(f.path).startswith(".")]  # fmt: skip
+        files = [
+            f.path for f in root.list_files() if not posixpath.basename(f.path).startswith(".")
+        ]
         if not files:
             raise InputError(f"input={root.uri} has no files: give a dataset, a folder or an image")
         log.info("input: folder %s, %d files", root.uri, len(files))
         reader, blocks = read_images, -(-len(files) // FILES_PER_READ)
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=blocks)
     return ds.map_batches(
-        reader, fn_kwargs={"root": root}, batch_size=None, num_cpus=0, concurrency=READ_TASKS
+        reader,
+        fn_kwargs={"root": root},
+        batch_size=None,
+        num_cpus=0,
+        compute=ray.data.TaskPoolStrategy(size=READ_TASKS),
     )
 
 
 def read_shard(batch: dict, *, root: Location) -> dict:
     """Ray Data stage: Parquet shard paths -> their rows."""
     columns = ["image", "source_id", "label_name"]
-    table = pa.concat_tables(pq.read_table(p, filesystem=root.fs, columns=columns)
-                             for p in batch["path"])  # fmt: skip
-    return {"data": table["image"].to_numpy(), "source_id": table["source_id"].to_numpy(),
-            "label_name": table["label_name"].to_numpy()}  # fmt: skip
+    table = pa.concat_tables(
+        pq.read_table(p, filesystem=root.fs, columns=columns) for p in batch["path"]
+    )
+    return {
+        "data": table["image"].to_numpy(),
+        "source_id": table["source_id"].to_numpy(),
+        "label_name": table["label_name"].to_numpy(),
+    }
 
 
 def read_images(batch: dict, *, root: Location) -> dict:
@@ -66,5 +74,8 @@ def read_images(batch: dict, *, root: Location) -> dict:
     data = [Location(root.fs, p, p).read_bytes() for p in batch["path"]]
     ids = [posixpath.relpath(p, root.path) for p in batch["path"]]
     names = [i.split("/")[0] if "/" in i else "" for i in ids]
-    return {"data": np.array(data, dtype=object), "source_id": np.array(ids, dtype=object),
-            "label_name": np.array(names, dtype=object)}  # fmt: skip
+    return {
+        "data": np.array(data, dtype=object),
+        "source_id": np.array(ids, dtype=object),
+        "label_name": np.array(names, dtype=object),
+    }

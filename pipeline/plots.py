@@ -30,8 +30,13 @@ def plot_confusion(cm: list[list[int]], classes: list[str]) -> bytes:
     size = max(4, 0.6 * len(classes) + 2)
     fig, ax = plt.subplots(figsize=(size, size))
     ax.imshow(cm, cmap="Blues")
-    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xlabel="predicted",
-           ylabel="true", title="Confusion matrix")  # fmt: skip
+    ax.set(
+        xticks=range(len(classes)),
+        yticks=range(len(classes)),
+        xlabel="predicted",
+        ylabel="true",
+        title="Confusion matrix",
+    )
     ax.set_xticklabels(classes, rotation=45, ha="right")
     ax.set_yticklabels(classes)
     for i, row in enumerate(cm):

@@ -109,35 +109,34 @@ def _process_shard(
     return result
 
 
-def run(cfg: PreprocessConfig) -> Manifest:
-    """Build the dataset at `cfg.output` (Ray must be initialised); return its manifest."""
-    root = Location.parse(cfg.output)
+def run(cfg: PreprocessConfig, *, output: Location) -> Manifest:
+    """Build the dataset at `output` (Ray must be initialised); return its manifest."""
     # With overwrite the old manifest is not read: it may be the unreadable one to replace.
-    existing = None if cfg.overwrite else read_manifest(root)
+    existing = None if cfg.overwrite else read_manifest(output)
     if existing and existing.fingerprint == cfg.fingerprint():
         log.info(
             "%s is up to date (same config, built %s): skipping. Pass overwrite=true to rebuild.",
-            root.uri,
+            output.uri,
             existing.created_at,
         )
         return existing
-    check_replaceable(root, overwrite=cfg.overwrite)
+    check_replaceable(output, overwrite=cfg.overwrite)
 
     source = build_source(cfg.source)
     # Shards in a stable hashed order, not class by class: every row group then mixes the
-    # classes, which lets training shuffle by row group (pipeline.data) and still see them all.
+    # classes, which lets training shuffle by row group (pipeline.loader) and still see them all.
     items = sorted(source.list_items(), key=lambda it: stable_fraction("order/" + it.source_id))
     classes = source.classes
     log.info("source %s: %d images in %d classes", cfg.source.kind, len(items), len(classes))
 
     # Leftovers of interrupted runs are garbage: one writer per output at a time.
-    staging_root = root.child(STAGING)
+    staging_root = output.child(STAGING)
     staging_root.delete()
     staging = staging_root.child(uuid.uuid4().hex[:12])
     try:
         results = _run_shards(cfg, classes, items, source, staging)
         manifest = _build_manifest(cfg, classes, results, total=len(items))
-        publish(root, staging, manifest, dump_config(cfg))
+        publish(output, staging, manifest, dump_config(cfg))
     finally:
         staging_root.delete()
     return manifest
@@ -158,8 +157,11 @@ def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardRes
     cfg_dict = cfg.model_dump(mode="json")
     log.info(
         "%d shards of up to %d images (shard_size) as Ray tasks, 1 CPU each; the cluster has "
-        "%d CPUs now", len(shards), cfg.shard_size, int(ray.cluster_resources().get("CPU", 0)),
-    )  # fmt: skip
+        "%d CPUs now",
+        len(shards),
+        cfg.shard_size,
+        int(ray.cluster_resources().get("CPU", 0)),
+    )
     pending: dict[ray.ObjectRef, int] = {}
     results: list[ShardResult] = []
     done_images, skipped, started = 0, 0, time.monotonic()
@@ -171,7 +173,7 @@ def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardRes
                 shard_items = shards[next_shard]
                 ref = _process_shard.remote(
                     cfg_dict, classes, next_shard, shard_items, source.reader(shard_items), staging
-                )  # fmt: skip
+                )
                 pending[ref] = next_shard
                 next_shard += 1
             [ref], _ = ray.wait(list(pending), num_returns=1)
@@ -182,9 +184,12 @@ def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardRes
             elapsed = time.monotonic() - started
             log.info(
                 "progress: %d/%d images (%.0f%%), %d skipped, %.1f images/s",
-                done_images, len(items), 100 * done_images / len(items), skipped,
+                done_images,
+                len(items),
+                100 * done_images / len(items),
+                skipped,
                 done_images / max(elapsed, 1e-9),
-            )  # fmt: skip
+            )
     except BaseException:
         for ref in pending:
             ray.cancel(ref, force=True)

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.cli import EXIT_CODES, setup_logging
-from pipeline.cluster import BUNDLE_ROOT
-from pipeline.config import InferConfig, PreprocessConfig, TrainConfig, load_config
-from pipeline.errors import ConfigError
+from pipeline.config import InferConfig, PreprocessConfig, TrainConfig, keys_help, load_config
+from pipeline.errors import EXIT_CODES, ConfigError
+from pipeline.logs import setup_logging
 
+BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
 CONFIGS = {"preprocess": PreprocessConfig, "train": TrainConfig, "infer": InferConfig}
 STEPS = tuple(CONFIGS)
 STOPPED_EXIT = 4
@@ -59,8 +59,10 @@ def plan(root: str, *, profile: str = "", sets: list[str] = ()) -> list[Job]:
     for item in sets:
         step, dot, rest = item.partition(".")
         if step not in overrides or not dot:
-            raise ConfigError(f"--set {item!r}: must start with one of {', '.join(STEPS)}, "
-                              "then the job's key, e.g. train.epochs=20")  # fmt: skip
+            raise ConfigError(
+                f"--set {item!r}: must start with one of {', '.join(STEPS)}, "
+                "then the job's key, e.g. train.epochs=20"
+            )
         overrides[step].append(rest)
     dataset, runs = posixpath.join(root, "dataset"), posixpath.join(root, "runs")
     args = {
@@ -80,23 +82,35 @@ def plan(root: str, *, profile: str = "", sets: list[str] = ()) -> list[Job]:
         *overrides["infer"],
     ]
     load("infer")
-    return [Job(step, ["python", "-m", f"jobs.{step}", "--config", _config_file(step, profile),
-                       *args[step]]) for step in STEPS]  # fmt: skip
+    return [
+        Job(
+            step,
+            ["python", "-m", f"jobs.{step}", "--config", _config_file(step, profile), *args[step]],
+        )
+        for step in STEPS
+    ]
 
 
 def _config_file(step: str, profile: str) -> str:
     return f"configs/{profile + '-' if profile else ''}{step}.yaml"
 
 
-def step_command(address: str, root: str, step: str, *, profile: str = "",
-                 sets: list[str] = ()) -> list[str]:  # fmt: skip
+def step_command(
+    address: str, root: str, step: str, *, profile: str = "", sets: list[str] = ()
+) -> list[str]:
     """The command line that runs one step: what a scheduler's task runs (see examples/)."""
     return [
-        "python", "-m", "pipeline.submit", "--address", address, "--root", root,
+        "python",
+        "-m",
+        "pipeline.submit",
+        "--address",
+        address,
+        "--root",
+        root,
         *(["--profile", profile] if profile else []),
         *[f"--set={s}" for s in sets],
         step,
-    ]  # fmt: skip
+    ]
 
 
 def runtime_env() -> dict:
@@ -140,8 +154,11 @@ def submit_and_wait(address: str, job: Job) -> int:
         print(f"[{job.step}] {submission_id} was stopped", file=sys.stderr, flush=True)
         return STOPPED_EXIT
     code = info.driver_exit_code or 1
-    print(f"[{job.step}] {submission_id} failed with exit code {code}: {info.message}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"[{job.step}] {submission_id} failed with exit code {code}: {info.message}",
+        file=sys.stderr,
+        flush=True,
+    )
     return code
 
 
@@ -164,17 +181,35 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+def steps_help() -> str:
+    """The steps in order, and each one's settings for `--set STEP.KEY=VALUE`."""
+    sections = [f"steps, in this order: {', '.join(STEPS)} (or all)"]
+    for step, cls in CONFIGS.items():
+        sections.append(
+            f"{step}: python -m jobs.{step}; --set {step}.KEY=VALUE with KEY one of\n"
+            f"{keys_help(cls)}"
+        )
+    return "\n\n".join(sections)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.submit", description=__doc__,
+        prog="python -m pipeline.submit",
+        description=__doc__,
+        epilog=steps_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     add = parser.add_argument
     add("--address", required=True, help="the cluster's dashboard: http://HOST:8265")
     add("--root", required=True, help="where outputs go: s3://bucket/prefix or a shared path")
     add("--profile", default="", help="'demo' for configs/demo-<step>.yaml; default <step>.yaml")
-    add("--set", action="append", default=[], metavar="STEP.KEY=VALUE",
-        help="override a job's config, e.g. --set train.epochs=20 (repeatable)")  # fmt: skip
+    add(
+        "--set",
+        action="append",
+        default=[],
+        metavar="STEP.KEY=VALUE",
+        help="override a job's config, e.g. --set train.epochs=20 (repeatable)",
+    )
     parser.add_argument("step", choices=[*STEPS, "all"])
     args = parser.parse_args(argv)
     setup_logging()

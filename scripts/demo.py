@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 
-from pipeline.cluster import BUNDLE_ROOT, LocalCluster
+from harness.cluster import BUNDLE_ROOT, LocalCluster
+from pipeline.infer import CONFUSION_PNG, PREDICTIONS, SUMMARY
+from pipeline.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
 
 OUTPUT = BUNDLE_ROOT / "outputs" / "demo"
 
@@ -20,29 +22,49 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     started = time.monotonic()
     with LocalCluster(num_cpus=os.cpu_count()) as cluster:
-        print(f"Ray cluster up in {time.monotonic() - started:.0f} s; dashboard at "
-              f"{cluster.address}", flush=True)  # fmt: skip
-        chain = [sys.executable, "-m", "pipeline.submit", "--address", cluster.address,
-                 "--root", str(OUTPUT), "--profile", "demo", "all"]  # fmt: skip
+        print(
+            f"Ray cluster up in {time.monotonic() - started:.0f} s; dashboard at {cluster.address}",
+            flush=True,
+        )
+        chain = [
+            sys.executable,
+            "-m",
+            "pipeline.submit",
+            "--address",
+            cluster.address,
+            "--root",
+            str(OUTPUT),
+            "--profile",
+            "demo",
+            "all",
+        ]
         proc = subprocess.run(chain, cwd=BUNDLE_ROOT, env=cluster.env)
         if proc.returncode != 0:
-            print(f"demo: the chain failed with exit code {proc.returncode} (its log is above)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"demo: the chain failed with exit code {proc.returncode} (its log is above)",
+                file=sys.stderr,
+            )
             return proc.returncode
     dataset, run = OUTPUT / "dataset", OUTPUT / "runs" / "demo"
     predictions = OUTPUT / "predictions" / "demo"
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads((run / RUN_SUMMARY).read_text())
     best = summary["best_metrics"]
     print(f"\nParquet dataset: {dataset} (manifest.json, train/, val/)")
-    print(f"Training run:    {summary['run']} (summary.json, history.csv, curves.png)")
-    print(f"  final val accuracy {summary['final_accuracy']:.3f} after {summary['epochs']} epochs; "
-          f"{summary['images_per_s']:.0f} images/s")  # fmt: skip
-    print(f"  best checkpoint {summary['best_checkpoint']} "
-          f"(epoch {best['epoch']}, val accuracy {best['val_accuracy']:.3f})")  # fmt: skip
-    infer = json.loads((predictions / "summary.json").read_text())
-    print(f"Inference:       {predictions / 'predictions.parquet'}")
-    print(f"  {infer['images']} val images, accuracy {infer['accuracy']:.3f}, "
-          f"{infer['images_per_s']:.0f} images/s (summary.json, confusion_matrix.png)")  # fmt: skip
+    print(f"Training run:    {summary['run']} ({RUN_SUMMARY}, {HISTORY_CSV}, {CURVES_PNG})")
+    print(
+        f"  final val accuracy {summary['final_accuracy']:.3f} after {summary['epochs']} epochs; "
+        f"{summary['images_per_s']:.0f} images/s"
+    )
+    print(
+        f"  best checkpoint {summary['best_checkpoint']} "
+        f"(epoch {best['epoch']}, val accuracy {best['val_accuracy']:.3f})"
+    )
+    infer = json.loads((predictions / SUMMARY).read_text())
+    print(f"Inference:       {predictions / PREDICTIONS}")
+    print(
+        f"  {infer['images']} val images, accuracy {infer['accuracy']:.3f}, "
+        f"{infer['images_per_s']:.0f} images/s ({SUMMARY}, {CONFUSION_PNG})"
+    )
     print(f"Total: {time.monotonic() - started:.0f} s")
     return 0
 

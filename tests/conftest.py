@@ -19,7 +19,8 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 import pytest
 import ray
 
-from pipeline.cluster import LocalCluster
+from harness.cluster import LocalCluster
+from pipeline.runs import HISTORY_CSV
 from pipeline.sources import render_synthetic
 
 EXIT_STATUS = pytest.StashKey[int]()
@@ -129,16 +130,26 @@ def tiny_dataset(tmp_path_factory) -> Path:
     row groups; the val split has an odd number of rows (119), to catch padded evaluation."""
     from pipeline import preprocess
     from pipeline.config import PreprocessConfig, load_config
+    from pipeline.storage import Location
 
     out = tmp_path_factory.mktemp("tiny") / "dataset"
-    cfg = load_config(PreprocessConfig, None, [
-        f"output={out}", "source.kind=synthetic", "source.synthetic.num_classes=4",
-        "source.synthetic.images_per_class=150", "source.synthetic.raw_size=48",
-        "image_size=32", "shard_size=100", "row_group_size=25",
-    ])  # fmt: skip
+    cfg = load_config(
+        PreprocessConfig,
+        None,
+        [
+            f"output={out}",
+            "source.kind=synthetic",
+            "source.synthetic.num_classes=4",
+            "source.synthetic.images_per_class=150",
+            "source.synthetic.raw_size=48",
+            "image_size=32",
+            "shard_size=100",
+            "row_group_size=25",
+        ],
+    )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        manifest = preprocess.run(cfg)
+        manifest = preprocess.run(cfg, output=Location.parse(str(out)))
     finally:
         ray.shutdown()
     assert manifest.splits["val"].rows % 2 == 1
@@ -156,7 +167,7 @@ def train_job(cluster, dataset, storage, *overrides, **submit):
 
 
 def history(run: Path) -> list[dict]:
-    with open(run / "history.csv") as f:
+    with open(run / HISTORY_CSV) as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
@@ -200,8 +211,16 @@ def main_run(train_cluster, tiny_dataset, tmp_path_factory):
     test_infer classifies with it. Returns (the job's output, the run directory)."""
     storage = tmp_path_factory.mktemp("runs")
     run = storage / "main"
-    job = in_background(train_job, train_cluster, tiny_dataset, storage, "name=main",
-                        "epochs=4", "num_to_keep=1", submission_id="train-main")  # fmt: skip
+    job = in_background(
+        train_job,
+        train_cluster,
+        tiny_dataset,
+        storage,
+        "name=main",
+        "epochs=4",
+        "num_to_keep=1",
+        submission_id="train-main",
+    )
     wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
     kill_a_training_worker(train_cluster)
     proc = job.result()
@@ -243,10 +262,17 @@ def airflow_dag_tasks(env: dict[str, str]) -> list[dict]:
     def chain(*operators):
         order.extend(op.task_id for op in operators)
 
-    modules = {name: types.ModuleType(name) for name in (
-        "airflow", "airflow.sdk", "airflow.providers", "airflow.providers.standard",
-        "airflow.providers.standard.operators", "airflow.providers.standard.operators.bash",
-    )}  # fmt: skip
+    modules = {
+        name: types.ModuleType(name)
+        for name in (
+            "airflow",
+            "airflow.sdk",
+            "airflow.providers",
+            "airflow.providers.standard",
+            "airflow.providers.standard.operators",
+            "airflow.providers.standard.operators.bash",
+        )
+    }
     modules["airflow.sdk"].DAG, modules["airflow.sdk"].chain = DAG, chain
     modules["airflow.providers.standard.operators.bash"].BashOperator = BashOperator
     with mock.patch.dict(sys.modules, modules), mock.patch.dict(os.environ, env):

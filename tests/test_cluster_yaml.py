@@ -171,8 +171,9 @@ def workers_fitting(node_types: dict, demand: dict[str, float]) -> int:
 
 @pytest.fixture(scope="module")
 def worker_types(cluster) -> dict:
-    return {k: v for k, v in cluster["available_node_types"].items()
-            if k != cluster["head_node_type"]}  # fmt: skip
+    return {
+        k: v for k, v in cluster["available_node_types"].items() if k != cluster["head_node_type"]
+    }
 
 
 def test_head_runs_no_training(cluster):
@@ -211,8 +212,10 @@ def test_worker_types_can_hold_the_default_infer_config(worker_types):
 
 
 def test_workers_fitting_counts_what_a_node_holds():
-    nodes = {"g": {"resources": {"CPU": 4, "GPU": 1}, "max_workers": 2},
-             "c": {"resources": {"CPU": 8}, "max_workers": 1}}  # fmt: skip
+    nodes = {
+        "g": {"resources": {"CPU": 4, "GPU": 1}, "max_workers": 2},
+        "c": {"resources": {"CPU": 8}, "max_workers": 1},
+    }
     assert workers_fitting(nodes, {"CPU": 3, "GPU": 1}) == 2
     assert workers_fitting(nodes, {"CPU": 3}) == 2 + 2
     assert workers_fitting(nodes, {"CPU": 5, "GPU": 1}) == 0

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.cluster import BUNDLE_ROOT
+from harness.cluster import BUNDLE_ROOT
 from pipeline.config import (
     FOOD101_LITE_CLASSES,
     PreprocessConfig,

@@ -11,10 +11,13 @@ import pytest
 import torch
 from conftest import make_image_folder
 
+from jobs.infer import main as infer_main
+from pipeline.checkpoint import save_checkpoint
 from pipeline.config import InferConfig, load_config
 from pipeline.errors import InputError
-from pipeline.infer import Classifier, is_single_image, resolve_checkpoint, run
-from pipeline.model import build_model, save_checkpoint
+from pipeline.infer import PREDICTIONS, SUMMARY, Classifier, resolve_checkpoint
+from pipeline.model import build_model
+from pipeline.runs import RUN_SUMMARY
 from pipeline.storage import Location
 
 pytestmark = pytest.mark.slow
@@ -41,9 +44,9 @@ def val_predictions(train_cluster, trained, tiny_dataset, tmp_path_factory):
 
 def test_val_split_predictions_match_the_summary_and_training(val_predictions, trained):
     out, proc = val_predictions
-    table = pq.read_table(out / "predictions.parquet").to_pylist()
-    summary = json.loads((out / "summary.json").read_text())
-    train_summary = json.loads((trained / "summary.json").read_text())
+    table = pq.read_table(out / PREDICTIONS).to_pylist()
+    summary = json.loads((out / SUMMARY).read_text())
+    train_summary = json.loads((trained / RUN_SUMMARY).read_text())
     assert summary["checkpoint"] == train_summary["best_checkpoint"]
     assert len(table) == summary["images"] == 119  # one row per row of the val split
     assert len({r["source_id"] for r in table}) == 119
@@ -67,14 +70,15 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
 ):
     bad = make_image_folder(tmp_path / "images", per_class=4)
     out = tmp_path / "out"
-    proc = infer_job(train_cluster, f"model={trained}", f"input={tmp_path / 'images'}",
-                     f"output={out}")  # fmt: skip
+    proc = infer_job(
+        train_cluster, f"model={trained}", f"input={tmp_path / 'images'}", f"output={out}"
+    )
     assert proc.returncode == 0, proc.stdout
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / SUMMARY).read_text())
     reasons = {s["source_id"]: s["reason"] for s in summary["skipped"]}
     assert reasons.keys() == bad.keys()
     assert all(reasons[f].startswith(why) for f, why in bad.items())
-    rows = pq.read_table(out / "predictions.parquet").to_pylist()
+    rows = pq.read_table(out / PREDICTIONS).to_pylist()
     assert len(rows) == summary["images"] == 3 * 4
 
     # One image on its own, through a single Ray task: the same top-1 as the batch path.
@@ -88,15 +92,26 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
 
 
 def test_resources_the_cluster_lacks_fail_fast(train_cluster, trained, tiny_dataset, tmp_path):
-    proc = infer_job(train_cluster, f"model={trained}", f"input={tiny_dataset}",
-                     f"output={tmp_path}", "use_gpu=true", "gpu_timeout_s=2")  # fmt: skip
+    proc = infer_job(
+        train_cluster,
+        f"model={trained}",
+        f"input={tiny_dataset}",
+        f"output={tmp_path}",
+        "use_gpu=true",
+        "gpu_timeout_s=2",
+    )
     assert proc.returncode != 0
     assert "use_gpu=true, but the cluster has no GPU (waited 2 s" in proc.stdout
-    proc = infer_job(train_cluster, f"model={trained}", f"input={tiny_dataset}",
-                     f"output={tmp_path}", "cpus_per_actor=64")  # fmt: skip
+    proc = infer_job(
+        train_cluster,
+        f"model={trained}",
+        f"input={tiny_dataset}",
+        f"output={tmp_path}",
+        "cpus_per_actor=64",
+    )
     assert proc.returncode != 0
     assert "cpus_per_actor=64, but the cluster has 2 CPUs: lower cpus_per_actor" in proc.stdout
-    assert not (tmp_path / "summary.json").exists()
+    assert not (tmp_path / SUMMARY).exists()
 
 
 def test_bad_model_and_input_paths_are_clear_errors(trained, tiny_dataset, tmp_path):
@@ -110,14 +125,14 @@ def test_bad_model_and_input_paths_are_clear_errors(trained, tiny_dataset, tmp_p
     with pytest.raises(InputError, match=r"neither a training run .* nor a checkpoint"):
         resolve_checkpoint(Location.parse(str(tmp_path / "empty_ckpt")))
     with pytest.raises(InputError, match=r"input=\S+ does not exist"):
-        is_single_image(cfg(model=trained, input=tmp_path / "missing"))
+        infer_main(cfg(model=trained, input=tmp_path / "missing"))
     with pytest.raises(InputError, match="output= is required"):
-        run(cfg(model=trained, input=tiny_dataset))
+        infer_main(cfg(model=trained, input=tiny_dataset))
     assert resolve_checkpoint(Location.parse(str(trained))).path.startswith(str(trained))
 
     unfinished = tmp_path / "unfinished"
     shutil.copytree(trained, unfinished)
-    (unfinished / "summary.json").unlink()
+    (unfinished / RUN_SUMMARY).unlink()
     with pytest.raises(InputError, match=r"has not finished training \(no summary.json\)"):
         resolve_checkpoint(Location.parse(str(unfinished)))
     # One of its checkpoints is still usable, explicitly.
@@ -131,7 +146,7 @@ def test_gpu_classifier_agrees_with_cpu(tmp_path):
     from test_model import meta
 
     torch.manual_seed(0)
-    save_checkpoint(tmp_path, build_model(3).eval(), meta(), {})
+    save_checkpoint(tmp_path, build_model(3).eval().state_dict(), meta(), {})
     pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)
     ckpt = Location.parse(str(tmp_path))
     cpu = Classifier(ckpt, use_gpu=False, precision="auto").probabilities(pixels)

@@ -12,7 +12,7 @@ from conftest import CLASSES, make_image_folder
 from PIL import Image
 from ray._private.runtime_env.packaging import create_package
 
-from pipeline.cluster import BUNDLE_ROOT
+from harness.cluster import BUNDLE_ROOT
 from pipeline.dataset import read_manifest
 from pipeline.storage import Location
 
@@ -27,8 +27,14 @@ def preprocess(cluster, *overrides):
 def test_preprocess_job_on_folder_with_corrupt_files(cluster, tmp_path):
     bad = make_image_folder(tmp_path / "src", per_class=30)
     out = tmp_path / "out"
-    proc = preprocess(cluster, "source.kind=folder", f"source.folder.path={tmp_path / 'src'}",
-                      f"output={out}", "image_size=48", "shard_size=20")  # fmt: skip
+    proc = preprocess(
+        cluster,
+        "source.kind=folder",
+        f"source.folder.path={tmp_path / 'src'}",
+        f"output={out}",
+        "image_size=48",
+        "shard_size=20",
+    )
     assert proc.returncode == 0, proc.stdout
     assert "progress: 93/93 images (100%), 3 skipped" in proc.stdout
 
@@ -47,8 +53,12 @@ def test_preprocess_job_on_folder_with_corrupt_files(cluster, tmp_path):
 
 
 def test_failing_job_exits_nonzero_with_reason(cluster, tmp_path):
-    proc = preprocess(cluster, "source.kind=folder", f"source.folder.path={tmp_path / 'nope'}",
-                      f"output={tmp_path / 'out'}")  # fmt: skip
+    proc = preprocess(
+        cluster,
+        "source.kind=folder",
+        f"source.folder.path={tmp_path / 'nope'}",
+        f"output={tmp_path / 'out'}",
+    )
     assert proc.returncode != 0
     assert f"source.folder.path {tmp_path / 'nope'} does not exist" in proc.stdout
     assert not (tmp_path / "out").exists()
@@ -71,14 +81,23 @@ def package(root: Path, tmp_path: Path) -> zipfile.ZipFile:
 def test_runtime_env_uploads_code_not_data(tmp_path):
     copy = tmp_path / "bundle"
     shutil.copytree(BUNDLE_ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", "outputs"))
-    decoys = [".venv/lib/torch.so", ".git/objects/ab", "data/food/1.jpg", "outputs/x/train.parquet",
-              "pipeline/__pycache__/x.pyc", "model.pt", "bench/results/r.json"]  # fmt: skip
+    decoys = [
+        ".venv/lib/torch.so",
+        ".git/objects/ab",
+        "data/food/1.jpg",
+        "outputs/x/train.parquet",
+        "pipeline/__pycache__/x.pyc",
+        "model.pt",
+        "bench/results/r.json",
+    ]
     for d in decoys:
         (copy / d).parent.mkdir(parents=True, exist_ok=True)
         (copy / d).write_bytes(b"x" * 1000)
     names = set(package(copy, tmp_path).namelist())
     assert {"jobs/preprocess.py", "pipeline/preprocess.py", "configs/preprocess.yaml"} <= names
     assert not [n for n in names if any(n.startswith(d) for d in decoys)]
+    # The cluster runs the library and the jobs; the harness, tests and benchmarks stay here.
+    assert not [n for n in names if n.startswith(("harness/", "tests/", "bench/"))]
 
 
 def test_runtime_env_upload_of_this_checkout_is_small(tmp_path):

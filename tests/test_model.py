@@ -5,25 +5,32 @@ import json
 import pytest
 import torch
 
-from pipeline.errors import InputError
-from pipeline.model import (
+from pipeline.checkpoint import (
     METADATA,
     CheckpointMeta,
-    build_model,
-    load_model,
     load_train_state,
     read_meta,
     save_checkpoint,
-    unwrap,
 )
+from pipeline.errors import InputError
+from pipeline.model import build_model, load_model, unwrap
+from pipeline.storage import Location
 
 CLASSES = ["a", "b", "c"]
 
 
 def meta(**changes) -> CheckpointMeta:
-    fields = dict(epoch=4, classes=CLASSES, image_size=32, mean=(0.5, 0.5, 0.5),
-                  std=(0.2, 0.2, 0.2), dataset_fingerprint="f", metrics={"epoch": 4},
-                  history=[{"epoch": 4, "val_accuracy": 0.5}], config={"epochs": 5})  # fmt: skip
+    fields = dict(
+        epoch=4,
+        classes=CLASSES,
+        image_size=32,
+        mean=(0.5, 0.5, 0.5),
+        std=(0.2, 0.2, 0.2),
+        dataset_fingerprint="f",
+        metrics={"epoch": 4},
+        history=[{"epoch": 4, "val_accuracy": 0.5}],
+        config={"epochs": 5},
+    )
     return CheckpointMeta(**(fields | changes))
 
 
@@ -33,17 +40,16 @@ def test_checkpoint_round_trip_gives_the_same_predictions(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
-    wrapped = torch.nn.Module()
-    wrapped.module = model  # what DDP looks like to save_checkpoint
-    save_checkpoint(tmp_path, wrapped, meta(), {"optimizer": optimizer.state_dict()})
+    save_checkpoint(tmp_path, model.state_dict(), meta(), {"optimizer": optimizer.state_dict()})
 
-    loaded, loaded_meta = load_model(tmp_path)  # torch.load(weights_only=True) inside
+    checkpoint = Location.parse(str(tmp_path))
+    loaded, loaded_meta = load_model(checkpoint)  # torch.load(weights_only=True) inside
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
     assert loaded_meta == meta()
     assert json.loads((tmp_path / METADATA).read_text())["history"][0]["epoch"] == 4
-    state = load_train_state(tmp_path)
+    state = load_train_state(checkpoint)
     assert state["optimizer"]["state"][0]["momentum_buffer"].shape == model.conv1.weight.shape
 
 
@@ -55,14 +61,15 @@ def test_unwrap_finds_the_bare_model():
 
 
 def test_metadata_problems_are_clear_errors(tmp_path):
+    checkpoint = Location.parse(str(tmp_path))
     with pytest.raises(InputError, match=r"no metadata.json: not a checkpoint"):
-        read_meta(tmp_path)
+        read_meta(checkpoint)
     (tmp_path / METADATA).write_text('{"epoch": 1}')
     with pytest.raises(InputError, match=r"not valid checkpoint metadata"):
-        read_meta(tmp_path)
+        read_meta(checkpoint)
     (tmp_path / METADATA).write_text(meta(model="vit_b_16").model_dump_json())
     with pytest.raises(InputError, match=r"holds a vit_b_16 checkpoint"):
-        read_meta(tmp_path)
+        read_meta(checkpoint)
 
 
 def test_pretrained_state_dict_file_sets_the_backbone_not_the_head(tmp_path):

@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import history, in_background, train_job, training_workers, wait_for
 
-from pipeline.cluster import LocalCluster
+from harness.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,11 @@ pytestmark = pytest.mark.slow
 # The GCS declares a killed node dead within about 5 s, not Ray's default of about 17 s
 # (measured here: 4.8 s and 17.1 s): with 5 s placement attempts the job would otherwise race
 # the detection, and could give up while the dead node still counts in the cluster's resources.
-FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-                   "RAY_health_check_failure_threshold": "2"}  # fmt: skip
+FAST_NODE_DEATH = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "2",
+}
 
 
 @pytest.fixture(scope="module")

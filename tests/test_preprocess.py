@@ -34,6 +34,11 @@ from pipeline.storage import Location
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
+def build(cfg: PreprocessConfig):
+    """The preprocess run, as the job calls it."""
+    return run(cfg, output=Location.parse(cfg.output))
+
+
 def config(output, *overrides) -> PreprocessConfig:
     base = ["image_size=32", "shard_size=16", "row_group_size=8", "val_fraction=0.25"]
     return load_config(PreprocessConfig, overrides=[f"output={output}", *base, *overrides])
@@ -58,7 +63,7 @@ def read_rows(root, manifest):
 def test_folder_to_parquet(tmp_path):
     bad = make_image_folder(tmp_path / "src", per_class=20)
     cfg = folder_config(tmp_path / "src", tmp_path / "out")
-    manifest = run(cfg)
+    manifest = build(cfg)
     out = tmp_path / "out"
 
     assert manifest.classes == sorted(CLASSES)
@@ -89,19 +94,19 @@ def test_folder_to_parquet(tmp_path):
 def test_rerun_skips_overwrite_replaces(tmp_path):
     make_image_folder(tmp_path / "src", per_class=10, corrupt=False)
     out = tmp_path / "out"
-    first = run(folder_config(tmp_path / "src", out))
+    first = build(folder_config(tmp_path / "src", out))
     files = sorted(out.rglob("*.parquet"))
     mtimes = [f.stat().st_mtime_ns for f in files]
 
-    assert run(folder_config(tmp_path / "src", out)) == first  # up to date: nothing rewritten
+    assert build(folder_config(tmp_path / "src", out)) == first  # up to date: nothing rewritten
     assert [f.stat().st_mtime_ns for f in files] == mtimes
 
-    again = run(folder_config(tmp_path / "src", out, "overwrite=true"))
+    again = build(folder_config(tmp_path / "src", out, "overwrite=true"))
     assert again.created_at >= first.created_at
     assert len(read_rows(out, again)) == 30  # replaced, not appended
 
     # A different layout replaces the old one: no stale shards left behind.
-    bigger = run(folder_config(tmp_path / "src", out, "shard_size=100"))
+    bigger = build(folder_config(tmp_path / "src", out, "shard_size=100"))
     assert len(read_rows(out, bigger)) == 30
     assert len(list(out.rglob("*.parquet"))) == 2
     assert not (out / "_staging").exists()
@@ -113,20 +118,20 @@ def test_unreadable_manifest_says_so_and_overwrite_replaces_it(tmp_path):
     out.mkdir()
     (out / "manifest.json").write_text('{"schema_version": 1}')
     with pytest.raises(InputError, match=r"is not a manifest this code can read.*overwrite=true"):
-        run(folder_config(tmp_path / "src", out))
-    rebuilt = run(folder_config(tmp_path / "src", out, "overwrite=true"))
+        build(folder_config(tmp_path / "src", out))
+    rebuilt = build(folder_config(tmp_path / "src", out, "overwrite=true"))
     assert read_manifest(Location.parse(str(out))) == rebuilt
 
 
 def test_failed_run_keeps_previous_dataset(tmp_path):
     make_image_folder(tmp_path / "src", per_class=5, corrupt=False)
     out = tmp_path / "out"
-    good = run(folder_config(tmp_path / "src", out))
+    good = build(folder_config(tmp_path / "src", out))
     # Now every image of one class is broken: the run must fail and leave `out` as it was.
     for f in (tmp_path / "src" / CLASSES[2]).iterdir():
         f.write_bytes(b"garbage")
     with pytest.raises(InputError, match=rf"no usable images: \['{CLASSES[2]}'\]"):
-        run(folder_config(tmp_path / "src", out, "overwrite=true"))
+        build(folder_config(tmp_path / "src", out, "overwrite=true"))
     assert read_manifest(Location.parse(str(out))) == good
     assert len(read_rows(out, good)) == 15
     assert not (out / "_staging").exists()
@@ -138,16 +143,16 @@ def test_refuses_to_replace_foreign_directory(tmp_path):
     (out / "train" / "cats").mkdir(parents=True)  # the user's own images, laid out like ours
     (out / "train" / "cats" / "1.jpg").write_bytes(b"precious")
     with pytest.raises(InputError, match=r"holds no manifest\.json.*\(it has: train\)"):
-        run(folder_config(tmp_path / "src", out))
+        build(folder_config(tmp_path / "src", out))
     assert (out / "train" / "cats" / "1.jpg").read_bytes() == b"precious"
 
     # Leftovers of an interrupted run are ours: no need to force.
     (tmp_path / "out2" / "_staging" / "abc").mkdir(parents=True)
-    assert run(folder_config(tmp_path / "src", tmp_path / "out2")).splits["train"].rows > 0
+    assert build(folder_config(tmp_path / "src", tmp_path / "out2")).splits["train"].rows > 0
 
     # Asked for explicitly: train/ and val/ are replaced, anything else stays.
     (out / "notes.txt").write_text("keep me")
-    run(folder_config(tmp_path / "src", out, "overwrite=true"))
+    build(folder_config(tmp_path / "src", out, "overwrite=true"))
     assert not (out / "train" / "cats").exists()
     assert (out / "notes.txt").read_text() == "keep me"
 
@@ -157,7 +162,7 @@ def test_zero_usable_images_fails(tmp_path):
         (tmp_path / "src" / c).mkdir(parents=True)
         (tmp_path / "src" / c / "a.jpg").write_bytes(b"")
     with pytest.raises(InputError, match="no usable images: all 3 inputs were skipped"):
-        run(folder_config(tmp_path / "src", tmp_path / "out"))
+        build(folder_config(tmp_path / "src", tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -193,30 +198,46 @@ class CrashOnceSource:
 
 def test_worker_death_is_retried_without_duplicates(tmp_path, monkeypatch):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers can't import tests
-    cfg = config(tmp_path / "out", "source.kind=synthetic", "source.synthetic.num_classes=2",
-                 "source.synthetic.images_per_class=40")  # fmt: skip
+    cfg = config(
+        tmp_path / "out",
+        "source.kind=synthetic",
+        "source.synthetic.num_classes=2",
+        "source.synthetic.images_per_class=40",
+    )
     inner = SyntheticSource(cfg.source.synthetic)
     monkeypatch.setattr(
         preprocess, "build_source", lambda _: CrashOnceSource(inner, tmp_path / "x")
     )
-    m = run(cfg)
+    m = build(cfg)
     assert (tmp_path / "x").exists()  # it did crash
     rows = read_rows(tmp_path / "out", m)
     assert sorted(r["source_id"] for r in rows) == sorted(i.source_id for i in inner.list_items())
 
 
 def test_synthetic_source(tmp_path):
-    m = run(config(tmp_path / "out", "source.kind=synthetic", "source.synthetic.num_classes=4",
-                   "source.synthetic.images_per_class=12", "image_format=png"))  # fmt: skip
+    m = build(
+        config(
+            tmp_path / "out",
+            "source.kind=synthetic",
+            "source.synthetic.num_classes=4",
+            "source.synthetic.images_per_class=12",
+            "image_format=png",
+        )
+    )
     assert m.classes == ["red_circle", "red_square", "red_triangle", "green_circle"]
     assert sum(s.rows for s in m.splits.values()) == 48 and not m.skipped
     assert read_rows(tmp_path / "out", m)[0]["image"].startswith(b"\x89PNG")
 
 
 def test_huggingface_source_keeps_its_splits(tmp_path, hf_dataset):
-    m = run(config(tmp_path / "out", "source.kind=huggingface",
-                   f"source.huggingface.dataset={hf_dataset}",
-                   "source.huggingface.classes=[steak, pizza]"))  # fmt: skip
+    m = build(
+        config(
+            tmp_path / "out",
+            "source.kind=huggingface",
+            f"source.huggingface.dataset={hf_dataset}",
+            "source.huggingface.classes=[steak, pizza]",
+        )
+    )
     assert m.classes == ["steak", "pizza"]
     assert m.splits["train"].counts == {"steak": 10, "pizza": 10}
     assert m.splits["val"].counts == {"steak": 4, "pizza": 4}

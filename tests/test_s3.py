@@ -14,11 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import CLASSES, airflow_dag_tasks, in_background, make_image_folder, wait_for
 
-from pipeline.cluster import BUNDLE_ROOT, LocalCluster, free_port
+from harness.cluster import BUNDLE_ROOT, LocalCluster, free_port
 from pipeline.dataset import read_manifest
+from pipeline.infer import PREDICTIONS, SUMMARY
+from pipeline.runs import HISTORY_CSV, RUN_SUMMARY, SNAPSHOT
 from pipeline.storage import Location
 from pipeline.submit import step_command
-from pipeline.train import SNAPSHOT
 
 pytestmark = pytest.mark.slow
 BUCKET = "bundle-test"
@@ -76,31 +77,47 @@ def upload(fs, local_root, prefix):
 
 CHAIN_ROOT = f"s3://{BUCKET}/chain"
 CHAIN_SETTINGS = [
-    "preprocess.source.kind=folder", f"preprocess.source.folder.path=s3://{BUCKET}/raw",
-    "preprocess.image_size=32", "preprocess.shard_size=30", "preprocess.row_group_size=10",
-    "train.name=s3run", "train.epochs=2", "train.global_batch_size=16",
-]  # fmt: skip
+    "preprocess.source.kind=folder",
+    f"preprocess.source.folder.path=s3://{BUCKET}/raw",
+    "preprocess.image_size=32",
+    "preprocess.shard_size=30",
+    "preprocess.row_group_size=10",
+    "train.name=s3run",
+    "train.epochs=2",
+    "train.global_batch_size=16",
+]
 
 
 @pytest.fixture(scope="module")
 def dag(s3_cluster):
-    tasks = airflow_dag_tasks({
-        "RAY_CV_BUNDLE": str(BUNDLE_ROOT), "RAY_CV_ADDRESS": s3_cluster.address,
-        "RAY_CV_ROOT": CHAIN_ROOT, "RAY_CV_PROFILE": "demo",
-        "RAY_CV_SET": shlex.join(CHAIN_SETTINGS),
-    })  # fmt: skip
+    tasks = airflow_dag_tasks(
+        {
+            "RAY_CV_BUNDLE": str(BUNDLE_ROOT),
+            "RAY_CV_ADDRESS": s3_cluster.address,
+            "RAY_CV_ROOT": CHAIN_ROOT,
+            "RAY_CV_PROFILE": "demo",
+            "RAY_CV_SET": shlex.join(CHAIN_SETTINGS),
+        }
+    )
     return {t["task_id"]: t for t in tasks}
 
 
 def start_task(task: dict, cluster: LocalCluster) -> tuple[subprocess.Popen, list[str], Future]:
     """Run a DAG task's command as Airflow's BashOperator would (its cwd, its env on top of the
     worker's, the token Variable rendered); its output lines collect in the list as they come."""
-    env = {k: v.replace("{{ var.value.ray_auth_token }}", cluster.token)
-           for k, v in task["env"].items()}  # fmt: skip
+    env = {
+        k: v.replace("{{ var.value.ray_auth_token }}", cluster.token)
+        for k, v in task["env"].items()
+    }
     proc = subprocess.Popen(
-        task["bash_command"], shell=True, cwd=task["cwd"], env={**cluster.env, **env},
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        task["bash_command"],
+        shell=True,
+        cwd=task["cwd"],
+        env={**cluster.env, **env},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     lines: list[str] = []
 
     def read():
@@ -126,8 +143,11 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     manifest = read_manifest(dataset)
     assert manifest.classes == sorted(CLASSES)
     assert {s.source_id for s in manifest.skipped} == set(bad)
-    rows = sum(pq.read_table(dataset.child(f.path).path, filesystem=s3).num_rows
-               for info in manifest.splits.values() for f in info.files)  # fmt: skip
+    rows = sum(
+        pq.read_table(dataset.child(f.path).path, filesystem=s3).num_rows
+        for info in manifest.splits.values()
+        for f in info.files
+    )
     assert rows == 120
     keys = [i.path for i in dataset.list_files()]
     assert not [k for k in keys if "/_staging/" in k]
@@ -139,11 +159,15 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     run = Location.parse(f"{CHAIN_ROOT}/runs/s3run")
     proc, lines, reading = start_task(dag["train"], s3_cluster)
     wait_for(lambda: any("[train] submitted" in line for line in lines), "submission")
-    (submission_id,) = [re.search(r"\[train\] submitted (\S+):", line)[1]
-                        for line in lines if "[train] submitted" in line]  # fmt: skip
+    (submission_id,) = [
+        re.search(r"\[train\] submitted (\S+):", line)[1]
+        for line in lines
+        if "[train] submitted" in line
+    ]
     # A checkpoint counts once Ray Train has recorded it in the run's snapshot.
-    wait_for(lambda: run.child(SNAPSHOT).exists() or proc.poll() is not None,
-             "first checkpoint on S3")  # fmt: skip
+    wait_for(
+        lambda: run.child(SNAPSHOT).exists() or proc.poll() is not None, "first checkpoint on S3"
+    )
     s3_cluster.ray("job", "stop", submission_id)
     reading.result(timeout=300)
     out = "".join(lines)
@@ -158,8 +182,8 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     assert resumed, out
     trained_now = [int(e) for e in re.findall(r"epoch (\d)/1: train_loss", out)]
     assert trained_now == list(range(int(resumed[1]) + 1, 2))
-    summary = json.loads(run.child("summary.json").read_bytes())
-    rows = csv.DictReader(io.StringIO(run.child("history.csv").read_bytes().decode()))
+    summary = json.loads(run.child(RUN_SUMMARY).read_bytes())
+    rows = csv.DictReader(io.StringIO(run.child(HISTORY_CSV).read_bytes().decode()))
     assert [int(r["epoch"]) for r in rows] == [0, 1]
     assert summary["best_checkpoint"].startswith(f"{CHAIN_ROOT}/runs/s3run/epoch_")
     kept = {i.path.rsplit("/", 2)[-2] for i in run.list_files() if i.path.endswith("/model.pt")}
@@ -169,11 +193,11 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     code, out = run_task(dag["infer"], s3_cluster)
     assert code == 0, out
     predictions = Location.parse(f"{CHAIN_ROOT}/predictions/s3run")
-    result = json.loads(predictions.child("summary.json").read_bytes())
+    result = json.loads(predictions.child(SUMMARY).read_bytes())
     assert result["checkpoint"] == summary["best_checkpoint"]
     assert result["images"] == val_rows
     assert result["accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"], abs=1e-6)
-    table = pq.read_table(predictions.child("predictions.parquet").path, filesystem=s3)
+    table = pq.read_table(predictions.child(PREDICTIONS).path, filesystem=s3)
     assert table.num_rows == val_rows
 
 
@@ -182,8 +206,9 @@ def test_chain_stops_at_the_first_failed_job_with_its_exit_code(s3_cluster):
     sets = ["preprocess.source.kind=folder", missing]
     root = f"s3://{BUCKET}/broken"
     cmd = step_command(s3_cluster.address, root, "all", profile="demo", sets=sets)
-    proc = subprocess.run(cmd, cwd=BUNDLE_ROOT, env=s3_cluster.env, text=True,
-                          capture_output=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=BUNDLE_ROOT, env=s3_cluster.env, text=True, capture_output=True, timeout=300
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the preprocess job's own code
     assert f"s3://{BUCKET}/no-such-folder does not exist" in proc.stdout
     assert re.search(r"\[preprocess\] \S+ failed with exit code 1", proc.stderr)

@@ -100,8 +100,11 @@ def test_huggingface_picks_classes_by_name(hf_dataset):
     assert src.classes == ["sushi", "pizza"]
     # 0.5 of 10 train and of 4 validation rows per class, remapped: sushi -> 0, pizza -> 1.
     assert Counter((i.split, i.label) for i in items) == {
-        ("train", 0): 5, ("train", 1): 5, ("val", 0): 2, ("val", 1): 2,
-    }  # fmt: skip
+        ("train", 0): 5,
+        ("train", 1): 5,
+        ("val", 0): 2,
+        ("val", 1): 2,
+    }
     # The stored rows of `sushi` (label 2 in the source) are rows 2, 7, 12, ... of each split.
     assert all(int(i.source_id.split("/")[1]) % 5 == (2 if i.label == 0 else 1) for i in items)
     reader = src.reader(items[:3])

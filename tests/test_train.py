@@ -15,25 +15,25 @@ from conftest import history, in_background, kill_a_training_worker, train_job, 
 from torch.utils.data import DataLoader
 
 from pipeline.config import TrainConfig, load_config
-from pipeline.data import ParquetImages
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ConfigError, InputError
+from pipeline.loader import ParquetImages
 from pipeline.model import build_model, load_model
+from pipeline.runs import CURVES_PNG, RUN_SUMMARY, check_resumable, checkpoint_dir_name
+from pipeline.step import Step, pick_precision
 from pipeline.storage import Location
-from pipeline.train import (
-    Step,
-    build_optimizer,
-    check_dataset,
-    check_resumable,
-    evaluate,
-    pick_precision,
-    train_one_epoch,
-)
+from pipeline.train import check_dataset
+from pipeline.train_loop import build_optimizer, evaluate, train_one_epoch
 
 
 def config(dataset, storage, *overrides) -> TrainConfig:
-    return load_config(TrainConfig, None, [f"dataset={dataset}", f"storage_path={storage}",
-                                           *overrides])  # fmt: skip
+    return load_config(
+        TrainConfig, None, [f"dataset={dataset}", f"storage_path={storage}", *overrides]
+    )
+
+
+def checked(cfg: TrainConfig):
+    return check_dataset(cfg, Location.parse(cfg.dataset))
 
 
 def test_precision_is_fp32_on_cpu_unless_asked():
@@ -71,8 +71,12 @@ def test_train_and_evaluate_steps_run_in_every_precision(tiny_dataset, precision
 def test_gpu_step_uses_mixed_precision_and_channels_last(tiny_dataset):
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)
-    step = Step(torch.device("cuda"), pick_precision("auto", torch.device("cuda")),
-                manifest.mean, manifest.std)  # fmt: skip
+    step = Step(
+        torch.device("cuda"),
+        pick_precision("auto", torch.device("cuda")),
+        manifest.mean,
+        manifest.std,
+    )
     assert step.precision in ("bf16", "fp16") and step.channels_last
     model = build_model(len(manifest.classes)).cuda().to(memory_format=torch.channels_last)
     cfg = config(tiny_dataset, "/tmp/unused")
@@ -85,8 +89,9 @@ def test_gpu_step_uses_mixed_precision_and_channels_last(tiny_dataset):
 
 
 def test_lr_schedule_warms_up_then_decays(tiny_dataset):
-    cfg = config(tiny_dataset, "/tmp/x", "epochs=5", "optimizer.lr=1.0",
-                 "optimizer.warmup_epochs=1")  # fmt: skip
+    cfg = config(
+        tiny_dataset, "/tmp/x", "epochs=5", "optimizer.lr=1.0", "optimizer.warmup_epochs=1"
+    )
     optimizer, scheduler = build_optimizer(torch.nn.Linear(2, 2), cfg)
     lrs = []
     for _ in range(5):
@@ -105,22 +110,21 @@ def test_global_batch_must_split_evenly():
 
 def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):
     with pytest.raises(InputError, match=r"no manifest.json at dataset=.*Run the preprocess job"):
-        check_dataset(config(tmp_path / "nothing", tmp_path))
+        checked(config(tmp_path / "nothing", tmp_path))
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dataset, broken)
     manifest = json.loads((broken / MANIFEST).read_text())
     manifest["schema_version"] = 99
     (broken / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(InputError, match=r"schema version 99"):
-        check_dataset(config(broken, tmp_path))
+        checked(config(broken, tmp_path))
     del manifest["classes"]
     manifest["schema_version"] = 1
     (broken / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(InputError, match=r"not a manifest this code can read"):
-        check_dataset(config(broken, tmp_path))
+        checked(config(broken, tmp_path))
     with pytest.raises(InputError, match=r"too few for 300 workers"):
-        check_dataset(config(tiny_dataset, tmp_path, "scaling.num_workers=300",
-                             "global_batch_size=300"))  # fmt: skip
+        checked(config(tiny_dataset, tmp_path, "scaling.num_workers=300", "global_batch_size=300"))
 
 
 def test_resume_refuses_a_checkpoint_of_other_classes(tiny_dataset):
@@ -154,16 +158,16 @@ def test_killed_worker_is_replaced_and_every_epoch_runs_once(main_run):
 @pytest.mark.slow
 def test_reports_and_retention(train_cluster, main_run):
     _, run = main_run
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads((run / RUN_SUMMARY).read_text())
     h = history(run)
     assert summary["final_accuracy"] == h[-1]["val_accuracy"] and summary["epochs"] == 4
-    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / CURVES_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     last = train_cluster.ray("job", "logs", "train-main").rstrip().splitlines()[-1]
     assert last == f"best checkpoint: {summary['best_checkpoint']}"
     # Retention: the best by val accuracy (num_to_keep=1) plus the latest, nothing else.
     assert summary["best_metrics"]["val_accuracy"] == max(r["val_accuracy"] for r in h)
     kept = {p.name for p in run.glob("epoch_*")}
-    assert kept == {Path(summary["best_checkpoint"]).name, "epoch_0003"}
+    assert kept == {Path(summary["best_checkpoint"]).name, checkpoint_dir_name(3)}
 
 
 @pytest.mark.slow
@@ -171,11 +175,15 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
     # What two workers computed is exactly what one process computes over all of val (119
     # images: an uneven split, where a DistributedSampler would count one image twice).
     _, run = main_run
-    model, meta = load_model(run / "epoch_0003")
+    model, meta = load_model(Location.parse(str(run / checkpoint_dir_name(3))))
     root = Location.parse(str(tiny_dataset))
     val = ParquetImages(root, read_manifest(root), "val")
-    one = evaluate(model, DataLoader(val, batch_size=50), num_classes=4,
-                   step=Step(torch.device("cpu"), "fp32", meta.mean, meta.std))  # fmt: skip
+    one = evaluate(
+        model,
+        DataLoader(val, batch_size=50),
+        num_classes=4,
+        step=Step(torch.device("cpu"), "fp32", meta.mean, meta.std),
+    )
     assert one["val_images"] == len(val) == 119
     last = history(run)[-1]
     assert one["val_accuracy"] == pytest.approx(last["val_accuracy"], abs=1e-6)

@@ -43,15 +43,17 @@ with DAG(
     default_args={"retries": 2, "retry_delay": datetime.timedelta(minutes=5)},
     tags=["ray"],
 ) as dag:
-    chain(*[
-        BashOperator(
-            task_id=step,
-            bash_command=shlex.join(
-                step_command(ADDRESS, ROOT, step, profile=PROFILE, sets=SETTINGS)
-            ),
-            cwd=BUNDLE,
-            env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "{{ var.value.ray_auth_token }}"},
-            append_env=True,
-        )
-        for step in STEPS
-    ])  # fmt: skip
+    chain(
+        *[
+            BashOperator(
+                task_id=step,
+                bash_command=shlex.join(
+                    step_command(ADDRESS, ROOT, step, profile=PROFILE, sets=SETTINGS)
+                ),
+                cwd=BUNDLE,
+                env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "{{ var.value.ray_auth_token }}"},
+                append_env=True,
+            )
+            for step in STEPS
+        ]
+    )

@@ -8,15 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.data import (
-    BlockShuffleSampler,
-    ParquetImages,
-    ShardSampler,
-    normalize,
-    train_transform,
-)
 from pipeline.dataset import read_manifest
 from pipeline.errors import InputError
+from pipeline.loader import BlockShuffleSampler, ParquetImages, ShardSampler, train_transform
+from pipeline.step import normalize
 from pipeline.storage import Location
 
 
@@ -60,8 +55,9 @@ def test_transforms_keep_size_and_normalize_per_batch():
 def test_block_shuffle_sampler_splits_evenly_and_covers_all(dataset, world):
     root, manifest = dataset
     train = ParquetImages(root, manifest, "train")
-    shards = [list(BlockShuffleSampler(train, num_replicas=world, rank=r, window=2))
-              for r in range(world)]  # fmt: skip
+    shards = [
+        list(BlockShuffleSampler(train, num_replicas=world, rank=r, window=2)) for r in range(world)
+    ]
     assert len({len(s) for s in shards}) == 1  # DDP needs the same steps on every rank
     seen = [i for s in shards for i in s]
     assert set(seen) == set(range(len(train)))

@@ -12,12 +12,11 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from pipeline.config import load_config
-from pipeline.errors import ClusterError, ConfigError, InputError
+from pipeline.config import keys_help, load_config
+from pipeline.errors import EXIT_CODES, ClusterError, ConfigError, InputError
+from pipeline.logs import setup_logging
 
 C = TypeVar("C", bound=BaseModel)
-
-EXIT_CODES = {InputError: 1, ConfigError: 2, ClusterError: 3}
 
 
 def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[[C], None]) -> None:
@@ -26,10 +25,14 @@ def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[
     Exit codes: 0 done, 1 the input data is unusable, 2 the config is invalid, 3 the work
     failed on the cluster (no room for the workers, or retries used up)."""
     parser = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc,
+        epilog=f"settings (key=value; sections with dots):\n{keys_help(config_cls)}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=default_config, help="YAML file (default: %(default)s)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. image_size=128")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="settings over the file's (below)"
+    )
     args = parser.parse_args()
     setup_logging()
     try:
@@ -53,12 +56,3 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def setup_logging() -> None:
-    """INFO and up to stdout, which `ray job logs` shows; for job drivers and Ray workers."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stdout,
-    )

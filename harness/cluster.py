@@ -181,11 +181,14 @@ class LocalCluster:
         logs, exits non-zero if the job failed. Runs from the bundle root, which
         `runtime_env.yaml` uploads. `options`: those of `submit_command`."""
         return subprocess.run(
-            self.submit_command(args, **options), cwd=BUNDLE_ROOT, env=self.env,
-            timeout=timeout_s, text=True,
+            self.submit_command(args, **options),
+            cwd=BUNDLE_ROOT,
+            env=self.env,
+            timeout=timeout_s,
+            text=True,
             stdout=subprocess.PIPE if capture else None,
             stderr=subprocess.STDOUT if capture else None,
-        )  # fmt: skip
+        )
 
     def submit_command(
         self,
@@ -197,20 +200,30 @@ class LocalCluster:
     ) -> list[str]:
         """The `ray job submit` command line for `args`, to run from BUNDLE_ROOT with `env`."""
         return [
-            _ray_cli(), "job", "submit",
-            "--address", self.address,
-            "--runtime-env", str(runtime_env or BUNDLE_ROOT / "runtime_env.yaml"),
+            _ray_cli(),
+            "job",
+            "submit",
+            "--address",
+            self.address,
+            "--runtime-env",
+            str(runtime_env or BUNDLE_ROOT / "runtime_env.yaml"),
             *(["--submission-id", submission_id] if submission_id else []),
             *([] if wait else ["--no-wait"]),
-            "--", *args,
-        ]  # fmt: skip
+            "--",
+            *args,
+        ]
 
     def ray(self, *args: str, timeout_s: float = 120) -> str:
         """Output of the `ray` CLI run against this cluster, e.g. ray("job", "status", id)."""
         proc = subprocess.run(
-            [_ray_cli(), *args, "--address", self.address], cwd=BUNDLE_ROOT, env=self.env,
-            timeout=timeout_s, text=True, capture_output=True, check=True,
-        )  # fmt: skip
+            [_ray_cli(), *args, "--address", self.address],
+            cwd=BUNDLE_ROOT,
+            env=self.env,
+            timeout=timeout_s,
+            text=True,
+            capture_output=True,
+            check=True,
+        )
         return proc.stdout
 
     def __enter__(self) -> LocalCluster:
@@ -249,14 +262,17 @@ def _ray_start(args: list[str], num_cpus: int | None, env: dict[str, str]):
     # Short path: Ray's unix sockets live under it, and socket paths are capped at 107 bytes.
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     cmd = [
-        _ray_cli(), "start", "--block", *args,
+        _ray_cli(),
+        "start",
+        "--block",
+        *args,
         "--node-ip-address=127.0.0.1",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-agent-listen-port={free_port()}",
         f"--temp-dir={temp_dir}",
         "--disable-usage-stats",
         *([f"--num-cpus={num_cpus}"] if num_cpus is not None else []),
-    ]  # fmt: skip
+    ]
     log_file = open(os.path.join(temp_dir, "ray-start.log"), "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True

@@ -1,4 +1,4 @@
-"""Training data: the preprocessed Parquet split as a torch Dataset, read a row group at a time.
+"""The training loader: a preprocessed Parquet split as a torch Dataset, a row group at a time.
 
 A worker holds at most a few row groups of encoded images, never the split: memory does not grow
 with the dataset. `BlockShuffleSampler` keeps that cheap by visiting row groups in a shuffled
@@ -9,27 +9,19 @@ Preprocessing writes shards in hash order, so every row group already mixes the 
 from __future__ import annotations
 
 import bisect
-import io
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 import torch
-from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 from torchvision.transforms import v2
 
 from pipeline.dataset import SCHEMA, Manifest
 from pipeline.errors import InputError
 from pipeline.storage import Location
-
-
-def decode(data: bytes) -> torch.Tensor:
-    """Encoded JPEG/PNG -> uint8 tensor (3, H, W). PIL, not torchvision.io: the latter's
-    decoders are deprecated since torchvision 0.29."""
-    with Image.open(io.BytesIO(data)) as img:
-        return v2.functional.pil_to_tensor(img.convert("RGB"))
+from pipeline.transforms import decode_image
 
 
 def train_transform(kind: str, *, image_size: int) -> v2.Transform:
@@ -44,15 +36,6 @@ def train_transform(kind: str, *, image_size: int) -> v2.Transform:
     if kind == "none":
         return v2.Identity()
     raise ValueError(f"unknown augment {kind!r}: use random_resized_crop, crop_flip or none")
-
-
-def normalize(
-    images: torch.Tensor, *, mean: tuple[float, ...], std: tuple[float, ...]
-) -> torch.Tensor:
-    """uint8 (N, 3, H, W) -> float (N, 3, H, W), normalised; done per batch, on the device."""
-    m = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
-    s = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
-    return (images.float().div_(255) - m) / s
 
 
 class ParquetImages(Dataset):
@@ -111,7 +94,7 @@ class ParquetImages(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         g = bisect.bisect_right(self.starts, i) - 1
         images, labels = self._group(g)
-        image = decode(images[i - self.starts[g]])
+        image = v2.functional.pil_to_tensor(decode_image(images[i - self.starts[g]]))
         if self.transform is not None:
             image = self.transform(image)
         return image, labels[i - self.starts[g]]

@@ -1,0 +1,115 @@
+"""A training run on storage, `<storage_path>/<name>`, and what it records.
+
+epoch_0007/                       a checkpoint (pipeline.checkpoint)
+checkpoint_manager_snapshot.json  Ray Train's record of the run's checkpoints and their metrics
+summary.json                      written last: a run with it has finished
+history.csv, curves.png           one row per epoch; loss and accuracy curves
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import posixpath
+
+import ray.train
+
+from pipeline.checkpoint import CheckpointMeta, read_meta
+from pipeline.dataset import Manifest
+from pipeline.errors import InputError
+from pipeline.plots import plot_curves
+from pipeline.storage import Location
+
+SCORE = "val_accuracy"  # what "best checkpoint" means, for retention and for inference
+SNAPSHOT = "checkpoint_manager_snapshot.json"
+RUN_SUMMARY = "summary.json"
+HISTORY_CSV = "history.csv"
+CURVES_PNG = "curves.png"
+
+
+def checkpoint_dir_name(epoch: int) -> str:
+    return f"epoch_{epoch:04d}"
+
+
+def load_result(run_dir: Location) -> ray.train.Result:
+    """Ray's record of a run's checkpoints and their metrics, read from storage."""
+    # Quiet: reading the record makes Ray log a notice meant for runs about to resume.
+    quiet = logging.getLogger("ray.train.v2._internal.execution.checkpoint.checkpoint_manager")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        return ray.train.Result.from_path(run_dir.path, storage_filesystem=run_dir.fs)
+    finally:
+        quiet.setLevel(level)
+
+
+def in_run(run_dir: Location, checkpoint: ray.train.Checkpoint) -> Location:
+    """A checkpoint of Ray's record, as a Location under the run's own URI."""
+    return run_dir.child(posixpath.basename(checkpoint.path))
+
+
+def best_checkpoint(run_dir: Location, result: ray.train.Result) -> tuple[Location, dict]:
+    """The retained checkpoint with the best score and its metrics (Result.checkpoint is the
+    latest, not the best)."""
+    best, metrics = max(result.best_checkpoints, key=lambda cm: cm[1][SCORE])
+    return in_run(run_dir, best), metrics
+
+
+def latest_checkpoint(run_dir: Location) -> Location | None:
+    """The run's latest checkpoint, if the run exists and has one."""
+    if not run_dir.child(SNAPSHOT).exists():
+        return None
+    result = load_result(run_dir)
+    return in_run(run_dir, result.checkpoint) if result.checkpoint else None
+
+
+def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
+    """summary.json (last), history.csv and curves.png in the run directory; returns the
+    summary."""
+    result = load_result(run_dir)
+    best, best_metrics = best_checkpoint(run_dir, result)
+    latest = in_run(run_dir, result.checkpoint)
+    history = read_meta(latest).history
+    summary = {
+        "run": run_dir.uri,
+        "best_checkpoint": best.uri,
+        "best_metrics": best_metrics,
+        "latest_checkpoint": latest.uri,
+        "final_accuracy": history[-1][SCORE],
+        "epochs": len(history),
+        "wall_time_s": wall_time_s,
+        "train_time_s": sum(h["train_s"] for h in history),
+        "images_per_s": _mean(h["images_per_s"] for h in history),
+        "images_per_s_per_worker": _mean(h["images_per_s_per_worker"] for h in history),
+    }
+    run_dir.child(HISTORY_CSV).write_bytes(history_csv(history).encode())
+    run_dir.child(CURVES_PNG).write_bytes(plot_curves(history, score=SCORE))
+    run_dir.child(RUN_SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
+    return summary
+
+
+def history_csv(history: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(history[0]))
+    writer.writeheader()
+    writer.writerows(history)
+    return out.getvalue()
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def check_resumable(meta: CheckpointMeta, manifest: Manifest, *, checkpoint: str, dataset: str):
+    """A checkpoint can only continue on data with the same classes, in the same order."""
+    if meta.classes != manifest.classes:
+        raise InputError(
+            f"checkpoint {checkpoint} was trained on {len(meta.classes)} classes "
+            f"({', '.join(meta.classes[:5])}...), but dataset {dataset} has "
+            f"{len(manifest.classes)} ({', '.join(manifest.classes[:5])}...). A run resumes "
+            "only on the classes it started with: pick a new name= for a new run, or point "
+            "dataset= at the data this run was trained on"
+        )

@@ -1,0 +1,61 @@
+"""How a batch goes through the model on one device, for training and inference alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_precision(requested: str, device: torch.device) -> str:
+    """fp32 on CPU; on GPU bf16 where the hardware computes in it, else fp16 (grad scaler)."""
+    if requested != "auto":
+        return requested
+    if device.type != "cuda":
+        return "fp32"
+    # Not torch.cuda.is_bf16_supported(): it says yes on T4 and V100 (compute capability 7.x),
+    # which emulate bf16 slowly. Ampere (8.0) and later have bf16 tensor cores.
+    return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
+
+
+def normalize(
+    images: torch.Tensor, *, mean: tuple[float, ...], std: tuple[float, ...]
+) -> torch.Tensor:
+    """uint8 (N, 3, H, W) -> float (N, 3, H, W), normalised; done per batch, on the device."""
+    m = torch.tensor(mean, device=images.device).view(1, 3, 1, 1)
+    s = torch.tensor(std, device=images.device).view(1, 3, 1, 1)
+    return (images.float().div_(255) - m) / s
+
+
+@dataclass
+class Step:
+    """A batch on this device: precision, normalisation, memory layout, grad scaling."""
+
+    device: torch.device
+    precision: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    scaler: torch.amp.GradScaler = field(init=False)
+
+    def __post_init__(self):
+        # A disabled scaler passes losses and steps through: one code path for every precision.
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+
+    @property
+    def channels_last(self) -> bool:
+        return self.device.type == "cuda"
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model in this step's memory layout."""
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model
+
+    def inputs(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (N, 3, H, W) from the loader -> normalised float on the device."""
+        x = normalize(images.to(self.device, non_blocking=True), mean=self.mean, std=self.std)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+    def autocast(self):
+        dtype = AMP_DTYPES.get(self.precision, torch.float32)
+        return torch.autocast(self.device.type, dtype=dtype, enabled=self.precision != "fp32")

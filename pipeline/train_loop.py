@@ -1,0 +1,339 @@
+"""What each Ray Train worker runs: restore, build the loaders, then per epoch train, evaluate
+exactly over the whole val split, save and report.
+
+The worker resumes from Ray's latest checkpoint if there is one (after a worker failure, or when
+the same run is submitted again). The metrics history travels inside each checkpoint, so it is
+exactly the epochs the model went through. Imported on the workers only: the driver does not
+need torchvision or torchmetrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from torchmetrics.classification import MulticlassAccuracy
+
+from pipeline.checkpoint import (
+    CheckpointMeta,
+    load_train_state,
+    load_weights,
+    read_meta,
+    save_checkpoint,
+)
+from pipeline.config import TrainConfig, validate_config
+from pipeline.dataset import Manifest, read_manifest
+from pipeline.loader import BlockShuffleSampler, ParquetImages, ShardSampler, train_transform
+from pipeline.logs import setup_logging
+from pipeline.model import build_model, unwrap
+from pipeline.runs import SCORE, check_resumable, checkpoint_dir_name
+from pipeline.step import Step, pick_precision
+from pipeline.storage import Location
+
+log = logging.getLogger(__name__)
+
+
+# --- one epoch ---------------------------------------------------------------------------------
+
+
+class Progress:
+    """Lines within an epoch, at most one per `every_s`: batches done and images/s."""
+
+    def __init__(self, epoch: int, epochs: int, batches: int, *, every_s: float):
+        self.epoch, self.epochs, self.batches, self.every_s = epoch, epochs, batches, every_s
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, batch: int, images: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every_s and batch < self.batches:
+            self.last = now
+            rate = images / (now - self.start)
+            log.info(
+                "epoch %d/%d: batch %d/%d, %.1f images/s on this worker",
+                *(self.epoch, self.epochs - 1, batch, self.batches, rate),
+            )
+
+
+def train_one_epoch(model, loader, optimizer, criterion, *, step: Step, progress=None) -> dict:
+    """One pass over this worker's shard; returns the summed loss, images and seconds.
+    `progress(batches_done, images_done)` is called after each batch."""
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=step.device)
+    images = 0
+    start = time.perf_counter()
+    for i, (batch, labels) in enumerate(loader, start=1):
+        x, y = step.inputs(batch), labels.to(step.device, non_blocking=True)
+        with step.autocast():
+            loss = criterion(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        step.scaler.scale(loss).backward()
+        step.scaler.step(optimizer)
+        step.scaler.update()
+        loss_sum += loss.detach().double() * len(y)
+        images += len(y)
+        if progress is not None:
+            progress(i, images)
+    return {"loss_sum": loss_sum.item(), "images": images, "seconds": time.perf_counter() - start}
+
+
+@torch.no_grad()
+def evaluate(model, loader, *, step: Step, num_classes: int) -> dict:
+    """Loss and accuracy over the samples of every rank, each counted once.
+
+    `model` must be the bare model: DDP's forward would sync buffers, and ranks may hold
+    different numbers of val batches (no padding, so that the accuracy is exact)."""
+    model.eval()
+    accuracy = MulticlassAccuracy(num_classes, average="micro", sync_on_compute=True)
+    accuracy = accuracy.to(step.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=step.device)
+    count = 0
+    for batch, labels in loader:
+        y = labels.to(step.device, non_blocking=True)
+        with step.autocast():
+            logits = model(step.inputs(batch)).float()
+        loss_sum += torch.nn.functional.cross_entropy(logits, y, reduction="sum").double()
+        accuracy.update(logits.argmax(dim=1), y)
+        count += len(y)
+    total_loss, total = all_reduce([loss_sum.item(), count], device=step.device)
+    score = accuracy.compute().item()
+    return {"val_loss": total_loss / max(total, 1), SCORE: score, "val_images": total}
+
+
+def all_reduce(values: list[float], *, device: torch.device, op=None) -> list[float]:
+    """Sum (or `op`) of `values` over all ranks; the values themselves outside a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running stats).
+
+    DDP broadcasts them at the start of each training forward, but each rank's last forward
+    then updates its own copy: without this, the ranks would evaluate slightly different
+    models, none of them exactly the one rank 0 checkpoints."""
+    if dist.is_available() and dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+    """Optimizer and a per-epoch LR schedule (linear warm-up, then cosine or constant)."""
+    o = cfg.optimizer
+    if o.name == "sgd":
+        opt = torch.optim.SGD(
+            model.parameters(),
+            lr=o.lr,
+            momentum=o.momentum,
+            weight_decay=o.weight_decay,
+            nesterov=o.momentum > 0,
+        )
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    warmup, rest = o.warmup_epochs, max(cfg.epochs - o.warmup_epochs, 1)
+
+    def factor(epoch: int) -> float:
+        if epoch < warmup:
+            return (epoch + 1) / (warmup + 1)
+        if o.schedule == "constant":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * (epoch - warmup) / rest))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+# --- the loaders -------------------------------------------------------------------------------
+
+
+def loader_args(cfg: TrainConfig, device: torch.device) -> dict:
+    return {
+        "num_workers": cfg.scaling.loader_workers,
+        "persistent_workers": cfg.scaling.loader_workers > 0,
+        "pin_memory": device.type == "cuda",
+    }
+
+
+def train_data(
+    cfg: TrainConfig,
+    dataset: Location,
+    manifest: Manifest,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> tuple[DataLoader, BlockShuffleSampler]:
+    """This worker's training loader (decode + augment in `loader_workers` processes) and its
+    sampler, whose `set_epoch` reshuffles. Without Ray Train's wrapping: the benchmark's plain
+    loop uses it as it is."""
+    tf = train_transform(cfg.augment, image_size=manifest.image_size)
+    train_set = ParquetImages(dataset, manifest, "train", transform=tf)
+    sampler = BlockShuffleSampler(train_set, num_replicas=world, rank=rank, seed=cfg.seed)
+    batch = cfg.batch_size_per_worker
+    loader = DataLoader(
+        train_set,
+        batch_size=batch,
+        sampler=sampler,
+        drop_last=len(sampler) > batch,
+        **loader_args(cfg, device),
+    )
+    return loader, sampler
+
+
+def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
+    """This worker's contiguous share of the val split, unpadded (see `evaluate`)."""
+    val_set = ParquetImages(dataset, manifest, "val")
+    sampler = ShardSampler(len(val_set), num_replicas=world, rank=rank)
+    args = loader_args(cfg, device)
+    return DataLoader(val_set, batch_size=cfg.batch_size_per_worker, sampler=sampler, **args)
+
+
+# --- one worker's run --------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    """What one worker holds for the whole run."""
+
+    cfg: TrainConfig
+    dataset: Location
+    run_dir: Location
+    manifest: Manifest
+    rank: int
+    world: int
+    step: Step
+    start_epoch: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """What each Ray Train worker runs. `config`: the TrainConfig as a plain dict, and the
+    dataset's and the run's Locations, parsed once on the driver."""
+    setup_logging()
+    cfg = validate_config(TrainConfig, config["config"])
+    dataset: Location = config["dataset"]
+    ctx = ray.train.get_context()
+    manifest = read_manifest(dataset)
+    assert manifest is not None, "the driver checked the dataset"
+    device = ray.train.torch.get_device()
+    step = Step(device, pick_precision(cfg.precision, device), manifest.mean, manifest.std)
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    w = Worker(cfg, dataset, config["run_dir"], manifest, rank, world, step)
+    if rank == 0:
+        log.info(
+            "%d workers on %s, precision %s (precision=%s), %d images per worker batch",
+            *(world, device.type, step.precision, cfg.precision, cfg.batch_size_per_worker),
+        )
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(len(manifest.classes), pretrained=cfg.pretrained)
+    train_state = restore(w, model)
+    model = ray.train.torch.prepare_model(step.prepare(model))  # to the device, then DDP
+    # After the move: load_state_dict puts optimizer state on the parameters' device.
+    optimizer, scheduler = build_optimizer(model, cfg)
+    if train_state:
+        optimizer.load_state_dict(train_state["optimizer"])
+        scheduler.load_state_dict(train_state["scheduler"])
+        step.scaler.load_state_dict(train_state["scaler"])
+
+    loader, sampler = train_data(cfg, dataset, manifest, rank=rank, world=world, device=device)
+    train_loader = ray.train.torch.prepare_data_loader(loader)
+    val_loader = ray.train.torch.prepare_data_loader(
+        val_data(cfg, dataset, manifest, rank=rank, world=world, device=device),
+        add_dist_sampler=False,
+    )
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
+    if rank == 0:
+        log.info(
+            "training epochs %d to %d: %d train images, %d val",
+            *(w.start_epoch, cfg.epochs - 1, len(loader.dataset), len(val_loader.dataset)),
+        )
+
+    for epoch in range(w.start_epoch, cfg.epochs):
+        sampler.set_epoch(epoch)
+        lr = optimizer.param_groups[0]["lr"]
+        progress = Progress(epoch, cfg.epochs, len(train_loader), every_s=cfg.log_every_s)
+        progress = progress if rank == 0 else None
+        t = train_one_epoch(model, train_loader, optimizer, criterion, step=step, progress=progress)
+        broadcast_buffers(unwrap(model))
+        v = evaluate(unwrap(model), val_loader, step=step, num_classes=len(manifest.classes))
+        scheduler.step()
+        loss_sum, images = all_reduce([t["loss_sum"], t["images"]], device=device)
+        [slowest] = all_reduce([t["seconds"]], device=device, op=dist.ReduceOp.MAX)
+        metrics = {
+            "epoch": epoch,
+            "train_loss": loss_sum / max(images, 1),
+            "val_loss": v["val_loss"],
+            SCORE: v[SCORE],
+            "lr": lr,
+            "images_per_s": images / slowest,  # all workers together
+            "images_per_s_per_worker": t["images"] / t["seconds"],  # this rank's (rank 0's)
+            "train_s": slowest,
+        }
+        w.history.append(metrics)
+        train_state = {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": step.scaler.state_dict(),
+        }
+        save_and_report(w, metrics, unwrap(model).state_dict(), train_state)
+
+
+def restore(w: Worker, model: torch.nn.Module) -> dict | None:
+    """Load Ray's latest checkpoint of this run, if any, into `model` and `w`; return the
+    optimizer, schedule and scaler state to load once the model is on its device."""
+    checkpoint = ray.train.get_checkpoint()
+    if not checkpoint:
+        return None
+    with checkpoint.as_directory() as d:
+        local = Location.parse(d)
+        meta = read_meta(local)
+        check_resumable(meta, w.manifest, checkpoint=checkpoint.path, dataset=w.dataset.uri)
+        model.load_state_dict(load_weights(local))
+        train_state = load_train_state(local)
+    w.start_epoch, w.history = meta.epoch + 1, meta.history
+    if w.rank == 0:
+        log.info(
+            "resumed from checkpoint %s (epoch %d done): continuing at epoch %d of %d",
+            *(checkpoint.path, meta.epoch, w.start_epoch, w.cfg.epochs),
+        )
+    return train_state
+
+
+def save_and_report(w: Worker, metrics: dict, weights: dict, train_state: dict) -> None:
+    """Every rank reports the epoch's metrics; rank 0 logs them and attaches the checkpoint."""
+    if w.rank != 0:
+        ray.train.report(metrics)
+        return
+    epoch, m = metrics["epoch"], metrics
+    log.info(
+        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f lr %.3g %.1f images/s",
+        *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m[SCORE], m["lr"]),
+        m["images_per_s"],
+    )
+    meta = CheckpointMeta(
+        epoch=epoch,
+        classes=w.manifest.classes,
+        image_size=w.manifest.image_size,
+        mean=w.manifest.mean,
+        std=w.manifest.std,
+        dataset_fingerprint=w.manifest.fingerprint,
+        metrics=metrics,
+        history=w.history,
+        config=w.cfg.model_dump(mode="json"),
+    )
+    name = checkpoint_dir_name(epoch)
+    with tempfile.TemporaryDirectory() as d:
+        save_checkpoint(d, weights, meta, train_state)
+        checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+    log.info("checkpoint saved: %s", w.run_dir.child(name).uri)
