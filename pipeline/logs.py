@@ -1,9 +1,10 @@
 """One log format for the bundle's processes, and Ray's routine lines kept out of job logs.
 
-`ray job logs` shows what drivers and workers print. Ray Train logs every report of every rank
-("Reporting training result ..."), its preemption watcher warns on clusters that have no
-preemption to watch, and the job SDK narrates uploads: in a training job those lines outnumber
-the bundle's own. Their loggers go to WARNING; their errors still show.
+`ray job logs` shows what drivers and workers print. Left alone, Ray Train logs each report of
+each rank, every placement step and every checkpoint it persists: in a training job, those lines
+outnumber the bundle's own. The driver sets Ray Train's level to WARNING (`RAY_TRAIN_LOG_LEVEL`,
+given to `RunConfig`), and each worker quiets the one logger that level misses. Ray's warnings
+and errors still show.
 """
 
 from __future__ import annotations
@@ -11,13 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 
-ROUTINE = (
-    "ray.train.v2._internal.execution.context",  # "Reporting training result N ... from rank R"
-    "ray.train.v2._internal.execution.checkpoint",  # "Checkpoint successfully created ..."
-    "ray.train.v2._internal.callbacks",  # preemption watcher, placement and the like
-    "ray.train.v2._internal.execution.controller",  # state changes; failures raise anyway
-    "ray._private.runtime_env",  # working_dir packaging: ".gitignore" and size notices
-)
+RAY_TRAIN_LOG_LEVEL = "WARNING"
 
 
 def setup_logging() -> None:
@@ -27,5 +22,11 @@ def setup_logging() -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stdout,
     )
-    for name in ROUTINE:
-        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def quiet_train_reports() -> None:
+    """On a Ray Train worker: "Reporting training result N: TrainingReport(...)", per rank and
+    epoch, comes from a logger named by its file's path, outside `ray.train`'s level."""
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)

@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup_logging()
     logging.getLogger("ray").setLevel(logging.WARNING)  # the SDK's upload and websocket chatter
+    # "Directory '.git' is now ignored by default ...": runtime_env.yaml excludes it anyway.
+    logging.getLogger("ray._private.runtime_env").setLevel(logging.ERROR)
     try:
         jobs = plan(args.root, profile=args.profile, sets=args.set)
     except ConfigError as e:

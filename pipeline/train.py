@@ -19,6 +19,7 @@ from pipeline.checkpoint import read_meta
 from pipeline.config import TrainConfig
 from pipeline.dataset import MANIFEST, Manifest, read_manifest
 from pipeline.errors import ClusterError, InputError
+from pipeline.logs import RAY_TRAIN_LOG_LEVEL
 from pipeline.runs import SCORE, check_resumable, latest_checkpoint, write_reports
 from pipeline.storage import Location
 
@@ -110,6 +111,7 @@ def fit(cfg: TrainConfig, *, dataset: Location, runs: Location) -> None:
             name=cfg.name,
             storage_path=runs.path,
             storage_filesystem=runs.fs,
+            logging_config=ray.train.LoggingConfig(log_level=RAY_TRAIN_LOG_LEVEL),
             failure_config=ray.train.FailureConfig(
                 max_failures=cfg.max_failures, controller_failure_limit=cfg.max_failures
             ),

@@ -32,7 +32,7 @@ from pipeline.checkpoint import (
 from pipeline.config import TrainConfig, validate_config
 from pipeline.dataset import Manifest, read_manifest
 from pipeline.loader import BlockShuffleSampler, ParquetImages, ShardSampler, train_transform
-from pipeline.logs import setup_logging
+from pipeline.logs import quiet_train_reports, setup_logging
 from pipeline.model import build_model, unwrap
 from pipeline.runs import SCORE, check_resumable, checkpoint_dir_name
 from pipeline.step import Step, pick_precision
@@ -219,6 +219,7 @@ def train_loop_per_worker(config: dict) -> None:
     """What each Ray Train worker runs. `config`: the TrainConfig as a plain dict, and the
     dataset's and the run's Locations, parsed once on the driver."""
     setup_logging()
+    quiet_train_reports()
     cfg = validate_config(TrainConfig, config["config"])
     dataset: Location = config["dataset"]
     ctx = ray.train.get_context()

@@ -3,8 +3,12 @@ import pytest
 from harness.cluster import BUNDLE_ROOT
 from pipeline.config import (
     FOOD101_LITE_CLASSES,
+    InferConfig,
     PreprocessConfig,
+    TrainConfig,
+    describe_keys,
     dump_config,
+    keys_help,
     load_config,
     validate_config,
 )
@@ -129,3 +133,36 @@ def test_relative_paths_are_refused(key):
         )
     cfg = load_config(PreprocessConfig, overrides=["output=s3://b/x?endpoint_override=h:1"])
     assert cfg.output.startswith("s3://")
+
+
+def test_numbers_as_people_write_them(tmp_path):
+    # YAML 1.1 (PyYAML) reads 1e-3 and 1.0e3 as strings; in overrides and files they are floats.
+    overrides = ["dataset=/d", "storage_path=/s"]
+    cfg = load_config(TrainConfig, None, [*overrides, "optimizer.lr=1e-3", "log_every_s=1.5E1"])
+    assert (cfg.optimizer.lr, cfg.log_every_s) == (0.001, 15.0)
+    path = write(tmp_path, "optimizer: {lr: 2e-4, weight_decay: 1.0e-5}\nepochs: 3\n")
+    cfg = load_config(TrainConfig, path, overrides)
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.epochs) == (2e-4, 1e-5, 3)
+    assert load_config(TrainConfig, None, [*overrides, "optimizer.lr=1"]).optimizer.lr == 1.0
+    # What only looks like a number stays a string, and a string where a number goes fails.
+    assert load_config(TrainConfig, None, [*overrides, "name=e5"]).name == "e5"
+    with pytest.raises(ConfigError, match=r"optimizer.lr: .*got 'e-3'"):
+        load_config(TrainConfig, None, [*overrides, "optimizer.lr=e-3"])
+
+
+@pytest.mark.parametrize("cls", [PreprocessConfig, TrainConfig, InferConfig])
+def test_every_key_is_described(cls):
+    keys = describe_keys(cls)
+    assert all(description for *_, description in keys), "every field needs a description"
+    text = keys_help(cls)
+    for key, kind, default, _ in keys:
+        assert f"  {key} ({kind}, default {default})" in text
+
+
+def test_keys_are_flattened_with_types_and_defaults():
+    keys = {key: (kind, default) for key, kind, default, _ in describe_keys(TrainConfig)}
+    assert keys["dataset"] == ("str", "required")
+    assert keys["optimizer.lr"] == ("float", "0.1")
+    assert keys["scaling.num_workers"] == ("int", "2")
+    assert keys["precision"] == ("auto|fp32|bf16|fp16", "auto")
+    assert keys["pretrained"] == ("str or null", "null")

@@ -5,6 +5,7 @@ run on S3. Workers the cluster cannot place, failing within a bound: test_multin
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -23,7 +24,7 @@ from pipeline.runs import CURVES_PNG, RUN_SUMMARY, check_resumable, checkpoint_d
 from pipeline.step import Step, pick_precision
 from pipeline.storage import Location
 from pipeline.train import check_dataset
-from pipeline.train_loop import build_optimizer, evaluate, train_one_epoch
+from pipeline.train_loop import Progress, build_optimizer, evaluate, train_one_epoch
 
 
 def config(dataset, storage, *overrides) -> TrainConfig:
@@ -40,6 +41,44 @@ def test_precision_is_fp32_on_cpu_unless_asked():
     cpu = torch.device("cpu")
     assert pick_precision("auto", cpu) == "fp32"
     assert pick_precision("bf16", cpu) == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"),
+    [((7, 0), "fp16"), ((7, 5), "fp16"), ((8, 0), "bf16"), ((9, 0), "bf16")],
+)
+def test_auto_precision_follows_the_gpu_generation(monkeypatch, capability, expected):
+    # V100 (7.0) and T4 (7.5) emulate bf16 slowly, and torch.cuda.is_bf16_supported() says yes
+    # on them anyway; A100 (8.0) and H100 (9.0) compute in it.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert pick_precision("auto", torch.device("cuda", 0)) == expected
+    assert pick_precision("fp32", torch.device("cuda", 0)) == "fp32"
+
+
+def test_progress_lines_within_an_epoch(caplog):
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 2))
+    data = [(torch.zeros(4, 3, 4, 4, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))] * 5
+    step = Step(torch.device("cpu"), "fp32", (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    t = train_one_epoch(
+        model,
+        data,
+        optimizer,
+        torch.nn.CrossEntropyLoss(),
+        step=step,
+        progress=lambda *a: calls.append(a),
+    )
+    assert calls == [(1, 4), (2, 8), (3, 12), (4, 16), (5, 20)] and t["images"] == 20
+    caplog.set_level(logging.INFO, logger="pipeline.train_loop")
+    progress = Progress(epoch=2, epochs=10, batches=5, every_s=0)
+    for batch in range(1, 6):
+        progress(batch, 4 * batch)
+    lines = [r.getMessage() for r in caplog.records]
+    # One per batch here (every_s=0), none after the last: the epoch line says the rest.
+    assert len(lines) == 4 and lines[0].startswith("epoch 2/9: batch 1/5, ")
+    assert lines[-1].startswith("epoch 2/9: batch 4/5, ") and "images/s on this worker" in lines[-1]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

@@ -1,0 +1,60 @@
+"""What a user meets first: each command's --help, and what each module imports."""
+
+import subprocess
+import sys
+
+import pytest
+
+from harness.cluster import BUNDLE_ROOT
+from pipeline.config import InferConfig, PreprocessConfig, TrainConfig, describe_keys
+
+
+def run(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=BUNDLE_ROOT, capture_output=True, text=True, check=True
+    )
+    return proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("job", "cls"),
+    [("preprocess", PreprocessConfig), ("train", TrainConfig), ("infer", InferConfig)],
+)
+def test_job_help_lists_every_key(job, cls):
+    text = run("-m", f"jobs.{job}", "--help")
+    assert text.startswith("usage: ")
+    assert f"python -m jobs.{job} --config configs/{job}.yaml" in text  # the submit line
+    for key, kind, default, _ in describe_keys(cls):
+        assert f"  {key} ({kind}, default {default})" in text
+
+
+def test_chain_help_lists_steps_and_their_keys():
+    text = run("-m", "pipeline.submit", "--help")
+    assert "steps, in this order: preprocess, train, infer (or all)" in text
+    for step, cls in [("preprocess", PreprocessConfig), ("train", TrainConfig)]:
+        assert f"--set {step}.KEY=VALUE" in text
+        assert all(f"  {key} (" in text for key, *_ in describe_keys(cls))
+
+
+def imported_by(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sys.modules))"
+    return set(run("-c", code).split())
+
+
+def test_inference_imports_no_training_code():
+    # Each inference actor imports pipeline.infer: training code, torchmetrics and the plotting
+    # library would only add seconds to its start-up.
+    loaded = imported_by("pipeline.infer")
+    assert "pipeline.step" in loaded and "pipeline.runs" in loaded
+    assert not {m for m in loaded if m.startswith(("pipeline.train", "torchmetrics", "matplotlib"))}
+
+
+def test_training_driver_imports_neither_torchvision_nor_torchmetrics():
+    # The workers need them; the driver only starts the workers.
+    loaded = imported_by("pipeline.train")
+    assert not {m for m in loaded if m.startswith(("torchvision", "torchmetrics", "matplotlib"))}
+
+
+def test_the_library_carries_no_harness():
+    loaded = imported_by("pipeline.submit")
+    assert not {m for m in loaded if m.startswith(("harness", "jobs"))}
