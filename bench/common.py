@@ -1,7 +1,9 @@
 """What the benchmarks share: generated input data, and where results go."""
 
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
@@ -33,3 +35,24 @@ def write_results(name: str, results) -> Path:
     path.write_text(json.dumps(results, indent=2))
     print(f"written to {path}")
     return path
+
+
+def submit_timed(
+    cluster: LocalCluster, args: list[str], milestones: dict[str, str], *, tree: Path = BUNDLE_ROOT
+) -> dict[str, float]:
+    """Submit `args` as a job of the bundle at `tree`, streaming its log: seconds from the
+    submission to the first line that holds each milestone's text. Exits if the job fails."""
+    command = cluster.submit_command(args, runtime_env=tree / "runtime_env.yaml")
+    submitted, seen, output = time.monotonic(), {}, []
+    proc = subprocess.Popen(
+        command, cwd=tree, env=cluster.env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip  # Popen's options, two lines not seven
+    for line in proc.stdout:
+        output.append(line)
+        for key, text in milestones.items():
+            if key not in seen and text in line:
+                seen[key] = round(time.monotonic() - submitted, 1)
+    if proc.wait() != 0 or len(seen) < len(milestones):
+        sys.exit(f"job {args} of {tree} failed:\n{''.join(output)[-3000:]}")
+    return seen

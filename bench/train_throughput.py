@@ -20,15 +20,12 @@ import argparse
 import csv
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from bench.common import preprocess_generated, write_results
+from bench.common import preprocess_generated, submit_timed, write_results
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from pipeline.config import TrainConfig, load_config
 from pipeline.dataset import read_manifest
@@ -92,24 +89,7 @@ def measure(
         *overrides,
     ]
     with LocalCluster(num_cpus=workers) as cluster:
-        # Streamed, to time when the milestone lines arrive.
-        submitted, seen = time.monotonic(), {}
-        proc = subprocess.Popen(
-            cluster.submit_command(args),
-            cwd=BUNDLE_ROOT,
-            env=cluster.env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        output = []
-        for line in proc.stdout:
-            output.append(line)
-            for key, text in MILESTONES.items():
-                if key not in seen and text in line:
-                    seen[key] = round(time.monotonic() - submitted, 1)
-        if proc.wait() != 0 or len(seen) < len(MILESTONES):
-            sys.exit(f"training failed with {workers} workers:\n{''.join(output)[-3000:]}")
+        seen = submit_timed(cluster, args, MILESTONES)
     with open(runs / name / HISTORY_CSV) as f:
         steady = list(csv.DictReader(f))[1:]
     return {
