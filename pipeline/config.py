@@ -168,6 +168,13 @@ class TrainConfig(_Strict):
     global_batch_size: int = Field(
         128, ge=1, description="Images per optimizer step over all workers (split evenly)."
     )
+    ingest: Literal["torch", "ray_data"] = Field(
+        "torch",
+        description="How images reach the workers. torch: each worker reads its share and "
+        "decodes in scaling.loader_workers DataLoader processes on its own node. ray_data: "
+        "Ray Data reads and decodes on any node's spare CPUs (CPU-only nodes too) and streams "
+        "batches to the workers, for training nodes short of CPUs.",
+    )
     augment: Literal["random_resized_crop", "crop_flip", "none"] = Field(
         "random_resized_crop", description="Train-time augmentation; val is never augmented."
     )

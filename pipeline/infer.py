@@ -27,6 +27,7 @@ from pipeline.checkpoint import METADATA, read_meta
 from pipeline.config import InferConfig
 from pipeline.errors import ClusterError, InputError
 from pipeline.inputs import read_input
+from pipeline.logs import quiet_ray_data
 from pipeline.model import load_model
 from pipeline.plots import plot_confusion
 from pipeline.runs import RUN_SUMMARY, SCORE, SNAPSHOT, best_checkpoint, load_result
@@ -178,6 +179,7 @@ def run(cfg: InferConfig, *, model: Location, source: Location, output: Location
     into `output`; return the summary (Ray initialised)."""
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
+    quiet_ray_data()
     ds = read_input(source, split=cfg.split)
     predictor = {
         "checkpoint": checkpoint,

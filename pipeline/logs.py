@@ -24,6 +24,14 @@ def setup_logging() -> None:
     )
 
 
+def quiet_ray_data() -> None:
+    """Ray Data's progress bars redraw several times a second: in a job's log, that is
+    hundreds of lines per dataset. The jobs log their own progress."""
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
 def quiet_train_reports() -> None:
     """On a Ray Train worker: "Reporting training result N: TrainingReport(...)", per rank and
     epoch, comes from a logger named by its file's path, outside `ray.train`'s level."""

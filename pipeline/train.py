@@ -72,7 +72,7 @@ def run(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
     else:
         log.info("new run %s", run_dir.uri)
 
-    fit(cfg, dataset=dataset, runs=runs)
+    fit(cfg, manifest, dataset=dataset, runs=runs)
     return write_reports(run_dir, wall_time_s=time.monotonic() - started)
 
 
@@ -84,7 +84,7 @@ def train_loop_per_worker(config: dict) -> None:
     train_loop_per_worker(config)
 
 
-def fit(cfg: TrainConfig, *, dataset: Location, runs: Location) -> None:
+def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Location) -> None:
     from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
     from ray.train.v2.api.exceptions import ControllerError
@@ -97,6 +97,21 @@ def fit(cfg: TrainConfig, *, dataset: Location, runs: Location) -> None:
     # like a worker failure, and a cluster without room ends the job after max_failures + 1
     # attempts of startup_timeout_s each.
     os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(s.startup_timeout_s)
+    data = {}
+    if cfg.ingest == "ray_data":
+        from pipeline.ingest import ExactValConfig, datasets
+
+        data = {
+            "datasets": datasets(manifest, dataset, augment=cfg.augment, seed=cfg.seed),
+            "dataset_config": ExactValConfig(),
+        }
+        spare = ray.cluster_resources().get("CPU", 0) - s.num_workers * s.cpus_per_worker
+        log.info("ingest=ray_data: decoding on the cluster's spare CPUs (%g now)", spare)
+        if spare < 1:
+            log.warning(
+                "ingest=ray_data needs CPUs beside the training workers' to decode, and the "
+                "cluster has none spare now: training waits until a node with CPUs joins"
+            )
     trainer = ray.train.torch.TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -107,6 +122,7 @@ def fit(cfg: TrainConfig, *, dataset: Location, runs: Location) -> None:
         scaling_config=ray.train.ScalingConfig(
             num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=per_worker
         ),
+        **data,
         run_config=ray.train.RunConfig(
             name=cfg.name,
             storage_path=runs.path,

@@ -246,21 +246,17 @@ def train_loop_per_worker(config: dict) -> None:
         scheduler.load_state_dict(train_state["scheduler"])
         step.scaler.load_state_dict(train_state["scaler"])
 
-    loader, sampler = train_data(cfg, dataset, manifest, rank=rank, world=world, device=device)
-    train_loader = ray.train.torch.prepare_data_loader(loader)
-    val_loader = ray.train.torch.prepare_data_loader(
-        val_data(cfg, dataset, manifest, rank=rank, world=world, device=device),
-        add_dist_sampler=False,
-    )
+    train_loader, val_loader = loaders(w, device)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
     if rank == 0:
+        rows = {split: manifest.splits[split].rows for split in ("train", "val")}
         log.info(
-            "training epochs %d to %d: %d train images, %d val",
-            *(w.start_epoch, cfg.epochs - 1, len(loader.dataset), len(val_loader.dataset)),
+            "training epochs %d to %d: %d train images, %d val (ingest=%s)",
+            *(w.start_epoch, cfg.epochs - 1, rows["train"], rows["val"], cfg.ingest),
         )
 
     for epoch in range(w.start_epoch, cfg.epochs):
-        sampler.set_epoch(epoch)
+        train_loader.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]
         progress = Progress(epoch, cfg.epochs, len(train_loader), every_s=cfg.log_every_s)
         progress = progress if rank == 0 else None
@@ -275,6 +271,7 @@ def train_loop_per_worker(config: dict) -> None:
             "train_loss": loss_sum / max(images, 1),
             "val_loss": v["val_loss"],
             SCORE: v[SCORE],
+            "val_images": v["val_images"],  # all of val, each once: the score is exact
             "lr": lr,
             "images_per_s": images / slowest,  # all workers together
             "images_per_s_per_worker": t["images"] / t["seconds"],  # this rank's (rank 0's)
@@ -287,6 +284,42 @@ def train_loop_per_worker(config: dict) -> None:
             "scaler": step.scaler.state_dict(),
         }
         save_and_report(w, metrics, unwrap(model).state_dict(), train_state)
+
+
+class EpochLoader:
+    """A DataLoader and the sampler that reshuffles it each epoch."""
+
+    def __init__(self, loader: DataLoader, sampler: BlockShuffleSampler):
+        self.loader, self.sampler = loader, sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def loaders(w: Worker, device: torch.device):
+    """This worker's train batches (with `set_epoch`) and val batches, by `ingest`."""
+    cfg, batch = w.cfg, w.cfg.batch_size_per_worker
+    if cfg.ingest == "ray_data":
+        from pipeline.ingest import ShardBatches
+
+        rows = w.manifest.splits["train"].rows
+        train = ShardBatches(
+            "train", batch_size=batch, rows=rows, world=w.world, shuffle_seed=cfg.seed
+        )
+        return train, ShardBatches("val", batch_size=batch, rows=0, world=w.world)
+    shard = {"rank": w.rank, "world": w.world, "device": device}
+    loader, sampler = train_data(cfg, w.dataset, w.manifest, **shard)
+    train = EpochLoader(ray.train.torch.prepare_data_loader(loader), sampler)
+    val = ray.train.torch.prepare_data_loader(
+        val_data(cfg, w.dataset, w.manifest, **shard), add_dist_sampler=False
+    )
+    return train, val
 
 
 def restore(w: Worker, model: torch.nn.Module) -> dict | None:

@@ -1,0 +1,110 @@
+"""Training input through Ray Data, for clusters whose training nodes lack the CPUs to decode.
+
+`ingest=ray_data`: the driver reads the manifest's Parquet files with Ray Data and decodes and
+augments them in `map_batches` tasks, which run on any node's spare CPUs (CPU-only nodes too);
+each worker iterates its share with `iter_torch_batches`, so its own CPUs only feed the model.
+The same transforms as the torch loader (`pipeline.loader.train_transform`), the same exact
+validation (val split with `equal=False`: every image to exactly one rank), the same resume
+(by epoch, from the checkpoint).
+
+Shuffling: train blocks (row groups) are read in an order Ray Data randomizes, then rows are
+shuffled within a buffer of `SHUFFLE_BUFFER_BATCHES` batches on each worker, seeded per epoch.
+Train rows are split evenly over the ranks (Ray Data's `equal=True`), so every rank takes the
+same number of steps; that leaves out fewer rows than there are ranks each epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import ray.data
+import ray.train
+from ray.train import DataConfig
+
+from pipeline.dataset import Manifest
+from pipeline.logs import quiet_ray_data
+from pipeline.storage import Location
+
+SHUFFLE_BUFFER_BATCHES = 4
+DECODE_BATCH = 64  # images per map_batches call
+
+
+def read_split(dataset: Location, manifest: Manifest, split: str) -> ray.data.Dataset:
+    """One split's rows (image bytes, label), a block per Parquet row group."""
+    paths = [dataset.child(f.path).path for f in manifest.splits[split].files]
+    return ray.data.read_parquet(paths, filesystem=dataset.fs, columns=["image", "label"])
+
+
+def datasets(manifest: Manifest, dataset: Location, *, augment: str, seed: int) -> dict:
+    """The driver's `datasets=` for TorchTrainer: train decoded and augmented, val decoded."""
+    quiet_ray_data()  # Ray Train hands this context to the actors that run the datasets
+    size = manifest.image_size
+    train = read_split(dataset, manifest, "train").randomize_block_order(seed=seed)
+    train = train.map_batches(
+        decode_batch, fn_kwargs={"augment": augment, "image_size": size}, batch_size=DECODE_BATCH
+    )
+    val = read_split(dataset, manifest, "val").map_batches(
+        decode_batch, fn_kwargs={"augment": "none", "image_size": size}, batch_size=DECODE_BATCH
+    )
+    return {"train": train, "val": val}
+
+
+def decode_batch(batch: dict, *, augment: str, image_size: int) -> dict:
+    """Ray Data stage: encoded images -> uint8 (N, 3, S, S), augmented as the torch loader does."""
+    # Imported here: the stage's worker processes need torchvision, the driver does not.
+    from torchvision.transforms import v2
+
+    from pipeline.loader import train_transform
+    from pipeline.transforms import decode_image
+
+    transform = train_transform(augment, image_size=image_size)
+    images = np.stack(
+        [transform(v2.functional.pil_to_tensor(decode_image(b))).numpy() for b in batch["image"]]
+    )
+    return {"image": images, "label": batch["label"].astype(np.int64)}
+
+
+class ExactValConfig(DataConfig):
+    """Ray Train's DataConfig, but val split with `equal=False`: each image goes to exactly one
+    rank, so the accuracy over all ranks counts every image once (`equal=True` would drop rows
+    to even the ranks out)."""
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        # Ray Train calls this once per dataset, with that one in `datasets`.
+        others = {name: ds for name, ds in datasets.items() if name != "val"}
+        output = super().configure(others, world_size, worker_handles, worker_node_ids, **kwargs)
+        if "val" in datasets:
+            val = datasets["val"].copy(datasets["val"])
+            val.context.execution_options = self._resolve_execution_options("val")
+            hints = worker_node_ids if self._enable_shard_locality else None
+            splits = val.streaming_split(world_size, equal=False, locality_hints=hints)
+            for shard, split in zip(output, splits, strict=True):
+                shard["val"] = split
+        return output
+
+
+class ShardBatches:
+    """A worker's share of a split as (uint8 images, labels) batches, like a DataLoader."""
+
+    def __init__(self, split: str, *, batch_size: int, rows: int, world: int, shuffle_seed=None):
+        self.shard = ray.train.get_dataset_shard(split)
+        self.batch_size, self.shuffle_seed, self.epoch = batch_size, shuffle_seed, 0
+        self.batches = max(rows // world // batch_size, 1) if shuffle_seed is not None else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Train batches per epoch (even split, last partial batch dropped)."""
+        return self.batches
+
+    def __iter__(self) -> Iterator[tuple]:
+        shuffle = self.shuffle_seed is not None
+        for batch in self.shard.iter_torch_batches(
+            batch_size=self.batch_size,
+            drop_last=shuffle,  # train: every rank the same steps; val: every image
+            local_shuffle_buffer_size=SHUFFLE_BUFFER_BATCHES * self.batch_size if shuffle else None,
+            local_shuffle_seed=self.shuffle_seed + self.epoch if shuffle else None,
+        ):
+            yield batch["image"], batch["label"]
