@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -18,9 +20,14 @@ from pipeline.logs import setup_logging
 
 C = TypeVar("C", bound=BaseModel)
 
+log = logging.getLogger("jobs")
 
-def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[[C], None]) -> None:
-    """Parse `--config FILE key=value ...`, set up logging, run `body(config)`.
+
+def job_main(
+    doc: str, config_cls: type[C], default_config: str, body: Callable[[C], str | None]
+) -> None:
+    """Parse `--config FILE key=value ...`, set up logging, run `body(config)` and print what
+    it returns as the job's last line (the output a script picks up: a path, or JSON).
 
     Exit codes: 0 done, 1 the input data is unusable, 2 the config is invalid, 3 the work
     failed on the cluster (no room for the workers, or retries used up)."""
@@ -35,12 +42,18 @@ def job_main(doc: str, config_cls: type[C], default_config: str, body: Callable[
     )
     args = parser.parse_args()
     setup_logging()
+    started = time.monotonic()
     try:
         cfg = load_config(config_cls, Path(args.config), args.overrides)
-        body(cfg)
+        result = body(cfg)
     except (InputError, ConfigError, ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
         exit_now(EXIT_CODES[type(e)])
+    # What the driver itself cost: it must not grow with the data (the work runs on the cluster).
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    log.info("done in %.0f s; driver peak memory %.0f MiB", time.monotonic() - started, peak_mib)
+    if result is not None:
+        print(result, flush=True)
     exit_now(0)
 
 

@@ -23,7 +23,7 @@ from pipeline.storage import Location
 log = logging.getLogger("jobs.infer")
 
 
-def main(cfg: InferConfig) -> None:
+def main(cfg: InferConfig) -> str:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
     from pipeline import infer
 
@@ -32,8 +32,7 @@ def main(cfg: InferConfig) -> None:
         raise InputError(f"input={source.uri} does not exist")
     if not source.is_dir():
         ray.init()
-        print(json.dumps(infer.classify_image(cfg, model=model, image=source), indent=2))
-        return
+        return json.dumps(infer.classify_image(cfg, model=model, image=source), indent=2)
     if cfg.output is None:
         raise InputError("output= is required for a dataset or a folder (where to write)")
     output = Location.parse(cfg.output)
@@ -47,7 +46,7 @@ def main(cfg: InferConfig) -> None:
         len(summary["skipped"]),
         "" if accuracy is None else f", accuracy {accuracy:.4f}",
     )
-    print(f"predictions: {output.child(infer.PREDICTIONS).uri}", flush=True)
+    return f"predictions: {output.child(infer.PREDICTIONS).uri}"
 
 
 if __name__ == "__main__":

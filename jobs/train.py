@@ -20,7 +20,7 @@ from pipeline.storage import Location
 log = logging.getLogger("jobs.train")
 
 
-def main(cfg: TrainConfig) -> None:
+def main(cfg: TrainConfig) -> str:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
     from pipeline.train import run
 
@@ -36,7 +36,7 @@ def main(cfg: TrainConfig) -> None:
         best["epoch"],
         summary["images_per_s"],
     )
-    print(f"best checkpoint: {summary['best_checkpoint']}", flush=True)
+    return f"best checkpoint: {summary['best_checkpoint']}"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Jobs sent the way users send them: `ray job submit` to a real `ray start` cluster."""
 
 import io
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -37,6 +38,7 @@ def test_preprocess_job_on_folder_with_corrupt_files(cluster, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout
     assert "progress: 93/93 images (100%), 3 skipped" in proc.stdout
+    assert re.search(r"INFO jobs: done in \d+ s; driver peak memory \d+ MiB", proc.stdout)
 
     manifest = read_manifest(Location.parse(str(out)))
     assert manifest.classes == sorted(CLASSES)
