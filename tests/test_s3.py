@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import CLASSES, airflow_dag_tasks, in_background, make_image_folder, wait_for
 
-from harness.cluster import BUNDLE_ROOT, LocalCluster, free_port
+from harness.cluster import BUNDLE_ROOT, LocalCluster
+from harness.s3 import S3Server
 from pipeline.dataset import read_manifest
 from pipeline.infer import PREDICTIONS, SUMMARY
 from pipeline.runs import HISTORY_CSV, RUN_SUMMARY, SNAPSHOT
@@ -28,18 +29,8 @@ BUCKET = "bundle-test"
 @pytest.fixture(scope="module")
 def s3_env():
     """A moto S3 server on loopback and the environment that points AWS clients at it."""
-    moto_server = pytest.importorskip("moto.server")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-    }
-    yield env
-    server.stop()
+    with S3Server() as server:
+        yield server.env
 
 
 @pytest.fixture(scope="module")
