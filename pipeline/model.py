@@ -39,6 +39,14 @@ def build_model(num_classes: int, *, pretrained: str | None = None) -> torch.nn.
     return model
 
 
+def check_pretrained(pretrained: str) -> None:
+    """Fail on the driver, once, on `pretrained` weights that every worker would fail on (a file
+    that is missing or not a resnet18 state_dict, an unknown name); names download on the
+    workers."""
+    if "/" in pretrained or pretrained not in torchvision.models.ResNet18_Weights.__members__:
+        build_model(2, pretrained=pretrained)
+
+
 def _read_state_dict(loc: Location) -> dict[str, torch.Tensor]:
     if not loc.exists():
         raise InputError(f"pretrained weights {loc.uri} do not exist")

@@ -17,8 +17,9 @@ import posixpath
 import ray.train
 
 from pipeline.checkpoint import CheckpointMeta, read_meta
+from pipeline.config import TrainConfig
 from pipeline.dataset import Manifest
-from pipeline.errors import InputError
+from pipeline.errors import ConfigError, InputError
 from pipeline.plots import plot_curves
 from pipeline.storage import Location
 
@@ -103,8 +104,53 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
+# Settings a run cannot change on resume: the weights, the optimizer's state and the grad scaler's
+# would not fit the new ones. Everything else is applied from the resumed epoch on.
+FIXED_ON_RESUME = {
+    "optimizer.name": "the optimizer's state (momentum or Adam moments) belongs to its kind",
+}
+
+
+def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
+    """The settings `cfg` changes against the run's recorded config, as 'key: old -> new'.
+    Raises ConfigError for what a resume cannot change."""
+    old, new = _flatten(recorded), _flatten(cfg.model_dump(mode="json"))
+    changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
+    problems = [f"{k}: {a} -> {b} ({FIXED_ON_RESUME[k]})" for k, (a, b) in changed.items()
+                if k in FIXED_ON_RESUME]  # fmt: skip  # a filter that reads as one sentence
+    a, b = old.get("precision"), new["precision"]
+    if a != b and "fp16" in (a, b):
+        problems.append(
+            f"precision: {a} -> {b} (fp16 trains with a grad scaler, whose state the other "
+            "precisions do not have)"
+        )
+    if problems:
+        raise ConfigError(
+            "this run cannot resume with these changes:\n  " + "\n  ".join(problems) + "\n"
+            "Set them back to the run's values, or pick a new name= for a new run"
+        )
+    return [f"{k}: {a} -> {b}" for k, (a, b) in changed.items()]
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
 def check_resumable(meta: CheckpointMeta, manifest: Manifest, *, checkpoint: str, dataset: str):
-    """A checkpoint can only continue on data with the same classes, in the same order."""
+    """A checkpoint can only continue on data with the same classes, in the same order, and
+    images of the same size."""
+    if meta.image_size != manifest.image_size:
+        raise InputError(
+            f"checkpoint {checkpoint} was trained on {meta.image_size} px images, but dataset "
+            f"{dataset} has {manifest.image_size} px. A run resumes only on images of its size: "
+            "pick a new name= for a new run, or point dataset= at data of that size"
+        )
     if meta.classes != manifest.classes:
         raise InputError(
             f"checkpoint {checkpoint} was trained on {len(meta.classes)} classes "

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+import pyarrow.fs as pafs
 import ray
 import ray.train
 import ray.train.torch
@@ -20,7 +21,7 @@ from pipeline.config import TrainConfig
 from pipeline.dataset import MANIFEST, Manifest, read_manifest
 from pipeline.errors import ClusterError, InputError
 from pipeline.logs import RAY_TRAIN_LOG_LEVEL
-from pipeline.runs import SCORE, check_resumable, latest_checkpoint, write_reports
+from pipeline.runs import SCORE, check_resumable, latest_checkpoint, resume_changes, write_reports
 from pipeline.storage import Location
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,16 @@ def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
         raise InputError(
             f"no {MANIFEST} at dataset={dataset.uri}: it is not a complete preprocessed "
             "dataset. Run the preprocess job with output= this path first (or fix dataset=)"
+        )
+    listed = [dataset.child(f.path) for info in manifest.splits.values() for f in info.files]
+    found = dataset.fs.get_file_info([f.path for f in listed])  # one call, a HEAD each on S3
+    missing = [
+        f.uri for f, i in zip(listed, found, strict=True) if i.type == pafs.FileType.NotFound
+    ]
+    if missing:
+        raise InputError(
+            f"dataset {dataset.uri} is damaged: {len(missing)} files its {MANIFEST} lists are "
+            f"missing ({', '.join(missing[:3])}). Re-run preprocessing with overwrite=true"
         )
     train, val = manifest.splits["train"].rows, manifest.splits["val"].rows
     workers = cfg.scaling.num_workers
@@ -58,6 +69,8 @@ def run(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
     if latest is not None:
         meta = read_meta(latest)
         check_resumable(meta, manifest, checkpoint=latest.uri, dataset=dataset.uri)
+        for change in resume_changes(meta.config, cfg):
+            log.info("changed since the run's last epoch, applied from here on: %s", change)
         if meta.epoch + 1 >= cfg.epochs:
             log.info(
                 "run %s is complete (%d epochs, epochs=%d): nothing to train. Raise epochs= to "
@@ -71,6 +84,10 @@ def run(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
         )
     else:
         log.info("new run %s", run_dir.uri)
+        if cfg.pretrained:
+            from pipeline.model import check_pretrained  # imports torchvision: only when used
+
+            check_pretrained(cfg.pretrained)
 
     fit(cfg, manifest, dataset=dataset, runs=runs)
     return write_reports(run_dir, wall_time_s=time.monotonic() - started)

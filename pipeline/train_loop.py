@@ -152,6 +152,22 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def restore_optimizer(optimizer, scheduler, train_state: dict, cfg: TrainConfig) -> None:
+    """The checkpoint's optimizer and schedule state (momentum, Adam moments, epochs done), with
+    this config's settings on top: a resume with a new learning rate, weight decay or momentum
+    trains with them. The schedule is a function of the epoch and `cfg.epochs`, so a resume
+    with more epochs continues from this epoch along the curve for the new length."""
+    optimizer.load_state_dict(train_state["optimizer"])
+    scheduler.load_state_dict(train_state["scheduler"])  # its lambda stays this config's
+    o = cfg.optimizer
+    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group.update(initial_lr=o.lr, lr=o.lr * factor, weight_decay=o.weight_decay)
+        if "momentum" in group:
+            group["momentum"] = o.momentum
+
+
 # --- the loaders -------------------------------------------------------------------------------
 
 
@@ -242,8 +258,7 @@ def train_loop_per_worker(config: dict) -> None:
     # After the move: load_state_dict puts optimizer state on the parameters' device.
     optimizer, scheduler = build_optimizer(model, cfg)
     if train_state:
-        optimizer.load_state_dict(train_state["optimizer"])
-        scheduler.load_state_dict(train_state["scheduler"])
+        restore_optimizer(optimizer, scheduler, train_state, cfg)
         step.scaler.load_state_dict(train_state["scaler"])
 
     train_loader, val_loader = loaders(w, device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import shutil
 from pathlib import Path
@@ -19,12 +20,24 @@ from pipeline.config import TrainConfig, load_config
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ConfigError, InputError
 from pipeline.loader import ParquetImages
-from pipeline.model import build_model, load_model
-from pipeline.runs import CURVES_PNG, RUN_SUMMARY, check_resumable, checkpoint_dir_name
+from pipeline.model import build_model, check_pretrained, load_model
+from pipeline.runs import (
+    CURVES_PNG,
+    RUN_SUMMARY,
+    check_resumable,
+    checkpoint_dir_name,
+    resume_changes,
+)
 from pipeline.step import Step, pick_precision
 from pipeline.storage import Location
 from pipeline.train import check_dataset
-from pipeline.train_loop import Progress, build_optimizer, evaluate, train_one_epoch
+from pipeline.train_loop import (
+    Progress,
+    build_optimizer,
+    evaluate,
+    restore_optimizer,
+    train_one_epoch,
+)
 
 
 def config(dataset, storage, *overrides) -> TrainConfig:
@@ -249,3 +262,73 @@ def test_a_kill_with_max_failures_0_fails_the_job(train_cluster, tiny_dataset, t
     assert proc.returncode != 0, proc.stdout
     assert "training failed and max_failures=0 retries are used up" in proc.stdout
     assert str(pid) in proc.stdout  # the last error names the worker that died
+
+
+def test_a_resume_trains_with_the_new_optimizer_settings(tiny_dataset):
+    model = torch.nn.Linear(2, 2)
+    old = config(tiny_dataset, "/s", "epochs=4", "optimizer.lr=0.1")
+    optimizer, scheduler = build_optimizer(model, old)
+    for _ in range(2):  # two epochs done
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    new = config(
+        tiny_dataset,
+        "/s",
+        "epochs=8",
+        "optimizer.lr=1e-2",
+        "optimizer.weight_decay=0",
+        "optimizer.momentum=0.5",
+    )
+    optimizer, scheduler = build_optimizer(model, new)
+    restore_optimizer(optimizer, scheduler, state, new)
+    [group] = optimizer.param_groups
+    # Epoch 2 of 8 on the cosine: 0.01 * 0.5 * (1 + cos(pi * 2 / 8)).
+    assert group["lr"] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert (group["weight_decay"], group["momentum"]) == (0, 0.5)
+    assert optimizer.state[model.weight]["momentum_buffer"] is not None  # the state came along
+    lrs = []
+    for _ in range(6):
+        optimizer.step()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[-1] == pytest.approx(0.0, abs=1e-12) and lrs == sorted(lrs, reverse=True)
+
+
+def test_a_resume_refuses_what_it_cannot_change(tiny_dataset, tmp_path):
+    from test_model import meta
+
+    old = config(tiny_dataset, "/s", "precision=bf16").model_dump(mode="json")
+    new = config(tiny_dataset, "/s", "precision=fp32", "epochs=20", "optimizer.lr=0.01")
+    assert resume_changes(old, new) == [
+        "epochs: 10 -> 20",
+        "precision: bf16 -> fp32",
+        "optimizer.lr: 0.1 -> 0.01",
+    ]
+    with pytest.raises(ConfigError, match=r"optimizer.name: sgd -> adamw \(the optimizer's st"):
+        resume_changes(old, config(tiny_dataset, "/s", "optimizer.name=adamw"))
+    with pytest.raises(ConfigError, match=r"precision: bf16 -> fp16 \(fp16 trains with a grad"):
+        resume_changes(old, config(tiny_dataset, "/s", "precision=fp16"))
+    manifest = read_manifest(Location.parse(str(tiny_dataset)))
+    with pytest.raises(InputError, match=r"trained on 64 px images, but dataset \S+ has 32 px"):
+        check_resumable(
+            meta(image_size=64, classes=manifest.classes),
+            manifest,
+            checkpoint="/runs/x/epoch_0001",
+            dataset=str(tiny_dataset),
+        )
+
+
+def test_driver_finds_missing_shards_and_bad_pretrained_weights(tiny_dataset, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_dataset, damaged)
+    gone = sorted((damaged / "val").glob("*.parquet"))[0]
+    gone.unlink()
+    with pytest.raises(InputError, match=rf"damaged: 1 files .*{gone.name}.*overwrite=true"):
+        checked(config(damaged, tmp_path))
+    with pytest.raises(InputError, match=r"pretrained weights \S+missing.pt do not exist"):
+        check_pretrained(str(tmp_path / "missing.pt"))
+    with pytest.raises(InputError, match=r"not a resnet18 weights name \(IMAGENET1K_V1\)"):
+        check_pretrained("IMAGENET")
+    check_pretrained("IMAGENET1K_V1")  # a known name passes without downloading
