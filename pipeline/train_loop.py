@@ -226,7 +226,6 @@ class Worker:
     manifest: Manifest
     rank: int
     world: int
-    step: Step
     start_epoch: int = 0
     history: list[dict] = field(default_factory=list)
 
@@ -244,7 +243,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     step = Step(device, pick_precision(cfg.precision, device), manifest.mean, manifest.std)
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    w = Worker(cfg, dataset, config["run_dir"], manifest, rank, world, step)
+    w = Worker(cfg, dataset, config["run_dir"], manifest, rank, world)
     if rank == 0:
         log.info(
             "%d workers on %s, precision %s (precision=%s), %d images per worker batch",
