@@ -332,3 +332,15 @@ def test_driver_finds_missing_shards_and_bad_pretrained_weights(tiny_dataset, tm
     with pytest.raises(InputError, match=r"not a resnet18 weights name \(IMAGENET1K_V1\)"):
         check_pretrained("IMAGENET")
     check_pretrained("IMAGENET1K_V1")  # a known name passes without downloading
+
+
+@pytest.mark.slow
+def test_deterministic_input_errors_fail_once_before_any_worker(
+    train_cluster, tiny_dataset, tmp_path
+):
+    # Every worker would fail the same way, max_failures times: the driver checks first.
+    missing = tmp_path / "missing.pt"
+    proc = train_job(train_cluster, tiny_dataset, tmp_path, "name=bad", f"pretrained={missing}")
+    assert proc.returncode != 0
+    assert f"error: pretrained weights {missing} do not exist" in proc.stdout, proc.stdout
+    assert "RayTrainWorker" not in proc.stdout and not (tmp_path / "bad").exists()
