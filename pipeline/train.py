@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
+from pipeline import faults
 from pipeline.cli import setup_logging
 from pipeline.config import TrainConfig, validate_config
 from pipeline.data import (
@@ -315,7 +316,9 @@ def train_loop_per_worker(config: dict) -> None:
                 metrics,
                 checkpoint=ray.train.Checkpoint.from_directory(d),
                 checkpoint_dir_name=f"epoch_{epoch:04d}",
+                checkpoint_upload_fn=faults.checkpoint_upload_fn(),
             )
+        faults.point(faults.CHECKPOINT_REPORTED)
 
 
 # --- the driver --------------------------------------------------------------------------------
