@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,10 @@ from pipeline.config import TrainConfig, load_config
 from pipeline.data import ParquetImages
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ConfigError, InputError
-from pipeline.model import build_model, load_model
+from pipeline.model import build_model, load_model, read_meta
 from pipeline.storage import Location
 from pipeline.train import (
+    SNAPSHOT,
     Step,
     build_optimizer,
     check_dataset,
@@ -203,6 +205,40 @@ def test_submitting_a_finished_run_again_trains_nothing(train_cluster, main_run,
     assert proc.returncode == 0, proc.stdout
     assert "is complete (4 epochs, epochs=4): nothing to train" in proc.stdout
     assert "RayTrainWorker" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_kill_between_upload_and_record_trains_the_epoch_again(
+    train_cluster, tiny_dataset, tmp_path
+):
+    run = tmp_path / "orphan"
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
+    args = ("name=orphan", "epochs=2", "num_to_keep=2")  # keeps epoch_0000 to look at
+    job = in_background(train_job, train_cluster, tiny_dataset, tmp_path, *args, runtime_env=env)
+    pid = held_worker(marker, job)
+    # Held inside report: epoch 0's checkpoint is whole on storage, and Ray has no record of
+    # it (it writes its snapshot with the first checkpoint it records).
+    orphan = run / "epoch_0000"
+    assert read_meta(orphan).epoch == 0
+    assert not (run / SNAPSHOT).exists()
+    files = sorted(p.name for p in orphan.iterdir())
+    killed_at = kill_worker(train_cluster, pid)
+    wait_for(lambda: latest_recorded(run) is not None or job.done(), "a checkpoint after it")
+    recovered_s = time.time() - killed_at
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    done_s = time.time() - killed_at
+    print(f"orphan: kill -> next checkpoint {recovered_s:.0f} s, -> job done {done_s:.0f} s")
+    # Nothing recorded, nothing to resume from: the new workers start from scratch...
+    assert "resumed from checkpoint" not in proc.stdout
+    assert proc.stdout.count("training epochs 0 to 1") == 2
+    assert [r["epoch"] for r in history(run)] == [0, 1]
+    # ...and report epoch 0 under the same name: Ray's upload writes the new checkpoint over the
+    # orphan, file by file, into the existing directory, and records it.
+    assert sorted(p.name for p in orphan.iterdir()) == files
+    assert all(p.stat().st_mtime > killed_at for p in orphan.iterdir())
+    assert read_meta(orphan).metrics == history(run)[0]
+    assert latest_recorded(run) == "epoch_0001"
 
 
 @pytest.mark.slow
