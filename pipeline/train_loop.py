@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
+from pipeline import faults
 from pipeline.checkpoint import (
     CheckpointMeta,
     load_train_state,
@@ -382,6 +383,11 @@ def save_and_report(w: Worker, metrics: dict, weights: dict, train_state: dict) 
     name = checkpoint_dir_name(epoch)
     with tempfile.TemporaryDirectory() as d:
         save_checkpoint(d, weights, meta, train_state)
-        checkpoint = ray.train.Checkpoint.from_directory(d)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(d),
+            checkpoint_dir_name=name,
+            checkpoint_upload_fn=faults.checkpoint_upload_fn(),
+        )
     log.info("checkpoint saved: %s", w.run_dir.child(name).uri)
+    faults.point(faults.CHECKPOINT_REPORTED)

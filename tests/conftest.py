@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import secrets
 import signal
@@ -18,9 +19,11 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 
 import pytest
 import ray
+import yaml
 
-from harness.cluster import LocalCluster
-from pipeline.runs import HISTORY_CSV
+from harness.cluster import BUNDLE_ROOT, LocalCluster
+from pipeline import faults
+from pipeline.runs import HISTORY_CSV, SNAPSHOT
 from pipeline.sources import render_synthetic
 
 EXIT_STATUS = pytest.StashKey[int]()
@@ -185,12 +188,38 @@ def training_workers(cluster) -> list[dict]:
     return cluster.state("actors", "class_name=RayTrainWorker", "state=ALIVE", detail=True)
 
 
-def kill_a_training_worker(cluster) -> int:
-    """SIGKILL one Ray Train worker process, found through Ray's state API, as a crash would."""
-    pids = sorted(a["pid"] for a in training_workers(cluster))
-    assert len(pids) == 2, pids
-    os.kill(pids[-1], signal.SIGKILL)
-    return pids[-1]
+def kill_worker(cluster, pid: int) -> float:
+    """SIGKILL a Ray Train worker process, as a crash would; returns when (time.time())."""
+    assert pid in {a["pid"] for a in training_workers(cluster)}, pid
+    os.kill(pid, signal.SIGKILL)
+    return time.time()
+
+
+def armed_runtime_env(directory: Path, point: str) -> tuple[Path, Path]:
+    """runtime_env.yaml plus the variable that arms fault `point` (pipeline.faults) for one job:
+    returns the file to submit the job with, and the marker the held worker will write."""
+    env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
+    env["env_vars"] = {**env.get("env_vars", {}), **faults.arm(point, directory)}
+    path = directory / "runtime_env.yaml"  # its working_dir "." is the submitter's cwd: the bundle
+    path.write_text(yaml.safe_dump(env))
+    return path, directory / point
+
+
+def held_worker(marker: Path, job: Future) -> int:
+    """The pid of the worker blocked at the armed fault point, once it is there."""
+    wait_for(lambda: marker.exists() or job.done(), f"a worker held at {marker.name}")
+    assert not job.done(), f"the job ended without reaching {marker.name}:\n{job.result().stdout}"
+    return int(marker.read_text())
+
+
+def latest_recorded(run: Path) -> str | None:
+    """The directory name of the latest checkpoint in Ray Train's record of `run`, if any."""
+    try:
+        snapshot = json.loads((run / SNAPSHOT).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # none yet, or Ray is rewriting it
+        return None
+    latest = snapshot["latest_checkpoint_result"]
+    return latest["checkpoint_dir_name"] if latest else None
 
 
 def in_background(fn, *args, **kwargs) -> Future:
@@ -207,24 +236,28 @@ def train_cluster():
 @pytest.fixture(scope="session")
 def main_run(train_cluster, tiny_dataset, tmp_path_factory):
     """One 2-worker training run of 4 epochs, num_to_keep=1, with a training worker SIGKILLed
-    during epoch 1: what a real fault looks like. test_train checks one claim about it per test;
-    test_infer classifies with it. Returns (the job's output, the run directory)."""
+    once Ray has recorded the checkpoint of epoch 0 and before epoch 1's: what a real fault
+    looks like, at a defined point. test_train checks one claim about it per test; test_infer
+    classifies with it. Returns (the job's output, the run directory)."""
     storage = tmp_path_factory.mktemp("runs")
     run = storage / "main"
-    job = in_background(
-        train_job,
-        train_cluster,
-        tiny_dataset,
-        storage,
-        "name=main",
-        "epochs=4",
-        "num_to_keep=1",
-        submission_id="train-main",
-    )
-    wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
-    kill_a_training_worker(train_cluster)
+    fault = tmp_path_factory.mktemp("fault")
+    runtime_env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
+    args = ("name=main", "epochs=4", "num_to_keep=1")
+    submit = {"submission_id": "train-main", "runtime_env": runtime_env}
+    job = in_background(train_job, train_cluster, tiny_dataset, storage, *args, **submit)
+    pid = held_worker(marker, job)
+    # Rank 0 is held right after reporting epoch 0: Ray records that checkpoint without it, and
+    # no later one can come.
+    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
+    assert not (run / "epoch_0001").exists()
+    killed_at = kill_worker(train_cluster, pid)
+    wait_for(lambda: latest_recorded(run) != "epoch_0000" or job.done(), "a checkpoint after it")
+    recovered_s = time.time() - killed_at
     proc = job.result()
     assert proc.returncode == 0, proc.stdout
+    done_s = time.time() - killed_at
+    print(f"main run: kill -> next checkpoint {recovered_s:.0f} s, -> job done {done_s:.0f} s")
     return proc, run
 
 

@@ -9,13 +9,25 @@ import logging
 import math
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import history, in_background, kill_a_training_worker, train_job, wait_for
+from conftest import (
+    armed_runtime_env,
+    held_worker,
+    history,
+    in_background,
+    kill_worker,
+    latest_recorded,
+    train_job,
+    wait_for,
+)
 from torch.utils.data import DataLoader
 
+from pipeline import faults
+from pipeline.checkpoint import read_meta
 from pipeline.config import TrainConfig, load_config
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ConfigError, InputError
@@ -24,6 +36,7 @@ from pipeline.model import build_model, check_pretrained, load_model
 from pipeline.runs import (
     CURVES_PNG,
     RUN_SUMMARY,
+    SNAPSHOT,
     check_resumable,
     checkpoint_dir_name,
     resume_changes,
@@ -201,9 +214,13 @@ def test_two_workers_learn(main_run):
 
 @pytest.mark.slow
 def test_killed_worker_is_replaced_and_every_epoch_runs_once(main_run):
+    # Killed once epoch 0's checkpoint was in Ray's record (see conftest.main_run): the new
+    # workers resume from it, and train epochs 1 to 3 only.
     proc, run = main_run
-    resumed = r"resumed from checkpoint \S+/main/epoch_000\d \(epoch \d done\)"
+    resumed = r"resumed from checkpoint \S+/main/epoch_0000 \(epoch 0 done\)"
     assert re.search(resumed, proc.stdout), proc.stdout
+    assert proc.stdout.count("training epochs 0 to 3") == 1
+    assert proc.stdout.count("training epochs 1 to 3") == 1
     assert [r["epoch"] for r in history(run)] == [0, 1, 2, 3]
 
 
@@ -252,16 +269,55 @@ def test_submitting_a_finished_run_again_trains_nothing(train_cluster, main_run,
 
 
 @pytest.mark.slow
+def test_a_kill_between_upload_and_record_trains_the_epoch_again(
+    train_cluster, tiny_dataset, tmp_path
+):
+    run = tmp_path / "orphan"
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
+    args = ("name=orphan", "epochs=2", "num_to_keep=2")  # keeps epoch_0000 to look at
+    job = in_background(train_job, train_cluster, tiny_dataset, tmp_path, *args, runtime_env=env)
+    pid = held_worker(marker, job)
+    # Held inside report: epoch 0's checkpoint is whole on storage, and Ray has no record of
+    # it (it writes its snapshot with the first checkpoint it records).
+    orphan = run / "epoch_0000"
+    assert read_meta(Location.parse(str(orphan))).epoch == 0
+    assert not (run / SNAPSHOT).exists()
+    files = sorted(p.name for p in orphan.iterdir())
+    killed_at = kill_worker(train_cluster, pid)
+    wait_for(lambda: latest_recorded(run) is not None or job.done(), "a checkpoint after it")
+    recovered_s = time.time() - killed_at
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    done_s = time.time() - killed_at
+    print(f"orphan: kill -> next checkpoint {recovered_s:.0f} s, -> job done {done_s:.0f} s")
+    # Nothing recorded, nothing to resume from: the new workers start from scratch...
+    assert "resumed from checkpoint" not in proc.stdout
+    assert proc.stdout.count("training epochs 0 to 1") == 2
+    assert [r["epoch"] for r in history(run)] == [0, 1]
+    # ...and report epoch 0 under the same name: Ray's upload writes the new checkpoint over the
+    # orphan, file by file, into the existing directory, and records it.
+    assert sorted(p.name for p in orphan.iterdir()) == files
+    assert all(p.stat().st_mtime > killed_at for p in orphan.iterdir())
+    assert read_meta(Location.parse(str(orphan))).metrics == history(run)[0]
+    assert latest_recorded(run) == "epoch_0001"
+
+
+@pytest.mark.slow
 def test_a_kill_with_max_failures_0_fails_the_job(train_cluster, tiny_dataset, tmp_path):
     run = tmp_path / "fragile"
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
     args = ("name=fragile", "epochs=2", "max_failures=0")
-    job = in_background(train_job, train_cluster, tiny_dataset, tmp_path, *args)
-    wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
-    pid = kill_a_training_worker(train_cluster)
+    job = in_background(train_job, train_cluster, tiny_dataset, tmp_path, *args, runtime_env=env)
+    pid = held_worker(marker, job)
+    # The point main_run kills at: epoch 0 in Ray's record, nothing later.
+    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
+    kill_worker(train_cluster, pid)
     proc = job.result()
     assert proc.returncode != 0, proc.stdout
     assert "training failed and max_failures=0 retries are used up" in proc.stdout
     assert str(pid) in proc.stdout  # the last error names the worker that died
+    # What was recorded stays, for a resubmission to resume from.
+    assert latest_recorded(run) == "epoch_0000"
 
 
 def test_a_resume_trains_with_the_new_optimizer_settings(tiny_dataset):

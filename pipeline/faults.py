@@ -1,0 +1,83 @@
+"""Fault points: where a fault test holds a training worker, to kill it at a state it checked.
+
+A test arms one point for one job with `RAY_CV_FAULT=<point>:<directory>` in the job's runtime
+env, which Ray Train's workers inherit. The first worker to reach the armed point writes its pid
+to `<directory>/<point>` and blocks until it is killed. The file stays, so the workers that
+replace the killed one pass the point: a fresh directory per job. Both points are on rank 0's
+path only, as rank 0 alone attaches checkpoints. Unarmed, a point is one environment lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import ray.train
+
+log = logging.getLogger(__name__)
+
+ENV = "RAY_CV_FAULT"
+# Inside `ray.train.report`, after the upload: the checkpoint is on storage and Ray has not
+# recorded it yet, since Ray queues it for the controller only once the upload returns.
+CHECKPOINT_UPLOADED = "checkpoint_uploaded"
+# Right after `ray.train.report` returns: the checkpoint is queued, and Ray's controller
+# records it without any more work from the worker.
+CHECKPOINT_REPORTED = "checkpoint_reported"
+POINTS = (CHECKPOINT_UPLOADED, CHECKPOINT_REPORTED)
+
+
+def arm(point: str, directory: str | Path) -> dict[str, str]:
+    """The environment that arms `point`, with its marker file in `directory`."""
+    assert point in POINTS, point
+    return {ENV: f"{point}:{directory}"}
+
+
+def armed() -> tuple[str, Path] | None:
+    """The armed point and its marker directory, if any."""
+    value = os.environ.get(ENV)
+    if not value:
+        return None
+    name, _, directory = value.partition(":")
+    if name not in POINTS or not directory:
+        raise ValueError(
+            f"{ENV}={value!r}: expected <point>:<directory>, with the point one of "
+            f"{', '.join(POINTS)}"
+        )
+    return name, Path(directory)
+
+
+def point(name: str) -> None:
+    """If `name` is armed and has not fired in this run yet: block here until killed."""
+    arming = armed()
+    if arming is None or arming[0] != name:
+        return
+    marker = arming[1] / name
+    if marker.exists():
+        return  # fired already: this worker replaces the one killed here
+    partial = marker.with_name(f".{name}.tmp")
+    partial.write_text(str(os.getpid()))
+    partial.replace(marker)  # the test reads a whole pid or no file
+    log.warning(
+        "fault point %s: holding this worker (pid %d) until it is killed", name, os.getpid()
+    )
+    threading.Event().wait()
+
+
+def checkpoint_upload_fn() -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint] | None:
+    """For `ray.train.report`: None (Ray uploads as usual) unless CHECKPOINT_UPLOADED is armed;
+    then Ray's own upload followed by that point."""
+    arming = armed()
+    if arming is None or arming[0] != CHECKPOINT_UPLOADED:
+        return None
+
+    def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
+        # What `report` calls when given no upload function (a DeveloperAPI; Ray is pinned).
+        storage = ray.train.get_context().get_storage()
+        persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
+        point(CHECKPOINT_UPLOADED)
+        return persisted
+
+    return upload
