@@ -11,9 +11,19 @@ import re
 import time
 
 import pytest
-from conftest import history, in_background, train_job, training_workers, wait_for
+from conftest import (
+    armed_runtime_env,
+    held_worker,
+    history,
+    in_background,
+    latest_recorded,
+    train_job,
+    training_workers,
+    wait_for,
+)
 
 from harness.cluster import LocalCluster
+from pipeline import faults
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +55,12 @@ def test_node_lost_mid_training(nodes, tiny_dataset, tmp_path):
     # 1. A node dies after the first checkpoint; a node rejoins 5 s later, as an autoscaler
     # would bring one: the run recovers and finishes with every epoch once.
     run = tmp_path / "multi"
-    args = ("name=multi", "scaling.startup_timeout_s=60")
-    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, "epochs=2")
-    wait_for(lambda: (run / "epoch_0000").exists() or job.done(), "first checkpoint")
+    args = ("name=multi", "scaling.startup_timeout_s=60", "epochs=2")
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
+    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
+    # Rank 0 is held once Ray records epoch 0, so the loss lands after it, before epoch 1.
+    held_worker(marker, job)
+    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
     workers = training_worker_nodes(nodes)
     assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
     nodes.nodes[-1].kill()  # the machine dies: raylet, object store, the training worker on it

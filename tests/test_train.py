@@ -26,6 +26,7 @@ from conftest import (
 )
 from torch.utils.data import DataLoader
 
+from harness.cluster import LocalCluster
 from pipeline import faults
 from pipeline.checkpoint import read_meta
 from pipeline.config import TrainConfig, load_config
@@ -400,3 +401,44 @@ def test_deterministic_input_errors_fail_once_before_any_worker(
     assert proc.returncode != 0
     assert f"error: pretrained weights {missing} do not exist" in proc.stdout, proc.stdout
     assert "RayTrainWorker" not in proc.stdout and not (tmp_path / "bad").exists()
+
+
+def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):
+    import pyarrow.parquet as pq
+
+    from pipeline.ingest import decode_batch
+
+    root = Location.parse(str(tiny_dataset))
+    manifest = read_manifest(root)
+    table = pq.read_table(root.child(manifest.splits["val"].files[0].path).path)
+    batch = {"image": table["image"].to_numpy()[:5], "label": table["label"].to_numpy()[:5]}
+    plain = decode_batch(batch, augment="none", image_size=32)
+    val = ParquetImages(root, manifest, "val")
+    assert plain["image"].dtype == "uint8" and plain["image"].shape == (5, 3, 32, 32)
+    assert all((plain["image"][i] == val[i][0].numpy()).all() for i in range(5))
+    assert list(plain["label"]) == [val[i][1] for i in range(5)]
+    torch.manual_seed(0)
+    augmented = decode_batch(batch, augment="random_resized_crop", image_size=32)
+    assert augmented["image"].shape == (5, 3, 32, 32)
+    assert (augmented["image"] != plain["image"]).any()
+
+
+@pytest.mark.slow
+def test_ray_data_ingest_evaluates_exactly_and_resumes_after_a_kill(tiny_dataset, tmp_path):
+    run = tmp_path / "rd"
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
+    # Two 1-CPU training workers, and a CPU beside them for Ray Data to decode on.
+    with LocalCluster(num_cpus=3) as cluster:
+        args = ("name=rd", "epochs=3", "ingest=ray_data")
+        job = in_background(train_job, cluster, tiny_dataset, tmp_path, *args, runtime_env=env)
+        pid = held_worker(marker, job)
+        wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
+        kill_worker(cluster, pid)
+        proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    assert "training epochs 0 to 2: 481 train images, 119 val (ingest=ray_data)" in proc.stdout
+    assert re.search(r"resumed from checkpoint \S+/rd/epoch_0000 \(epoch 0 done\)", proc.stdout)
+    h = history(run)
+    assert [r["epoch"] for r in h] == [0, 1, 2]
+    # Every val image counted once in every epoch: val is split over the ranks with equal=False.
+    assert [r["val_images"] for r in h] == [119, 119, 119]
