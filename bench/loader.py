@@ -6,9 +6,9 @@ Targets: 1. the loader delivers at least 4x the images/s one training worker's s
 consumes, at 224 px, on the same CPU; 2. a worker's peak resident memory over one epoch grows at
 most 1.25x when the dataset grows 4x.
 
-1. Loader: the training job's own path (ParquetImages -> decode -> random resized crop + flip ->
-   DataLoader with --loader-workers processes, BlockShuffleSampler -> per-batch normalisation),
-   one epoch over the train split. Step: ResNet-18 forward + backward + SGD step on batches of
+1. Loader: the training job's own path (RowGroupStream: row groups read ahead -> shuffle buffer ->
+   decode -> random resized crop + flip, in --loader-workers DataLoader processes -> per-batch
+   normalisation), one epoch over the train split. Step: ResNet-18 forward + backward + SGD step on batches of
    the same size, with --threads torch threads (the worker's CPUs).
 2. Memory: one epoch of that loader with the DataLoader in-process (so one process holds it
    all), in a fresh interpreter per dataset, peak RSS (VmHWM, Linux); datasets of N and 4N
@@ -30,20 +30,21 @@ from bench.common import preprocess_generated, write_results
 CLASSES = 6
 
 
-def loader(dataset: Path, *, image_size: int, batch: int, workers: int):
+def loader(dataset: Path, *, image_size: int, batch: int, workers: int, root=None):
+    """The training job's loader over `dataset` (or over `root`, a Location of it)."""
     from torch.utils.data import DataLoader
 
     from pipeline.dataset import read_manifest
-    from pipeline.loader import BlockShuffleSampler, ParquetImages, train_transform
+    from pipeline.loader import RowGroupStream, train_transform
     from pipeline.storage import Location
 
-    root = Location.parse(str(dataset))
+    root = root or Location.parse(str(dataset))
     manifest = read_manifest(root)
     augment = train_transform("random_resized_crop", image_size=image_size)
-    data = ParquetImages(root, manifest, "train", transform=augment)
-    sampler = BlockShuffleSampler(data, num_replicas=1, rank=0)
-    kwargs = {"num_workers": workers, "persistent_workers": workers > 0}
-    return DataLoader(data, batch_size=batch, sampler=sampler, **kwargs), manifest
+    data = RowGroupStream(
+        root, manifest, "train", batch_size=batch, shuffle=True, drop_last=True, transform=augment
+    )
+    return DataLoader(data, batch_size=None, num_workers=workers), manifest
 
 
 def loader_rate(dataset: Path, *, image_size: int, batch: int, workers: int) -> float:

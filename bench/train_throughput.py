@@ -62,11 +62,11 @@ def plain(dataset: Path, epochs: int, overrides: list[str]) -> dict:
     torch.manual_seed(cfg.seed)
     model = build_model(len(manifest.classes))
     optimizer, _ = build_optimizer(model, cfg)
-    loader, sampler = train_data(cfg, root, manifest, rank=0, world=1, device=cpu)
+    loader = train_data(cfg, root, manifest, rank=0, world=1, device=cpu)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
     rates = []
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
+        loader.set_epoch(epoch)
         t = train_one_epoch(model, loader, optimizer, criterion, step=step)
         rates.append(t["images"] / t["seconds"])
     return {"images_per_s": round(statistics.median(rates[1:]), 1)}

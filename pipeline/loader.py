@@ -1,27 +1,37 @@
-"""The training loader: a preprocessed Parquet split as a torch Dataset, a row group at a time.
+"""The training and validation loader: a preprocessed Parquet split streamed a row group at a time.
 
-A worker holds at most a few row groups of encoded images, never the split: memory does not grow
-with the dataset. `BlockShuffleSampler` keeps that cheap by visiting row groups in a shuffled
-order and shuffling rows within a window of groups, so each read serves many samples in a row.
-Preprocessing writes shards in hash order, so every row group already mixes the classes.
+`RowGroupStream` is a torch `IterableDataset` that yields whole batches. Each epoch it lays the
+split's row groups end to end (train: in an order shuffled by seed + epoch; val: manifest
+order), gives each rank a contiguous slice of that row sequence, and each DataLoader process one
+contiguous run of the rank's batches. So a process reads every row group it needs once, in a
+background thread while it decodes the rows before, and holds only a few groups: memory does not
+grow with the dataset, and the bytes read per epoch stay close to the split's size (only a group
+that straddles two processes' runs is read by both). Train rows then pass through a shuffle
+buffer of a few groups, so each batch mixes rows of several groups; preprocessing writes shards
+in hash order, so every group already mixes the classes.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections import OrderedDict
+import queue
+import random
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
 from pipeline.dataset import SCHEMA, Manifest
 from pipeline.errors import InputError
 from pipeline.storage import Location
 from pipeline.transforms import decode_image
+
+COLUMNS = ["image", "label"]
 
 
 def train_transform(kind: str, *, image_size: int) -> v2.Transform:
@@ -38,102 +48,235 @@ def train_transform(kind: str, *, image_size: int) -> v2.Transform:
     raise ValueError(f"unknown augment {kind!r}: use random_resized_crop, crop_flip or none")
 
 
-class ParquetImages(Dataset):
-    """(uint8 image, label) pairs of one split, from the files its manifest lists."""
+@dataclass(frozen=True)
+class RowGroup:
+    file: int  # index into RowGroupStream.files
+    index: int  # row group within the file
+    rows: int
 
-    def __init__(self, root: Location, manifest: Manifest, split: str, transform=None, cache=4):
-        self.root, self.transform, self.cache_size = root, transform, cache
-        # One entry per row group: (file path, row group index); `starts` are global row offsets.
-        self.groups: list[tuple[str, int]] = []
-        self.starts: list[int] = [0]
+
+@dataclass(frozen=True)
+class ShardFooter:
+    path: str
+    uri: str
+    metadata: pq.FileMetaData  # read once, so each row group read fetches only its columns
+
+
+class RowGroupStream(IterableDataset):
+    """Rank `rank`'s batches of one split for one epoch: (uint8 (B, 3, S, S), int64 (B,)).
+
+    train (`shuffle=True`): the row sequence is padded to a multiple of `world` by repeating
+    its first rows, as DistributedSampler does, so every rank gets the same rows and batches
+    (DDP steps in lockstep); with `drop_last`, a rank's last partial batch is dropped when it
+    has more than one batch. val (`shuffle=False`): no padding, so over all ranks each row
+    counts exactly once; ranks may then differ by a batch.
+
+    Use with `DataLoader(stream, batch_size=None, persistent_workers=False)`: each epoch's
+    iteration forks fresh processes that copy the epoch `set_epoch` gave this object; persistent
+    ones would keep the copy of the epoch they were forked with."""
+
+    def __init__(
+        self,
+        root: Location,
+        manifest: Manifest,
+        split: str,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        transform=None,
+        shuffle_groups: int = 4,
+        prefetch_groups: int = 2,
+    ):
+        assert 0 <= rank < world and batch_size > 0
+        self.root, self.batch_size, self.rank, self.world = root, batch_size, rank, world
+        self.shuffle, self.seed, self.drop_last, self.transform = (
+            shuffle,
+            seed,
+            drop_last,
+            transform,
+        )
+        self.prefetch_groups = prefetch_groups
+        self.epoch = 0
+        self.files: list[ShardFooter] = []
+        self.groups: list[RowGroup] = []
         for f in manifest.splits[split].files:
             loc = root.child(f.path)
             try:
                 with loc.fs.open_input_file(loc.path) as fh:
                     meta = pq.ParquetFile(fh).metadata
             except FileNotFoundError:
-                raise InputError(
-                    f"{loc.uri} is listed in the manifest but missing: the dataset is damaged; "
-                    "re-run preprocessing with overwrite=true"
-                ) from None
+                raise InputError(missing(loc)) from None
             if not meta.schema.to_arrow_schema().equals(SCHEMA, check_metadata=False):
                 raise InputError(
                     f"{loc.uri} does not have the schema this code reads "
                     f"({SCHEMA.names}); re-run preprocessing with overwrite=true"
                 )
             for g in range(meta.num_row_groups):
-                self.groups.append((loc.path, g))
-                self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
-        if self.starts[-1] != manifest.splits[split].rows:
+                self.groups.append(RowGroup(len(self.files), g, meta.row_group(g).num_rows))
+            self.files.append(ShardFooter(loc.path, loc.uri, meta))
+        self.rows = sum(g.rows for g in self.groups)
+        if self.rows != manifest.splits[split].rows:
             raise InputError(
-                f"split {split!r} of {root.uri} has {self.starts[-1]} rows on storage but the "
+                f"split {split!r} of {root.uri} has {self.rows} rows on storage but the "
                 f"manifest says {manifest.splits[split].rows}; re-run preprocessing"
             )
-        self._cache: OrderedDict[int, tuple[list[bytes], list[int]]] = OrderedDict()
+        largest = max((g.rows for g in self.groups), default=0)
+        self.shuffle_rows = shuffle_groups * largest if shuffle else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    # --- which rows, in which order: a pure function of (epoch, rank, process) --------------
+
+    def order(self, epoch: int) -> list[int]:
+        """Indices into `groups`, in the order the epoch lays their rows end to end."""
+        if not self.shuffle:
+            return list(range(len(self.groups)))
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.groups), generator=g).tolist()
+
+    def rank_rows(self) -> tuple[int, int]:
+        """[begin, end) of this rank's slice of the epoch's row sequence; train's may run past
+        its end, into the padding."""
+        per = math.ceil(self.rows / self.world)
+        begin, end = self.rank * per, (self.rank + 1) * per
+        if self.shuffle:
+            return begin, end
+        return min(self.rows, begin), min(self.rows, end)
+
+    def served_rows(self) -> int:
+        begin, end = self.rank_rows()
+        return min(end - begin, len(self) * self.batch_size)
 
     def __len__(self) -> int:
-        return self.starts[-1]
+        """Batches this rank yields per epoch (the same on every rank for train)."""
+        begin, end = self.rank_rows()
+        if self.drop_last and end - begin > self.batch_size:
+            return (end - begin) // self.batch_size
+        return math.ceil((end - begin) / self.batch_size)
 
-    def group_sizes(self) -> list[int]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
+    def runs(self, epoch: int, process: int = 0, processes: int = 1) -> list[tuple[int, int, int]]:
+        """(group, first row, end row) runs of what DataLoader process `process` reads: batches
+        [process * n // processes, (process + 1) * n // processes) of this rank's n."""
+        n, batch = len(self), self.batch_size
+        first, last = process * n // processes, (process + 1) * n // processes
+        begin = self.rank_rows()[0]
+        start = begin + first * batch
+        end = begin + min(last * batch, self.served_rows())
+        order = self.order(epoch)
+        starts = [0]
+        for g in order:
+            starts.append(starts[-1] + self.groups[g].rows)
+        out, pos = [], start
+        while pos < end:
+            p = pos % self.rows  # past the end: the padding, the sequence's first rows again
+            i = bisect.bisect_right(starts, p) - 1
+            lo = p - starts[i]
+            take = min(self.groups[order[i]].rows - lo, end - pos)
+            out.append((order[i], lo, lo + take))
+            pos += take
+        return out
 
-    def _group(self, g: int) -> tuple[list[bytes], list[int]]:
-        # Per process (each DataLoader worker has its own copy): the last few groups read.
-        if g in self._cache:
-            self._cache.move_to_end(g)
-            return self._cache[g]
-        path, index = self.groups[g]
-        with self.root.fs.open_input_file(path) as fh:
-            table = pq.ParquetFile(fh).read_row_group(index, columns=["image", "label"])
-        rows = (table.column("image").to_pylist(), table.column("label").to_pylist())
-        self._cache[g] = rows
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
-        return rows
+    # --- reading and decoding -------------------------------------------------------------
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        g = bisect.bisect_right(self.starts, i) - 1
-        images, labels = self._group(g)
-        image = v2.functional.pil_to_tensor(decode_image(images[i - self.starts[g]]))
-        if self.transform is not None:
-            image = self.transform(image)
-        return image, labels[i - self.starts[g]]
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = get_worker_info()
+        process, processes = (info.id, info.num_workers) if info else (0, 1)
+        runs = self.runs(self.epoch, process, processes)
+        rows = self._fetched(runs)
+        if self.shuffle:
+            rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{process}")
+            rows = shuffled(rows, self.shuffle_rows, rng)
+        images, labels = [], []
+        for data, label in rows:
+            image = v2.functional.pil_to_tensor(decode_image(data))
+            images.append(self.transform(image) if self.transform is not None else image)
+            labels.append(label)
+            if len(images) == self.batch_size:
+                yield torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+                images, labels = [], []
+        if images:
+            yield torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+
+    def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int]]:
+        """Rows [lo, hi) of one row group: encoded images and labels."""
+        g = self.groups[group]
+        f = self.files[g.file]
+        try:
+            with self.root.fs.open_input_file(f.path) as fh:
+                # pre_buffer: the two column chunks in one coalesced read (one GET on S3).
+                parquet = pq.ParquetFile(fh, metadata=f.metadata, pre_buffer=True)
+                table = parquet.read_row_group(g.index, columns=COLUMNS).slice(lo, hi - lo)
+        except FileNotFoundError:
+            raise InputError(missing(Location(self.root.fs, f.path, f.uri))) from None
+        return table.column("image").to_pylist(), table.column("label").to_pylist()
+
+    def _fetched(self, runs: list[tuple[int, int, int]]) -> Iterator[tuple[bytes, int]]:
+        """The rows of `runs`, read `prefetch_groups` ahead by a thread while the caller
+        decodes. Started here, in the process that iterates: threads do not survive a fork."""
+        ready: queue.Queue = queue.Queue(maxsize=self.prefetch_groups)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            # Time out now and then: a consumer that stopped early never takes the next item.
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
+        def fetch() -> None:
+            try:
+                for run in runs:
+                    if not put(self.read(*run)):
+                        return
+            except BaseException as e:  # handed to the consumer, which raises it
+                put(Failed(e))
+                return
+            put(DONE)
+
+        thread = threading.Thread(target=fetch, name="row-group-prefetch", daemon=True)
+        thread.start()
+        try:
+            while (item := ready.get()) is not DONE:
+                if isinstance(item, Failed):
+                    raise item.error
+                yield from zip(*item, strict=True)
+        finally:
+            stop.set()
 
 
-class BlockShuffleSampler(DistributedSampler):
-    """A DistributedSampler (so Ray's `prepare_data_loader` keeps it) that shuffles row groups,
-    then rows within windows of `window` groups, and gives each rank a contiguous run of that
-    order: every rank gets the same number of samples (padded by repeats, as DistributedSampler
-    does, so DDP steps stay in lockstep) while reading few distinct row groups."""
-
-    def __init__(self, dataset: ParquetImages, *, num_replicas, rank, seed=0, window=8):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
-        self.starts = dataset.starts  # row offset of each row group, then the total
-        self.window = window
-
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        starts = self.starts
-        order = torch.randperm(len(starts) - 1, generator=g).tolist()
-        indices: list[int] = []
-        for w in range(0, len(order), self.window):
-            groups = order[w : w + self.window]
-            block = [i for grp in groups for i in range(starts[grp], starts[grp + 1])]
-            indices += [block[j] for j in torch.randperm(len(block), generator=g).tolist()]
-        indices += indices[: self.total_size - len(indices)]  # pad to a multiple of the ranks
-        return iter(indices[self.rank * self.num_samples : (self.rank + 1) * self.num_samples])
+DONE = object()
 
 
-class ShardSampler(Sampler[int]):
-    """Rank `rank`'s contiguous share of `range(n)`, with no padding: evaluated over all ranks,
-    every sample counts exactly once (a DistributedSampler would count some twice)."""
+@dataclass
+class Failed:
+    error: BaseException
 
-    def __init__(self, n: int, *, num_replicas: int, rank: int):
-        per = math.ceil(n / num_replicas) if n else 0
-        self.begin, self.end = min(n, rank * per), min(n, (rank + 1) * per)
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.begin, self.end))
+def shuffled(rows, capacity: int, rng: random.Random):
+    """`rows` through a shuffle buffer of `capacity`: each row out is a random pick of the
+    buffer, replaced by the next row in."""
+    buffer = []
+    for row in rows:
+        if len(buffer) < capacity:
+            buffer.append(row)
+            continue
+        i = rng.randrange(capacity)
+        yield buffer[i]
+        buffer[i] = row
+    rng.shuffle(buffer)
+    yield from buffer
 
-    def __len__(self) -> int:
-        return self.end - self.begin
+
+def missing(loc: Location) -> str:
+    return (
+        f"{loc.uri} is listed in the manifest but missing: the dataset is damaged; "
+        "re-run preprocessing with overwrite=true"
+    )

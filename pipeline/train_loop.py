@@ -32,7 +32,7 @@ from pipeline.checkpoint import (
 )
 from pipeline.config import TrainConfig, validate_config
 from pipeline.dataset import Manifest, read_manifest
-from pipeline.loader import BlockShuffleSampler, ParquetImages, ShardSampler, train_transform
+from pipeline.loader import RowGroupStream, train_transform
 from pipeline.logs import quiet_train_reports, setup_logging
 from pipeline.model import build_model, unwrap
 from pipeline.runs import SCORE, check_resumable, checkpoint_dir_name
@@ -172,12 +172,17 @@ def restore_optimizer(optimizer, scheduler, train_state: dict, cfg: TrainConfig)
 # --- the loaders -------------------------------------------------------------------------------
 
 
-def loader_args(cfg: TrainConfig, device: torch.device) -> dict:
-    return {
-        "num_workers": cfg.scaling.loader_workers,
-        "persistent_workers": cfg.scaling.loader_workers > 0,
-        "pin_memory": device.type == "cuda",
-    }
+def loader(stream: RowGroupStream, cfg: TrainConfig, device: torch.device) -> DataLoader:
+    """The stream's batches, decoded in `loader_workers` processes."""
+    return DataLoader(
+        stream,
+        batch_size=None,  # the stream yields whole batches
+        num_workers=cfg.scaling.loader_workers,
+        # Fresh processes each epoch, forked with the epoch set_epoch gave the stream: persistent
+        # ones would keep the copy of the stream (and its epoch) they were started with.
+        persistent_workers=False,
+        pin_memory=device.type == "cuda",
+    )
 
 
 def train_data(
@@ -188,30 +193,48 @@ def train_data(
     rank: int,
     world: int,
     device: torch.device,
-) -> tuple[DataLoader, BlockShuffleSampler]:
-    """This worker's training loader (decode + augment in `loader_workers` processes) and its
-    sampler, whose `set_epoch` reshuffles. Without Ray Train's wrapping: the benchmark's plain
-    loop uses it as it is."""
-    tf = train_transform(cfg.augment, image_size=manifest.image_size)
-    train_set = ParquetImages(dataset, manifest, "train", transform=tf)
-    sampler = BlockShuffleSampler(train_set, num_replicas=world, rank=rank, seed=cfg.seed)
-    batch = cfg.batch_size_per_worker
-    loader = DataLoader(
-        train_set,
-        batch_size=batch,
-        sampler=sampler,
-        drop_last=len(sampler) > batch,
-        **loader_args(cfg, device),
+) -> EpochLoader:
+    """This worker's training batches (decode + augment in `loader_workers` processes), with
+    `set_epoch` to reshuffle. Ray Train needs no wrapping of it: the benchmark's plain loop
+    uses it as it is."""
+    stream = RowGroupStream(
+        dataset,
+        manifest,
+        "train",
+        batch_size=cfg.batch_size_per_worker,
+        rank=rank,
+        world=world,
+        shuffle=True,
+        seed=cfg.seed,
+        # A last batch of a few images would be a noisy step, and BatchNorm fails on one image.
+        drop_last=True,
+        transform=train_transform(cfg.augment, image_size=manifest.image_size),
     )
-    return loader, sampler
+    return EpochLoader(loader(stream, cfg, device), stream)
 
 
 def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
     """This worker's contiguous share of the val split, unpadded (see `evaluate`)."""
-    val_set = ParquetImages(dataset, manifest, "val")
-    sampler = ShardSampler(len(val_set), num_replicas=world, rank=rank)
-    args = loader_args(cfg, device)
-    return DataLoader(val_set, batch_size=cfg.batch_size_per_worker, sampler=sampler, **args)
+    stream = RowGroupStream(
+        dataset, manifest, "val", batch_size=cfg.batch_size_per_worker, rank=rank, world=world
+    )
+    return loader(stream, cfg, device)
+
+
+class EpochLoader:
+    """A DataLoader and the stream whose `set_epoch` reshuffles it."""
+
+    def __init__(self, loader: DataLoader, stream: RowGroupStream):
+        self.loader, self.stream = loader, stream
+
+    def set_epoch(self, epoch: int) -> None:
+        self.stream.set_epoch(epoch)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 # --- one worker's run --------------------------------------------------------------------------
@@ -301,22 +324,6 @@ def train_loop_per_worker(config: dict) -> None:
         save_and_report(w, metrics, unwrap(model).state_dict(), train_state)
 
 
-class EpochLoader:
-    """A DataLoader and the sampler that reshuffles it each epoch."""
-
-    def __init__(self, loader: DataLoader, sampler: BlockShuffleSampler):
-        self.loader, self.sampler = loader, sampler
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self):
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-
 def loaders(w: Worker, device: torch.device):
     """This worker's train batches (with `set_epoch`) and val batches, by `ingest`."""
     cfg, batch = w.cfg, w.cfg.batch_size_per_worker
@@ -328,13 +335,12 @@ def loaders(w: Worker, device: torch.device):
             "train", batch_size=batch, rows=rows, world=w.world, shuffle_seed=cfg.seed
         )
         return train, ShardBatches("val", batch_size=batch, rows=0, world=w.world)
+    # Not through ray.train.torch.prepare_data_loader: the streams already split the data by
+    # rank (it would add no sampler to an IterableDataset anyway), and train_one_epoch and
+    # evaluate move each batch to the device themselves.
     shard = {"rank": w.rank, "world": w.world, "device": device}
-    loader, sampler = train_data(cfg, w.dataset, w.manifest, **shard)
-    train = EpochLoader(ray.train.torch.prepare_data_loader(loader), sampler)
-    val = ray.train.torch.prepare_data_loader(
-        val_data(cfg, w.dataset, w.manifest, **shard), add_dist_sampler=False
-    )
-    return train, val
+    train = train_data(cfg, w.dataset, w.manifest, **shard)
+    return train, val_data(cfg, w.dataset, w.manifest, **shard)
 
 
 def restore(w: Worker, model: torch.nn.Module) -> dict | None:

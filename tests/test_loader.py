@@ -1,18 +1,35 @@
-"""The training data path: Parquet rows -> decoded, augmented tensors, and the samplers."""
+"""The training data path: Parquet rows -> decoded, augmented batches, split over ranks and
+DataLoader processes, each row read about once per epoch."""
 
-import bisect
 import collections
+import io
+import os
+import shutil
+import threading
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
+from torch.utils.data import DataLoader
 
-from pipeline.dataset import read_manifest
+from harness.counting import ByteCounter
+from pipeline.dataset import MANIFEST, Manifest, ShardFile, SplitInfo, read_manifest, write_shard
 from pipeline.errors import InputError
-from pipeline.loader import BlockShuffleSampler, ParquetImages, ShardSampler, train_transform
+from pipeline.loader import RowGroupStream, train_transform
 from pipeline.step import normalize
 from pipeline.storage import Location
+from pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+CLASSES = ["a", "b", "c", "d"]
+# The numbered dataset: files of 97 rows in row groups of 10 (the last one of 7), so groups
+# straddle every batch and rank boundary. Row ids: 100 * file + row in file; val's files come
+# after train's.
+FILE_ROWS, GROUP_ROWS, TRAIN_FILES, VAL_FILES = 97, 10, 10, 3
+SIZE = 16
 
 
 @pytest.fixture
@@ -21,24 +38,223 @@ def dataset(tiny_dataset):
     return root, read_manifest(root)
 
 
+def numbered_image(row_id: int, rng: np.random.Generator) -> bytes:
+    """A noise PNG (so the images are most of the bytes, as real ones are) whose first pixel's
+    red and green hold the row id."""
+    pixels = rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    pixels[0, 0, :2] = (row_id % 256, row_id // 256)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    """(root, manifest, {split: all row ids}) of a dataset whose images carry their row id."""
+    out = tmp_path_factory.mktemp("numbered")
+    root = Location.parse(str(out))
+    rng = np.random.default_rng(0)
+    splits, ids = {}, {}
+    for split, first, files in (("train", 0, TRAIN_FILES), ("val", TRAIN_FILES, VAL_FILES)):
+        info = SplitInfo()
+        for file in range(first, first + files):
+            rows = [
+                {
+                    "image": numbered_image(100 * file + r, rng),
+                    "label": (100 * file + r) % len(CLASSES),
+                    "label_name": CLASSES[(100 * file + r) % len(CLASSES)],
+                    "source_id": f"{split}/{file}/{r}",
+                }
+                for r in range(FILE_ROWS)
+            ]
+            path = f"{split}/part-{file:05d}.parquet"
+            write_shard(root.child(path), rows, row_group_size=GROUP_ROWS)
+            info.files.append(ShardFile(path=path, rows=FILE_ROWS))
+            info.rows += FILE_ROWS
+        splits[split] = info
+        ids[split] = [100 * f + r for f in range(first, first + files) for r in range(FILE_ROWS)]
+    manifest = Manifest(
+        created_at=Manifest.now(),
+        fingerprint="numbered",
+        classes=CLASSES,
+        image_size=SIZE,
+        image_format="png",
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        splits=splits,
+        skipped=[],
+        config={},
+    )
+    root.child(MANIFEST).write_bytes(manifest.model_dump_json().encode())
+    return root, manifest, ids
+
+
+def row_ids(images: torch.Tensor) -> list[int]:
+    """(B, 3, S, S) uint8 of the numbered dataset -> the row id of each image."""
+    return (images[:, 0, 0, 0].long() + 256 * images[:, 1, 0, 0].long()).tolist()
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for b in batches for i in b]
+
+
+def group_of(row_id: int) -> tuple[int, int]:
+    return row_id // 100, row_id % 100 // GROUP_ROWS
+
+
+def epoch_batches(stream: RowGroupStream, workers: int) -> list[list[int]]:
+    """One epoch of the stream through a DataLoader: the row ids of each batch, in order."""
+    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    batches = []
+    for images, labels in loader:
+        assert images.dtype == torch.uint8 and images.shape[1:] == (3, SIZE, SIZE)
+        assert labels.dtype == torch.int64
+        ids = row_ids(images)
+        assert labels.tolist() == [i % len(CLASSES) for i in ids]  # each image with its label
+        batches.append(ids)
+    assert len(batches) == len(loader) == len(stream)
+    return batches
+
+
+def streams(root, manifest, split, world, **kwargs) -> list[RowGroupStream]:
+    return [
+        RowGroupStream(root, manifest, split, rank=r, world=world, **kwargs) for r in range(world)
+    ]
+
+
+# --- the numbered dataset: which rows, where, in which order ----------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_train_ranks_get_every_row_once_and_equal_batches(numbered, world, workers):
+    root, manifest, ids = numbered
+    ranks = [
+        flat(epoch_batches(s, workers))
+        for s in streams(root, manifest, "train", world, batch_size=16, shuffle=True)
+    ]
+    n = len(ids["train"])
+    padding = -n % world
+    assert len({len(r) for r in ranks}) == 1  # DDP needs the same steps on every rank
+    served = collections.Counter(i for r in ranks for i in r)
+    assert sorted(served) == sorted(ids["train"])
+    # Padding repeats rows, as DistributedSampler does: `padding` rows twice, the rest once,
+    # and no rank sees a row twice.
+    assert sum(served.values()) == n + padding
+    assert sum(c - 1 for c in served.values()) == padding
+    assert all(len(set(r)) == len(r) for r in ranks)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_train_drops_only_a_last_partial_batch_and_ranks_match(numbered, workers):
+    root, manifest, _ = numbered
+    kwargs = {"batch_size": 16, "shuffle": True, "drop_last": True}
+    ranks = [epoch_batches(s, workers) for s in streams(root, manifest, "train", 3, **kwargs)]
+    # 970 rows, 3 ranks: 324 each with padding, 20 full batches of 16; the last 4 rows dropped.
+    assert [len(r) for r in ranks] == [20, 20, 20]
+    assert all(len(b) == 16 for r in ranks for b in r)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_train_order_changes_per_epoch_and_repeats_for_the_same_epoch(numbered, workers):
+    root, manifest, _ = numbered
+    stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True, seed=3)
+    stream.set_epoch(0)
+    first = epoch_batches(stream, workers)
+    stream.set_epoch(1)
+    second = epoch_batches(stream, workers)
+    assert second != first and sorted(flat(second)) == sorted(flat(first))
+    stream.set_epoch(0)
+    assert epoch_batches(stream, workers) == first  # same epoch, same order: a resume repeats it
+    other_seed = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True, seed=4)
+    assert epoch_batches(other_seed, workers) != first
+
+
+def test_train_batches_mix_row_groups(numbered):
+    root, manifest, _ = numbered
+    stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
+    batches = epoch_batches(stream, 0)
+    # A batch draws from a buffer of 4 row groups, not from one group after another.
+    assert len({group_of(i) for i in batches[0]}) >= 3
+    assert min(len({group_of(i) for i in b}) for b in batches[:-1]) >= 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_val_counts_every_row_exactly_once_over_the_ranks(numbered, world, workers):
+    root, manifest, ids = numbered
+    ranks = [
+        flat(epoch_batches(s, workers))
+        for s in streams(root, manifest, "val", world, batch_size=16)
+    ]
+    assert sorted(i for r in ranks for i in r) == ids["val"]
+    if workers == 0:  # one process per rank: contiguous shares in manifest order
+        assert [i for r in ranks for i in r] == ids["val"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_an_epoch_reads_about_the_split_once(numbered, tmp_path, world, workers):
+    # All ranks and DataLoader processes together read each row group about once: only groups
+    # straddling two readers' runs, and the padding's, are read twice.
+    root, manifest, _ = numbered
+    counter = ByteCounter(pafs.LocalFileSystem(), tmp_path / "reads")
+    counted = counter.location(root)
+    ranks = streams(counted, manifest, "train", world, batch_size=16, shuffle=True)
+    before = counter.total()
+    for s in ranks:
+        epoch_batches(s, workers)
+    split_bytes = sum(
+        os.path.getsize(root.child(f.path).path) for f in manifest.splits["train"].files
+    )
+    ratio = (counter.total() - before) / split_bytes
+    assert 0.8 < ratio <= 1.1, ratio
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failed_read_raises_in_the_consumer(numbered, tmp_path, workers):
+    root, manifest, _ = numbered
+    copy = Location.parse(str(tmp_path / "copy"))
+    shutil.copytree(root.path, copy.path)
+    stream = RowGroupStream(copy, manifest, "train", batch_size=16, shuffle=True)
+    os.remove(copy.child(manifest.splits["train"].files[5].path).path)
+    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    with pytest.raises(
+        InputError, match=r"part-00005\.parquet is listed in the manifest but missing"
+    ):
+        list(loader)
+
+
+def test_a_consumer_that_stops_early_leaves_no_thread_behind(numbered):
+    root, manifest, _ = numbered
+    stream = RowGroupStream(root, manifest, "train", batch_size=4, prefetch_groups=1)
+    batches = iter(stream)
+    next(batches)
+    batches.close()  # as a DataLoader process does when the loop breaks
+    for t in threading.enumerate():
+        if t.name == "row-group-prefetch":
+            t.join(timeout=5)
+            assert not t.is_alive()
+
+
+# --- the tiny dataset of the other tests: real preprocessed images ----------------------------
+
+
 def test_reads_every_row_of_a_split_with_its_label(dataset):
     root, manifest = dataset
-    train = ParquetImages(root, manifest, "train")
-    assert len(train) == manifest.splits["train"].rows
     labels = collections.Counter()
-    for i in range(len(train)):
-        image, label = train[i]
-        assert image.dtype == torch.uint8 and image.shape == (3, 32, 32)
-        labels[manifest.classes[label]] += 1
+    for images, batch_labels in RowGroupStream(root, manifest, "train", batch_size=64):
+        assert images.dtype == torch.uint8 and images.shape[1:] == (3, 32, 32)
+        labels.update(manifest.classes[label] for label in batch_labels.tolist())
     assert labels == manifest.splits["train"].counts
 
 
 def test_row_groups_mix_the_classes(dataset):
     # Shards are written in hash order, so shuffling by row group still sees every class.
     root, manifest = dataset
-    train = ParquetImages(root, manifest, "train")
-    first_group = {train[i][1] for i in range(train.group_sizes()[0])}
-    assert len(first_group) == len(manifest.classes)
+    stream = RowGroupStream(root, manifest, "train", batch_size=25)  # row groups of 25
+    _, first_group = next(iter(stream))
+    assert len(set(first_group.tolist())) == len(manifest.classes)
 
 
 def test_transforms_keep_size_and_normalize_per_batch():
@@ -51,49 +267,12 @@ def test_transforms_keep_size_and_normalize_per_batch():
     assert torch.allclose(x, torch.full_like(x, 2.0))
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_block_shuffle_sampler_splits_evenly_and_covers_all(dataset, world):
-    root, manifest = dataset
-    train = ParquetImages(root, manifest, "train")
-    shards = [
-        list(BlockShuffleSampler(train, num_replicas=world, rank=r, window=2)) for r in range(world)
-    ]
-    assert len({len(s) for s in shards}) == 1  # DDP needs the same steps on every rank
-    seen = [i for s in shards for i in s]
-    assert set(seen) == set(range(len(train)))
-    assert len(seen) - len(train) < world  # padding: only to a multiple of the ranks
-
-
-def test_block_shuffle_sampler_reshuffles_per_epoch_and_stays_local(dataset):
-    root, manifest = dataset
-    train = ParquetImages(root, manifest, "train")
-    sampler = BlockShuffleSampler(train, num_replicas=1, rank=0, window=2)
-    sampler.set_epoch(0)
-    first = list(sampler)
-    sampler.set_epoch(1)
-    assert list(sampler) != first
-    sampler.set_epoch(0)
-    assert list(sampler) == first  # same epoch, same order: resuming repeats nothing
-    # Each row group is read in one stretch (within a window of groups), not all over the epoch.
-    positions = collections.defaultdict(list)
-    for pos, i in enumerate(first):
-        positions[bisect.bisect_right(train.starts, i) - 1].append(pos)
-    longest = 2 * max(train.group_sizes())
-    assert all(max(p) - min(p) < longest for p in positions.values())
-
-
-def test_shard_sampler_counts_every_sample_exactly_once():
-    for n, world in [(119, 2), (5, 4), (3, 8), (0, 2)]:
-        shards = [list(ShardSampler(n, num_replicas=world, rank=r)) for r in range(world)]
-        assert sorted(i for s in shards for i in s) == list(range(n))
-
-
 def test_missing_shard_and_wrong_schema_are_clear_errors(dataset, tmp_path):
     root, manifest = dataset
     gone = manifest.model_copy(deep=True)
     gone.splits["train"].files[0].path = "train/part-99999.parquet"
     with pytest.raises(InputError, match="listed in the manifest but missing"):
-        ParquetImages(root, gone, "train")
+        RowGroupStream(root, gone, "train", batch_size=8)
 
     other = Location.parse(str(tmp_path))
     for f in manifest.splits["train"].files:
@@ -101,4 +280,4 @@ def test_missing_shard_and_wrong_schema_are_clear_errors(dataset, tmp_path):
         table = pq.read_table(root.child(f.path).path).drop_columns(["source_id"])
         pq.write_table(table.cast(pa.schema([*table.schema])), tmp_path / f.path)
     with pytest.raises(InputError, match="does not have the schema"):
-        ParquetImages(other, manifest, "train")
+        RowGroupStream(other, manifest, "train", batch_size=8)

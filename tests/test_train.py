@@ -4,6 +4,7 @@ run on S3. Workers the cluster cannot place, failing within a bound: test_multin
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -32,7 +33,7 @@ from pipeline.checkpoint import read_meta
 from pipeline.config import TrainConfig, load_config
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import ConfigError, InputError
-from pipeline.loader import ParquetImages
+from pipeline.loader import RowGroupStream
 from pipeline.model import build_model, check_pretrained, load_model
 from pipeline.runs import (
     CURVES_PNG,
@@ -120,16 +121,15 @@ def test_train_and_evaluate_steps_run_in_every_precision(tiny_dataset, precision
     cfg = config(tiny_dataset, "/tmp/unused", "optimizer.name=adamw", "optimizer.lr=0.001")
     optimizer, _ = build_optimizer(model, cfg)
     # A few images: half precision on the CPU has slow kernels.
-    data = torch.utils.data.Subset(ParquetImages(root, manifest, "val"), range(12))
-    loader = DataLoader(data, batch_size=4)
+    loader = list(itertools.islice(RowGroupStream(root, manifest, "val", batch_size=4), 3))
     before = [p.detach().clone() for p in model.parameters()]
     t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), step=step)
-    assert t["images"] == len(data) and torch.isfinite(torch.tensor(t["loss_sum"]))
+    assert t["images"] == 12 and torch.isfinite(torch.tensor(t["loss_sum"]))
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     # fp16: the scaler skips steps whose gradients overflowed, and lowers its scale instead.
     assert changed or (precision == "fp16" and step.scaler.get_scale() < 2.0**16)
     v = evaluate(model, loader, step=step, num_classes=len(manifest.classes))
-    assert v["val_images"] == len(data) and 0 <= v["val_accuracy"] <= 1
+    assert v["val_images"] == 12 and 0 <= v["val_accuracy"] <= 1
 
 
 @pytest.mark.gpu
@@ -147,7 +147,8 @@ def test_gpu_step_uses_mixed_precision_and_channels_last(tiny_dataset):
     model = build_model(len(manifest.classes)).cuda().to(memory_format=torch.channels_last)
     cfg = config(tiny_dataset, "/tmp/unused")
     optimizer, _ = build_optimizer(model, cfg)
-    loader = DataLoader(ParquetImages(root, manifest, "train"), batch_size=64, pin_memory=True)
+    stream = RowGroupStream(root, manifest, "train", batch_size=64)
+    loader = DataLoader(stream, batch_size=None, pin_memory=True)
     t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), step=step)
     assert t["images"] == manifest.splits["train"].rows
     v = evaluate(model, loader, step=step, num_classes=len(manifest.classes))
@@ -247,14 +248,14 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
     _, run = main_run
     model, meta = load_model(Location.parse(str(run / checkpoint_dir_name(3))))
     root = Location.parse(str(tiny_dataset))
-    val = ParquetImages(root, read_manifest(root), "val")
+    val = RowGroupStream(root, read_manifest(root), "val", batch_size=50)
     one = evaluate(
         model,
-        DataLoader(val, batch_size=50),
+        DataLoader(val, batch_size=None),
         num_classes=4,
         step=Step(torch.device("cpu"), "fp32", meta.mean, meta.std),
     )
-    assert one["val_images"] == len(val) == 119
+    assert one["val_images"] == val.rows == 119
     last = history(run)[-1]
     assert one["val_accuracy"] == pytest.approx(last["val_accuracy"], abs=1e-6)
     assert one["val_loss"] == pytest.approx(last["val_loss"], rel=1e-4)
@@ -413,10 +414,11 @@ def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):
     table = pq.read_table(root.child(manifest.splits["val"].files[0].path).path)
     batch = {"image": table["image"].to_numpy()[:5], "label": table["label"].to_numpy()[:5]}
     plain = decode_batch(batch, augment="none", image_size=32)
-    val = ParquetImages(root, manifest, "val")
+    # The val stream's first batch: the first rows of the first file, in order.
+    images, labels = next(iter(RowGroupStream(root, manifest, "val", batch_size=5)))
     assert plain["image"].dtype == "uint8" and plain["image"].shape == (5, 3, 32, 32)
-    assert all((plain["image"][i] == val[i][0].numpy()).all() for i in range(5))
-    assert list(plain["label"]) == [val[i][1] for i in range(5)]
+    assert (plain["image"] == images.numpy()).all()
+    assert list(plain["label"]) == labels.tolist()
     torch.manual_seed(0)
     augmented = decode_batch(batch, augment="random_resized_crop", image_size=32)
     assert augmented["image"].shape == (5, 3, 32, 32)
