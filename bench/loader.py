@@ -22,13 +22,15 @@ one epoch of the training loader (--loader-workers processes) in a fresh interpr
 local disk and from an S3 server on loopback (moto): images/s over the whole epoch (its
 DataLoader processes start each epoch, so their start-up is included), peak RSS (the
 interpreter's and its largest DataLoader process's) and the bytes read over the train split's
-file bytes (through harness/counting.py). Results go to bench/results/loader_sizes.json.
+file bytes (through harness/counting.py); medians of --repeat rounds, after one unmeasured
+epoch. Results go to bench/results/loader_sizes.json.
 """
 
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,7 +105,7 @@ def one_epoch(uri: str, *, image_size: int, batch: int, workers: int, counts: st
     }
 
 
-def epoch_in_fresh_interpreter(uri: str, args, env: dict | None, tmp: Path) -> dict:
+def epoch_in_fresh_interpreter(uri: str, env: dict | None, *, args, tmp: Path) -> dict:
     counts = tmp / f"counts-{time.monotonic_ns()}"
     code = (
         "import json; from bench.loader import one_epoch; "
@@ -123,6 +125,10 @@ def epoch_in_fresh_interpreter(uri: str, args, env: dict | None, tmp: Path) -> d
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def median_run(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def sizes(args) -> int:
     """Images/s, peak RSS and bytes read per epoch at each size, local disk and S3."""
     import pyarrow.fs as pafs
@@ -136,13 +142,22 @@ def sizes(args) -> int:
             local = generate(Path(tmp) / f"n{n}", n, 32)
             with s3.client_env():
                 pafs.copy_files(str(local), f"bench/n{n}", destination_filesystem=s3fs)
-            runs = {
-                "local": epoch_in_fresh_interpreter(str(local), args, None, Path(tmp)),
-                "s3": epoch_in_fresh_interpreter(f"s3://bench/n{n}", args, s3.env, Path(tmp)),
-            }
-            runs["s3_over_local_images_per_s"] = (
-                runs["s3"]["images_per_s"] / runs["local"]["images_per_s"]
+            sources = {"local": (str(local), None), "s3": (f"s3://bench/n{n}", s3.env)}
+            # A first epoch after preprocessing ran at a third of the speed of later ones,
+            # local or S3 alike (cold caches): one unmeasured epoch first, then rounds of both.
+            epoch_in_fresh_interpreter(str(local), None, args=args, tmp=Path(tmp))
+            rounds = [
+                {
+                    k: epoch_in_fresh_interpreter(*sources[k], args=args, tmp=Path(tmp))
+                    for k in sources
+                }
+                for _ in range(args.repeat)
+            ]
+            runs = {k: median_run([r[k] for r in rounds]) for k in sources}
+            runs["s3_over_local_images_per_s"] = statistics.median(
+                r["s3"]["images_per_s"] / r["local"]["images_per_s"] for r in rounds
             )
+            runs["rounds"] = rounds
             results["sizes"][n] = runs
             for where in ("local", "s3"):
                 r = runs[where]
@@ -152,7 +167,13 @@ def sizes(args) -> int:
                     f"(DataLoader process {r['worker_peak_rss_mb']:.0f} MiB), bytes read "
                     f"{r['bytes_read_over_split']:.3f}x the split"
                 )
-            print(f"{n} images: S3 / local images/s {runs['s3_over_local_images_per_s']:.2f}")
+            ratios = ", ".join(
+                f"{r['s3']['images_per_s'] / r['local']['images_per_s']:.2f}" for r in rounds
+            )
+            print(
+                f"{n} images: S3 / local images/s {runs['s3_over_local_images_per_s']:.2f} "
+                f"(median of rounds: {ratios})"
+            )
     write_results("loader_sizes", results)
     return 0
 
@@ -219,6 +240,7 @@ def main() -> int:
         nargs="+",
         help="instead: one epoch at each of these dataset sizes (32 px), local disk and S3",
     )
+    p.add_argument("--repeat", type=int, default=3, help="--sizes: rounds; medians reported")
     args = p.parse_args()
     if args.sizes:
         return sizes(args)
