@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -239,6 +240,7 @@ def run(cfg: InferConfig, *, model: Location, source: Location, output: Location
         confusion.write_bytes(plot_confusion(summary["confusion_matrix"], meta.classes))
     else:
         confusion.delete()
+    summary |= driver_usage()  # last: everything the driver did counts
     output.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
     return summary
 
@@ -299,6 +301,16 @@ def write_predictions(ds: ray.data.Dataset, path: str, classes: list[str]):
         sorted(skipped, key=lambda s: s["source_id"]),
         first,
     )
+
+
+def driver_usage() -> dict:
+    """This process's peak memory and CPU time so far: what the driver costs, which must not
+    grow with the number of images (bench/infer_scale.py)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "driver_peak_rss_mib": round(usage.ru_maxrss / 1024, 1),  # Linux reports KiB
+        "driver_cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+    }
 
 
 def summarize(meta, checkpoint: Location, labels, preds, skipped, seconds: float) -> dict:
