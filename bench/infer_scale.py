@@ -29,7 +29,7 @@ import pyarrow.fs as pafs
 
 from bench.common import preprocess_generated, random_checkpoint, write_results
 from harness.cluster import LocalCluster, free_port
-from pipeline.infer import SUMMARY
+from pipeline.predictions import SUMMARY
 from pipeline.storage import Location
 
 CLASSES = 10

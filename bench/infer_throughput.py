@@ -30,7 +30,8 @@ import torch
 from bench.common import preprocess_generated, random_checkpoint, write_results
 from harness.cluster import LocalCluster
 from pipeline.dataset import read_manifest
-from pipeline.infer import SUMMARY, Classifier, _classify_one, prepare_image
+from pipeline.infer import Classifier, _classify_one, prepare_image
+from pipeline.predictions import SUMMARY
 from pipeline.storage import Location
 
 
