@@ -38,7 +38,7 @@ def trained(main_run):
 @pytest.fixture(scope="module")
 def val_predictions(train_cluster, trained, tiny_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("preds")
-    # Files of at least 50 rows: the 119 images make several, as 100,000 would by default.
+    # Files of at least 50 rows: the 119 images make several, as a million would by default.
     proc = infer_job(
         train_cluster,
         f"model={trained}",
