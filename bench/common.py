@@ -7,6 +7,10 @@ import time
 from pathlib import Path
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
+from pipeline.checkpoint import CheckpointMeta, save_checkpoint
+from pipeline.dataset import read_manifest
+from pipeline.model import build_model
+from pipeline.storage import Location
 
 
 def preprocess_generated(out: Path, *overrides: str, cpus: int = 2) -> None:
@@ -26,6 +30,26 @@ def preprocess_generated(out: Path, *overrides: str, cpus: int = 2) -> None:
         )
     if proc.returncode != 0:
         sys.exit(f"preprocess failed:\n{proc.stdout[-3000:]}")
+
+
+def random_checkpoint(dataset: Path, out: Path) -> Path:
+    """A ResNet-18 checkpoint at `out` for `dataset`'s classes and image size, with random
+    weights: inference speed and memory do not depend on them, and training would take long."""
+    m = read_manifest(Location.parse(str(dataset)))
+    out.mkdir()
+    meta = CheckpointMeta(
+        epoch=0,
+        classes=m.classes,
+        image_size=m.image_size,
+        mean=m.mean,
+        std=m.std,
+        dataset_fingerprint=m.fingerprint,
+        metrics={},
+        history=[],
+        config={},
+    )
+    save_checkpoint(out, build_model(len(m.classes)).state_dict(), meta, {})
+    return out
 
 
 def write_results(name: str, results) -> Path:

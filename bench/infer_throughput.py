@@ -27,17 +27,16 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from bench.common import preprocess_generated, write_results
+from bench.common import preprocess_generated, random_checkpoint, write_results
 from harness.cluster import LocalCluster
-from pipeline.checkpoint import CheckpointMeta, save_checkpoint
 from pipeline.dataset import read_manifest
-from pipeline.infer import SUMMARY, Classifier, _classify_one, prepare_image
-from pipeline.model import build_model
+from pipeline.infer import Classifier, _classify_one, prepare_image
+from pipeline.predictions import SUMMARY
 from pipeline.storage import Location
 
 
 def make_inputs(tmp: Path, per_class: int, size: int, cpus: int) -> tuple[Path, Path]:
-    dataset, checkpoint = tmp / "dataset", tmp / "checkpoint"
+    dataset = tmp / "dataset"
     preprocess_generated(
         dataset,
         f"source.synthetic.images_per_class={per_class}",
@@ -46,21 +45,7 @@ def make_inputs(tmp: Path, per_class: int, size: int, cpus: int) -> tuple[Path, 
         "val_fraction=0.5",
         cpus=cpus,
     )
-    m = read_manifest(Location.parse(str(dataset)))
-    checkpoint.mkdir()
-    meta = CheckpointMeta(
-        epoch=0,
-        classes=m.classes,
-        image_size=m.image_size,
-        mean=m.mean,
-        std=m.std,
-        dataset_fingerprint=m.fingerprint,
-        metrics={},
-        history=[],
-        config={},
-    )
-    save_checkpoint(checkpoint, build_model(len(m.classes)).state_dict(), meta, {})
-    return dataset, checkpoint
+    return dataset, random_checkpoint(dataset, tmp / "checkpoint")
 
 
 def ray_data(dataset: Path, checkpoint: Path, out: Path, cpus: int, batch: int) -> dict:

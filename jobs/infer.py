@@ -3,7 +3,7 @@
        model=s3://bucket/runs/resnet18-lite input=s3://bucket/food101 output=s3://bucket/preds
 
 Classify a preprocessed dataset split or an image folder with the best checkpoint of a training
-run (or a given checkpoint), on Ray Data; writes predictions.parquet and summary.json (accuracy,
+run (or a given checkpoint), on Ray Data; writes predictions.parquet/ and summary.json (accuracy,
 per-class precision and recall, confusion matrix when labels are known) to output. Given one
 image file as input, prints its top-k classes as JSON instead. Exit codes: 0 done, 1 unusable
 input (run, checkpoint, images), 2 invalid config, 3 the cluster cannot run it (no GPU for
@@ -25,7 +25,7 @@ log = logging.getLogger("jobs.infer")
 
 def main(cfg: InferConfig) -> str:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
-    from pipeline import infer
+    from pipeline import infer, predictions
 
     model, source = Location.parse(cfg.model), Location.parse(cfg.input)
     if not source.exists():
@@ -46,7 +46,7 @@ def main(cfg: InferConfig) -> str:
         len(summary["skipped"]),
         "" if accuracy is None else f", accuracy {accuracy:.4f}",
     )
-    return f"predictions: {output.child(infer.PREDICTIONS).uri}"
+    return f"predictions: {output.child(predictions.PREDICTIONS).uri}"
 
 
 if __name__ == "__main__":

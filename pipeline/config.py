@@ -232,9 +232,19 @@ class InferConfig(_Strict):
     )
     split: Literal["train", "val"] = Field("val", description="Dataset split to classify.")
     output: AbsolutePathOrURI | None = Field(
-        None, description="Directory for predictions.parquet and summary.json (not for one image)."
+        None, description="Directory for predictions.parquet/ and summary.json (not for one image)."
     )
     top_k: int = Field(5, ge=1, description="Most likely classes kept per image.")
+    # Rows wait in the object store until a file's worth has been predicted, and blocks under
+    # 100 KiB (the predictions of a few hundred images) wait in the driver's own memory, as their
+    # owner: at 100,000 rows per file its peak RSS was 60 MiB above that at 10,000
+    # (bench/infer_scale.py, 100,000 images).
+    rows_per_file: int = Field(
+        10_000,
+        ge=1,
+        description="About this many predictions per Parquet file in predictions.parquet/ "
+        "(Ray Data's blocks are not split; the last file holds the rest).",
+    )
     batch_size: int = Field(64, ge=1, description="Images per model call.")
     use_gpu: bool = Field(False, description="One GPU per predictor actor, mixed precision.")
     num_actors: int = Field(

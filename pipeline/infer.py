@@ -2,23 +2,20 @@
 
 read (Parquet rows or image files) -> prepare (decode, resize + center crop to the checkpoint's
 image size: the very functions preprocessing used) -> predict (an actor pool; each actor loads
-the model once, on its GPU with use_gpu) -> predictions.parquet and summary.json, written by the
-driver as the batches stream in. One image file instead goes through a single Ray task and is
-printed: the quick check.
+the model once, on its GPU with use_gpu) -> write (Parquet parts staged by Ray Data write tasks,
+pipeline.predictions) -> the driver publishes the parts and summary.json once all are written.
+One image file instead goes through a single Ray task and is printed: the quick check.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import posixpath
-import tempfile
+import math
+import resource
 import time
-from pathlib import Path
+import uuid
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 import ray.data
 import torch
@@ -30,14 +27,13 @@ from pipeline.inputs import read_input
 from pipeline.logs import quiet_ray_data
 from pipeline.model import load_model
 from pipeline.plots import plot_confusion
+from pipeline.predictions import STAGING, WRITE_TASKS, PredictionSink, Tally, batch_table, publish
 from pipeline.runs import RUN_SUMMARY, SCORE, SNAPSHOT, best_checkpoint, load_result
 from pipeline.step import Step, pick_precision
 from pipeline.storage import Location
 from pipeline.transforms import BadImageError, decode_image, resize_center_crop
 
 log = logging.getLogger(__name__)
-
-PREDICTIONS, SUMMARY, CONFUSION_PNG = "predictions.parquet", "summary.json", "confusion_matrix.png"
 
 
 def resolve_checkpoint(model: Location) -> Location:
@@ -145,16 +141,15 @@ class Predictor:
         if self.decode_size:
             batch = prepare_batch(batch, image_size=self.decode_size)
         probs, top = self.classifier.probabilities(batch["pixels"]).topk(self.top_k, dim=1)
-        pred = top[:, 0].numpy()
-        return {
-            "source_id": batch["source_id"],
-            "label": np.array([self.index.get(n, -1) for n in batch["label_name"]]),
-            "pred": pred,
-            "pred_name": np.array([self.classes[i] for i in pred], dtype=object),
-            "top_k": top.numpy(),
-            "top_k_prob": probs.numpy(),
-            "error": batch["error"],
-        }
+        return batch_table(
+            source_id=batch["source_id"],
+            label=np.array([self.index.get(n, -1) for n in batch["label_name"]], dtype=np.int64),
+            top_k=top.numpy(),
+            top_k_prob=probs.numpy(),
+            error=batch["error"],
+            classes=self.classes,
+            predicted_at=time.time(),
+        )
 
 
 def wait_for_gpu(timeout_s: float) -> int:
@@ -221,109 +216,65 @@ def run(cfg: InferConfig, *, model: Location, source: Location, output: Location
         **per_actor,
     )
 
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        local = posixpath.join(tmp, PREDICTIONS)
-        labels, preds, skipped, first = write_predictions(ds, local, meta.classes)
-        seconds = time.monotonic() - started
-        summary = summarize(meta, checkpoint, labels, preds, skipped, seconds)
-        if first is not None:
-            # Start-up (actors importing torch, loading the model) apart from the steady rate.
-            first_at, first_images = first
-            summary["first_batch_s"] = first_at - started
-            rest = started + seconds - first_at
-            summary["steady_images_per_s"] = (len(preds) - first_images) / rest if rest else 0.0
-        # The summary goes last, so a reader that finds it finds complete predictions.
-        output.child(SUMMARY).delete()
-        output.child(PREDICTIONS).write_bytes(Path(local).read_bytes())
-    confusion = output.child(CONFUSION_PNG)
-    if "confusion_matrix" in summary:
-        confusion.write_bytes(plot_confusion(summary["confusion_matrix"], meta.classes))
-    else:
-        confusion.delete()
-    output.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
+    # Leftovers of interrupted runs are garbage: one writer per output at a time.
+    staging_root = output.child(STAGING)
+    staging_root.delete()
+    sink = PredictionSink(
+        staging_root.child(uuid.uuid4().hex[:12]),
+        num_classes=len(meta.classes),
+        rows_per_file=cfg.rows_per_file,
+    )
+    # Wall clock, not monotonic: the batches are stamped in the actors' processes.
+    started = time.time()
+    try:
+        # The write tasks take no CPU, like the reads: on CPUs the actors hold every one.
+        ds.write_datasink(sink, ray_remote_args={"num_cpus": 0}, concurrency=WRITE_TASKS)
+        seconds = time.time() - started
+        summary = summarize(meta, checkpoint, sink.tally, started, seconds)
+        png = None
+        if "confusion_matrix" in summary:
+            png = plot_confusion(summary["confusion_matrix"], meta.classes)
+        summary |= driver_usage()  # last but the moves: everything the driver did counts
+        publish(output, sink.tally, summary, png)
+    finally:
+        staging_root.delete()
     return summary
 
 
-PREDICTION_SCHEMA = pa.schema(
-    [
-        ("source_id", pa.string()),
-        ("label", pa.int64()),  # index into the checkpoint's classes; null when unknown
-        ("label_name", pa.string()),
-        ("pred", pa.int64()),
-        ("pred_name", pa.string()),
-        ("top_k", pa.list_(pa.int64())),  # class indices, most likely first
-        ("top_k_prob", pa.list_(pa.float32())),
-    ]
-)
+def driver_usage() -> dict:
+    """This process's peak memory and CPU time so far: what the driver costs, which must not
+    grow with the number of images (bench/infer_scale.py)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "driver_peak_rss_mib": round(usage.ru_maxrss / 1024, 1),  # Linux reports KiB
+        "driver_cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+    }
 
 
-def write_predictions(ds: ray.data.Dataset, path: str, classes: list[str]):
-    """Stream the predicted batches into one Parquet file; return labels, predictions, skips,
-    and when the first batch arrived with how many images (None if none did)."""
-    labels, preds, skipped, first = [], [], [], None
-    with pq.ParquetWriter(path, PREDICTION_SCHEMA) as writer:
-        for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-            ok = batch["error"] == ""
-            first = first or (time.monotonic(), int(ok.sum()))
-            bad = zip(batch["source_id"][~ok], batch["error"][~ok], strict=True)
-            skipped += [{"source_id": s, "reason": e} for s, e in bad]
-            if not ok.any():
-                continue
-            label = batch["label"][ok]
-            top_k, prob = batch["top_k"][ok], batch["top_k_prob"][ok]
-            k = top_k.shape[1]
-            table = pa.table(
-                {
-                    "source_id": pa.array(batch["source_id"][ok], pa.string()),
-                    "label": pa.array(label, pa.int64(), mask=label < 0),
-                    "label_name": pa.array(
-                        [classes[i] if i >= 0 else None for i in label], pa.string()
-                    ),
-                    "pred": pa.array(batch["pred"][ok], pa.int64()),
-                    "pred_name": pa.array(batch["pred_name"][ok], pa.string()),
-                    "top_k": pa.FixedSizeListArray.from_arrays(
-                        pa.array(top_k.ravel(), pa.int64()), k
-                    ).cast(pa.list_(pa.int64())),
-                    "top_k_prob": pa.FixedSizeListArray.from_arrays(
-                        pa.array(prob.ravel(), pa.float32()), k
-                    ).cast(pa.list_(pa.float32())),
-                },
-                schema=PREDICTION_SCHEMA,
-            )
-            writer.write_table(table)
-            labels.append(label)
-            preds.append(batch["pred"][ok])
-    empty = [np.zeros(0, dtype=np.int64)]
-    return (
-        np.concatenate(labels or empty),
-        np.concatenate(preds or empty),
-        sorted(skipped, key=lambda s: s["source_id"]),
-        first,
-    )
-
-
-def summarize(meta, checkpoint: Location, labels, preds, skipped, seconds: float) -> dict:
+def summarize(meta, checkpoint: Location, tally: Tally, started: float, seconds: float) -> dict:
     summary = {
         "checkpoint": checkpoint.uri,
         "classes": meta.classes,
-        "images": len(preds),
+        "images": tally.images,
         "seconds": seconds,
-        "images_per_s": len(preds) / seconds if seconds else 0.0,
-        "skipped": skipped,
+        "images_per_s": tally.images / seconds if seconds else 0.0,
+        "skipped": sorted(tally.skipped, key=lambda s: s["source_id"]),
     }
-    known = labels >= 0
-    if known.any():
-        y, p = labels[known], preds[known]
-        n = len(meta.classes)
-        cm = np.zeros((n, n), dtype=np.int64)
-        np.add.at(cm, (y, p), 1)  # rows: true class, columns: predicted
+    if math.isfinite(tally.first_at):
+        # Start-up (actors importing torch, loading the model) apart from the steady rate.
+        first_s = tally.first_at - started
+        summary["first_batch_s"] = first_s
+        rest = seconds - first_s
+        summary["steady_images_per_s"] = (tally.images - tally.first_images) / rest if rest else 0.0
+    cm = tally.confusion  # rows: true class, columns: predicted
+    labelled = int(cm.sum())
+    if labelled:
         tp = np.diag(cm)
         precision = tp / np.maximum(cm.sum(axis=0), 1)
         recall = tp / np.maximum(cm.sum(axis=1), 1)
         summary |= {
-            "labelled_images": int(known.sum()),
-            "accuracy": float(tp.sum() / known.sum()),
+            "labelled_images": labelled,
+            "accuracy": float(tp.sum() / labelled),
             "per_class": {
                 c: {
                     "precision": float(precision[i]),

@@ -12,7 +12,7 @@ import sys
 import time
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from pipeline.infer import CONFUSION_PNG, PREDICTIONS, SUMMARY
+from pipeline.predictions import CONFUSION_PNG, PREDICTIONS, SUMMARY
 from pipeline.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
 
 OUTPUT = BUNDLE_ROOT / "outputs" / "demo"

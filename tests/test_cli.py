@@ -49,6 +49,13 @@ def test_inference_imports_no_training_code():
     assert not {m for m in loaded if m.startswith(("pipeline.train", "torchmetrics", "matplotlib"))}
 
 
+def test_inference_reads_and_writes_import_no_torch():
+    # Their tasks take no CPU and run in worker processes of their own: torch would cost each
+    # one seconds of start-up, taken from the CPUs the predictor actors hold.
+    loaded = imported_by("pipeline.inputs") | imported_by("pipeline.predictions")
+    assert "ray.data" in loaded and not {m for m in loaded if m.startswith("torch")}
+
+
 def test_training_driver_imports_neither_torchvision_nor_torchmetrics():
     # The workers need them; the driver only starts the workers.
     loaded = imported_by("pipeline.train")

@@ -15,8 +15,9 @@ from jobs.infer import main as infer_main
 from pipeline.checkpoint import save_checkpoint
 from pipeline.config import InferConfig, load_config
 from pipeline.errors import InputError
-from pipeline.infer import PREDICTIONS, SUMMARY, Classifier, resolve_checkpoint
+from pipeline.infer import Classifier, resolve_checkpoint
 from pipeline.model import build_model
+from pipeline.predictions import CONFUSION_PNG, PREDICTIONS, SUMMARY
 from pipeline.runs import RUN_SUMMARY
 from pipeline.storage import Location
 
@@ -37,7 +38,14 @@ def trained(main_run):
 @pytest.fixture(scope="module")
 def val_predictions(train_cluster, trained, tiny_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("preds")
-    proc = infer_job(train_cluster, f"model={trained}", f"input={tiny_dataset}", f"output={out}")
+    # Files of at least 50 rows: the 119 images make several, as a million would by default.
+    proc = infer_job(
+        train_cluster,
+        f"model={trained}",
+        f"input={tiny_dataset}",
+        f"output={out}",
+        "rows_per_file=50",
+    )
     assert proc.returncode == 0, proc.stdout
     return out, proc
 
@@ -60,9 +68,38 @@ def test_val_split_predictions_match_the_summary_and_training(val_predictions, t
     assert all(abs(sum(r["top_k_prob"]) - 1) < 1e-3 for r in table)
     assert (out / "confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
     assert f"predictions: {out}/predictions.parquet" in proc.stdout
+    # Written by the pipeline's write tasks in parts, published whole, nothing left staged.
+    parts = sorted(p.name for p in (out / PREDICTIONS).iterdir())
+    assert len(parts) >= 2 and parts[0] == "part-00000.parquet"
+    assert sorted(p.name for p in out.iterdir()) == [CONFUSION_PNG, PREDICTIONS, SUMMARY]
+    assert summary["driver_peak_rss_mib"] > 0 and summary["driver_cpu_s"] > 0
     # The demo config's one actor with both CPUs, decoding its own batches; start-up timed apart.
     assert "1 predictor actors with {'num_cpus': 2} each" in proc.stdout
     assert 0 < summary["first_batch_s"] < summary["seconds"] and summary["steady_images_per_s"] > 0
+
+
+def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
+    train_cluster, trained, tiny_dataset, val_predictions, tmp_path
+):
+    # A complete output from before, and a dataset whose last val shard is not Parquet: the
+    # run fails partway, with predictions of other shards perhaps staged already.
+    out = tmp_path / "out"
+    shutil.copytree(val_predictions[0], out)
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dataset, broken)
+    shards = sorted((broken / "val").glob("*.parquet"))
+    shards[-1].write_bytes(b"not parquet")
+    proc = infer_job(
+        train_cluster, f"model={trained}", f"input={broken}", f"output={out}", "rows_per_file=10"
+    )
+    assert proc.returncode != 0
+    assert "Parquet magic bytes not found" in proc.stdout, proc.stdout
+    after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    # Readers see the previous run whole; pyarrow skips `_staging` if a cancelled write task
+    # left a file there after the run cleared it.
+    assert {p: b for p, b in after.items() if "_staging" not in p.parts} == before
+    assert pq.read_table(out / PREDICTIONS).num_rows == 119
 
 
 def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(

@@ -9,6 +9,7 @@ import shlex
 import subprocess
 from concurrent.futures import Future
 
+import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
@@ -17,7 +18,7 @@ from conftest import CLASSES, airflow_dag_tasks, in_background, make_image_folde
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.s3 import S3Server
 from pipeline.dataset import read_manifest
-from pipeline.infer import PREDICTIONS, SUMMARY
+from pipeline.predictions import PREDICTIONS, SUMMARY
 from pipeline.runs import HISTORY_CSV, RUN_SUMMARY, SNAPSHOT
 from pipeline.storage import Location
 from pipeline.submit import step_command
@@ -76,6 +77,7 @@ CHAIN_SETTINGS = [
     "train.name=s3run",
     "train.epochs=2",
     "train.global_batch_size=16",
+    "infer.rows_per_file=5",  # predictions in several files, each moved into place on S3
 ]
 
 
@@ -190,6 +192,23 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     assert result["accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"], abs=1e-6)
     table = pq.read_table(predictions.child(PREDICTIONS).path, filesystem=s3)
     assert table.num_rows == val_rows
+    files = [i.path.removeprefix(predictions.path + "/") for i in predictions.list_files()]
+    assert sum(f.startswith(f"{PREDICTIONS}/part-") for f in files) >= 2, files
+    assert not [f for f in files if f.startswith("_staging")], files
+
+    # The same model on the same images, written to local disk: the same predictions.
+    local = tmp_path / "predictions"
+    args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
+    args += [f"model={run.uri}", f"input={dataset.uri}", f"output={local}"]
+    proc = s3_cluster.submit(args, capture=True, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout
+    here, there = (t.sort_by("source_id") for t in (pq.read_table(local / PREDICTIONS), table))
+    assert here.drop_columns("top_k_prob") == there.drop_columns("top_k_prob")
+    assert np.allclose(
+        np.array(here["top_k_prob"].to_pylist()),
+        np.array(there["top_k_prob"].to_pylist()),
+        atol=1e-5,
+    )
 
 
 def test_chain_stops_at_the_first_failed_job_with_its_exit_code(s3_cluster):
