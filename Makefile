@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench clean
+.PHONY: install demo test test-fast lint format bench bench-scale clean
 
 install: $(STAMP)
 
@@ -40,6 +40,13 @@ bench: $(STAMP)
 	$(PY) -m bench.loader
 	$(PY) -m bench.train_throughput --repeat 3
 	$(PY) -m bench.infer_throughput
+	$(PY) -m bench.startup --repeat 3
+
+## The same at the dataset sizes users have (1k, 10k, 100k images; local disk and S3): about an hour.
+bench-scale: $(STAMP)
+	$(PY) -m bench.loader --sizes 1000 10000 100000
+	$(PY) -m bench.scale --sizes 1000 10000 100000
+	$(PY) -m bench.infer_scale
 
 clean:
 	rm -rf outputs bench/results .pytest_cache .ruff_cache
