@@ -4,16 +4,16 @@ each size, on local disk and on an S3-compatible server, side by side.
     .venv/bin/python -m bench.infer_scale --data-dir /tmp/infer-scale   # 1k, 100k, 300k images
     .venv/bin/python -m bench.infer_scale --sizes 1000 10000 --no-s3     # a quick look
 
-For each size, preprocesses generated images at 32 px with the real preprocess job (every image
-in the train split, in shards of `--shard-size` images: 250 by default, whose blocks of
-predictions are small enough to be kept in the driver's own memory, the harder case) and
-classifies that split with a ResNet-18 of random weights (speed and memory do not depend on
-them). The infer job runs through `ray job submit` on one local cluster, for each size, on local
-disk, then on a moto S3 server on loopback (`--no-s3` to skip). From each run's summary.json: images/s over the whole run and after the
-first batch, and the driver's peak RSS and CPU seconds, which the job records itself.
-`--data-dir` keeps the datasets for the next run: generating 300,000 images takes about 6
-minutes here, and an up-to-date dataset is not rebuilt. Everything at the default sizes: about
-30 minutes on 2 cores.
+For each size, preprocesses generated images at 32 px with the real preprocess job (every image in
+the train split, in shards of `--shard-size` images: 250 by default, whose blocks of predictions are
+small enough to be kept in the driver's own memory, the harder case) and classifies that split with
+a ResNet-18 of random weights (speed and memory do not depend on them). The infer job runs through
+`ray job submit` on one local cluster, for each size, on local disk, then on a moto S3 server on
+loopback (`--no-s3` to skip). From each run's summary.json: images/s over the whole run and after
+the first batch, and the driver's peak RSS and CPU seconds, which the job records itself.
+`--data-dir` keeps the datasets for the next run: generating 300,000 images takes about 6 minutes
+here, and an up-to-date dataset is not rebuilt. Everything at the default sizes: about 25 minutes on
+2 cores, 15 with the datasets kept.
 The driver's peak RSS holds constants (torch, matplotlib for the plot) and, during the first
 minute of a run, Ray Data's own warm-up (about 15 MiB): what must not grow with the input is the
 step between the two largest sizes.
