@@ -4,16 +4,16 @@ each size, on local disk and on an S3-compatible server, side by side.
     .venv/bin/python -m bench.infer_scale --data-dir /tmp/infer-scale   # 1k, 100k, 300k images
     .venv/bin/python -m bench.infer_scale --sizes 1000 10000 --no-s3     # a quick look
 
-For each size, preprocesses generated images at 32 px with the real preprocess job (every image
-in the train split, in shards of 250 images, whose blocks of predictions are small enough to be
-kept in the driver's own memory, the harder case) and classifies that split with a ResNet-18 of
-random weights (speed and memory do not depend on them). The infer job runs through `ray job
-submit` on one local cluster, for each size, on local disk, then on a moto S3 server on loopback
-(`--no-s3` to skip). From each run's summary.json: images/s over the whole run and after the
-first batch, and the driver's peak RSS and CPU seconds, which the job records itself.
-`--data-dir` keeps the datasets for the next run: generating 300,000 images takes about 6
-minutes here, and an up-to-date dataset is not rebuilt. Everything at the default sizes: about
-30 minutes on 2 cores.
+For each size, preprocesses generated images at 32 px with the real preprocess job (every image in
+the train split, in shards of `--shard-size` images: 250 by default, whose blocks of predictions are
+small enough to be kept in the driver's own memory, the harder case) and classifies that split with
+a ResNet-18 of random weights (speed and memory do not depend on them). The infer job runs through
+`ray job submit` on one local cluster, for each size, on local disk, then on a moto S3 server on
+loopback (`--no-s3` to skip). From each run's summary.json: images/s over the whole run and after
+the first batch, and the driver's peak RSS and CPU seconds, which the job records itself.
+`--data-dir` keeps the datasets for the next run: generating 300,000 images takes about 6 minutes
+here, and an up-to-date dataset is not rebuilt. Everything at the default sizes: about 25 minutes on
+2 cores, 15 with the datasets kept.
 The driver's peak RSS holds constants (torch, matplotlib for the plot) and, during the first
 minute of a run, Ray Data's own warm-up (about 15 MiB): what must not grow with the input is the
 step between the two largest sizes.
@@ -43,8 +43,8 @@ BUCKET = "bench"
 TARGETS = {"rss_growth_mib": 10, "steady_ratio": 0.9}
 
 
-def make_dataset(root: Path, images: int, image_size: int, cpus: int) -> Path:
-    dataset = root / f"images-{images}" / "dataset"
+def make_dataset(root: Path, images: int, image_size: int, shard_size: int, cpus: int) -> Path:
+    dataset = root / f"images-{images}-shards-{shard_size}" / "dataset"
     preprocess_generated(
         dataset,
         f"source.synthetic.num_classes={CLASSES}",
@@ -52,9 +52,7 @@ def make_dataset(root: Path, images: int, image_size: int, cpus: int) -> Path:
         f"image_size={image_size}",
         f"source.synthetic.raw_size={image_size + image_size // 7}",
         "val_fraction=0",
-        # Several shards even at the smallest size: Ray Data hands a shard's predictions on as
-        # one block, and a steady rate needs blocks after the first.
-        "shard_size=250",
+        f"shard_size={shard_size}",
         "row_group_size=128",
         cpus=cpus,
     )
@@ -139,6 +137,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--shard-size", type=int, default=250, help="images per Parquet shard (Ray Data block)"
+    )
     parser.add_argument("--no-s3", action="store_true", help="local disk only")
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more settings of the infer job"
@@ -149,7 +150,9 @@ def main() -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data_dir or Path(tmp)
-        datasets = {n: make_dataset(data, n, args.image_size, args.cpus) for n in sizes}
+        datasets = {
+            n: make_dataset(data, n, args.image_size, args.shard_size, args.cpus) for n in sizes
+        }
         checkpoint = random_checkpoint(datasets[sizes[0]], Path(tmp) / "checkpoint")
         print(f"datasets ready after {time.monotonic() - started:.0f} s", flush=True)
         server, env = (None, {}) if args.no_s3 else s3_server()

@@ -77,7 +77,10 @@ CHAIN_SETTINGS = [
     "train.name=s3run",
     "train.epochs=2",
     "train.global_batch_size=16",
-    "infer.rows_per_file=5",  # predictions in several files, each moved into place on S3
+    # Predictions in several files, each moved into place on S3: actors take batches of at least
+    # batch_size rows, so small batches make several blocks of the ~24 val images.
+    "infer.batch_size=8",
+    "infer.rows_per_file=5",
 ]
 
 
