@@ -20,10 +20,11 @@ Results go to bench/results/loader.json.
 Scaling and storage, instead: for each size, generated 32 px images (the real preprocess job),
 one epoch of the training loader (--loader-workers processes) in a fresh interpreter, read from
 local disk and from an S3 server on loopback (moto): images/s over the whole epoch (its
-DataLoader processes start each epoch, so their start-up is included), peak RSS (the
-interpreter's and its largest DataLoader process's) and the bytes read over the train split's
-file bytes (through harness/counting.py); medians of --repeat rounds, after one unmeasured
-epoch. Results go to bench/results/loader_sizes.json.
+DataLoader processes start each epoch, so their start-up is included) and after the first
+batch (the steady rate, compared across sizes), peak RSS (the interpreter's and its largest
+DataLoader process's) and the bytes read over the train split's file bytes (through
+harness/counting.py); medians of --repeat rounds, after one unmeasured epoch. Results go to
+bench/results/loader_sizes.json.
 """
 
 import argparse
@@ -86,11 +87,14 @@ def one_epoch(uri: str, *, image_size: int, batch: int, workers: int, counts: st
         None, image_size=image_size, batch=batch, workers=workers, root=counter.location(plain)
     )
     before, images = counter.total(), 0
-    started = time.perf_counter()
+    started, first = time.perf_counter(), None
     for x, _ in batches:
         normalize(x, mean=manifest.mean, std=manifest.std)
         images += len(x)
+        if first is None:  # the DataLoader processes have started and read ahead
+            first = time.perf_counter(), images
     seconds = time.perf_counter() - started
+    steady_s = time.perf_counter() - first[0]
     files = manifest.splits["train"].files
     split_bytes = sum(plain.child(f.path).info().size for f in files)
     status = Path("/proc/self/status").read_text()
@@ -98,6 +102,7 @@ def one_epoch(uri: str, *, image_size: int, batch: int, workers: int, counts: st
         "train_rows": manifest.splits["train"].rows,
         "images": images,
         "images_per_s": images / seconds,
+        "steady_images_per_s": (images - first[1]) / steady_s,
         "bytes_read_over_split": (counter.total() - before) / split_bytes,
         "peak_rss_mb": int(status.split("VmHWM:")[1].split()[0]) / 1024,
         # The largest DataLoader process (they have exited, so they count as waited for).
@@ -163,7 +168,8 @@ def sizes(args) -> int:
                 r = runs[where]
                 print(
                     f"{n} images ({r['train_rows']} train), {where}: "
-                    f"{r['images_per_s']:.0f} images/s, peak RSS {r['peak_rss_mb']:.0f} MiB "
+                    f"{r['images_per_s']:.0f} images/s ({r['steady_images_per_s']:.0f} after the "
+                    f"first batch), peak RSS {r['peak_rss_mb']:.0f} MiB "
                     f"(DataLoader process {r['worker_peak_rss_mb']:.0f} MiB), bytes read "
                     f"{r['bytes_read_over_split']:.3f}x the split"
                 )
@@ -174,6 +180,11 @@ def sizes(args) -> int:
                 f"{n} images: S3 / local images/s {runs['s3_over_local_images_per_s']:.2f} "
                 f"(median of rounds: {ratios})"
             )
+    small, large = min(args.sizes), max(args.sizes)
+    for where in ("local", "s3"):
+        rates = [results["sizes"][n][where]["steady_images_per_s"] for n in (small, large)]
+        ratio = results[f"{where}_steady_{large}_over_{small}"] = rates[1] / rates[0]
+        print(f"{where}: images/s after the first batch, {large} over {small}: {ratio:.2f}")
     write_results("loader_sizes", results)
     return 0
 

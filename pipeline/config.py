@@ -242,8 +242,8 @@ class InferConfig(_Strict):
     rows_per_file: int = Field(
         10_000,
         ge=1,
-        description="About this many predictions per Parquet file in predictions.parquet/ "
-        "(Ray Data's blocks are not split; the last file holds the rest).",
+        description="Predictions per Parquet file in predictions.parquet/ (each write task's "
+        "last file holds the rest).",
     )
     batch_size: int = Field(64, ge=1, description="Images per model call.")
     use_gpu: bool = Field(False, description="One GPU per predictor actor, mixed precision.")

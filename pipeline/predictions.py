@@ -140,9 +140,9 @@ class Tally:
 
 
 class PredictionSink(Datasink[Tally]):
-    """`ds.write_datasink(sink)`: write tasks stage Parquet parts of about `rows_per_file` rows
-    under `staging`; once every one has succeeded, `sink.tally` holds their sum. Nothing is
-    in place until `publish`."""
+    """`ds.write_datasink(sink)`: write tasks stage Parquet parts of `rows_per_file` rows under
+    `staging` (each task's last part holds the rest); once every one has succeeded, `sink.tally`
+    holds their sum. Nothing is in place until `publish`."""
 
     def __init__(self, staging: Location, *, num_classes: int, rows_per_file: int):
         self.staging = staging
@@ -156,24 +156,29 @@ class PredictionSink(Datasink[Tally]):
 
     def write(self, blocks: Iterable[Block], ctx) -> Tally:
         tally = Tally.empty(self.num_classes)
-        # A unique name per attempt: a retried task writes a file of its own, and only the
+        # A unique name per attempt: a retried task writes files of its own, and only the
         # parts whose tallies reach the driver are published; the others go with the staging.
-        part = self.staging.child(f"{ctx.task_idx:06d}-{uuid.uuid4().hex[:8]}.parquet")
-        writer = None
+        stem = f"{ctx.task_idx:06d}-{uuid.uuid4().hex[:8]}"
+        writer, rows_in_file = None, 0
         try:
             for block in blocks:
                 rows = tally.add(BlockAccessor.for_block(block).to_arrow())
-                if rows.num_rows == 0:
-                    continue
-                if writer is None:
-                    part.create_parent()
-                    writer = pq.ParquetWriter(part.path, PREDICTION_SCHEMA, filesystem=part.fs)
-                writer.write_table(rows)
+                while rows.num_rows:
+                    if writer is None:
+                        part = self.staging.child(f"{stem}-{len(tally.parts):04d}.parquet")
+                        part.create_parent()
+                        writer = pq.ParquetWriter(part.path, PREDICTION_SCHEMA, filesystem=part.fs)
+                        tally.parts.append((part.path, 0))
+                    head = rows.slice(0, self.rows_per_file - rows_in_file)
+                    writer.write_table(head)
+                    rows, rows_in_file = rows.slice(head.num_rows), rows_in_file + head.num_rows
+                    tally.parts[-1] = (part.path, rows_in_file)
+                    if rows_in_file == self.rows_per_file:
+                        writer.close()
+                        writer, rows_in_file = None, 0
         finally:
             if writer is not None:
                 writer.close()
-        if writer is not None:
-            tally.parts.append((part.path, tally.images))
         return tally
 
     def on_write_complete(self, write_result: WriteResult[Tally]) -> None:

@@ -107,6 +107,22 @@ def test_parts_stay_staged_until_published_and_only_reported_ones_count(tmp_path
     assert json.loads((output / SUMMARY).read_text()) == {"images": 6}
 
 
+def test_files_hold_rows_per_file_rows_however_the_blocks_come(tmp_path):
+    root = Location.parse(str(tmp_path / "out"))
+    sink = PredictionSink(root.child(STAGING, "run"), num_classes=3, rows_per_file=2)
+    ids = [f"x/{i}" for i in range(7)]
+    # One block of five, one of two: the files split them at every second row.
+    blocks = [batch(ids[:5], [0] * 5, [0] * 5, at=1.0), batch(ids[5:], [1, 1], [1, 1], at=2.0)]
+    tally = sink.write(blocks, TaskContext(task_idx=0, op_name="Write"))
+    assert [rows for _, rows in tally.parts] == [2, 2, 2, 1]
+    sink.on_write_complete(WriteResult(num_rows=7, size_bytes=0, write_returns=[tally]))
+    publish(root, sink.tally, {"images": 7}, None)
+    files = sorted((tmp_path / "out" / PREDICTIONS).iterdir())
+    assert [pq.read_metadata(f).num_rows for f in files] == [2, 2, 2, 1]
+    assert pq.read_table(files[0])["source_id"].to_pylist() == ["x/0", "x/1"]
+    assert pq.read_table(tmp_path / "out" / PREDICTIONS)["source_id"].to_pylist() == ids
+
+
 def test_a_publish_that_fails_midway_leaves_no_summary(tmp_path):
     output = tmp_path / "out"
     previous_run(output)
