@@ -23,7 +23,8 @@ local disk and from an S3 server on loopback (moto): images/s over the whole epo
 DataLoader processes start each epoch, so their start-up is included) and after the first
 batch (the steady rate, compared across sizes), peak RSS (the interpreter's and its largest
 DataLoader process's) and the bytes read over the train split's file bytes (through
-harness/counting.py); medians of --repeat rounds, after one unmeasured epoch. Results go to
+harness/counting.py); medians of --repeat rounds of every size and storage, after one
+unmeasured epoch per size. Results go to
 bench/results/loader_sizes.json.
 """
 
@@ -143,26 +144,32 @@ def sizes(args) -> int:
     results = {"args": vars(args), "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp, S3Server() as s3:
         s3fs = s3.create_bucket("bench")
+        sources = {}
         for n in args.sizes:
             local = generate(Path(tmp) / f"n{n}", n, 32)
             with s3.client_env():
                 pafs.copy_files(str(local), f"bench/n{n}", destination_filesystem=s3fs)
-            sources = {"local": (str(local), None), "s3": (f"s3://bench/n{n}", s3.env)}
+            sources[n] = {"local": (str(local), None), "s3": (f"s3://bench/n{n}", s3.env)}
             # A first epoch after preprocessing ran at a third of the speed of later ones,
-            # local or S3 alike (cold caches): one unmeasured epoch first, then rounds of both.
+            # local or S3 alike (cold caches): one unmeasured epoch first.
             epoch_in_fresh_interpreter(str(local), None, args=args, tmp=Path(tmp))
-            rounds = [
-                {
-                    k: epoch_in_fresh_interpreter(*sources[k], args=args, tmp=Path(tmp))
-                    for k in sources
+        # Each round measures every size and storage, so the machine's load weighs on all alike.
+        rounds = [
+            {
+                n: {
+                    k: epoch_in_fresh_interpreter(*sources[n][k], args=args, tmp=Path(tmp))
+                    for k in ("local", "s3")
                 }
-                for _ in range(args.repeat)
-            ]
-            runs = {k: median_run([r[k] for r in rounds]) for k in sources}
+                for n in args.sizes
+            }
+            for _ in range(args.repeat)
+        ]
+        for n in args.sizes:
+            runs = {k: median_run([r[n][k] for r in rounds]) for k in ("local", "s3")}
             runs["s3_over_local_images_per_s"] = statistics.median(
-                r["s3"]["images_per_s"] / r["local"]["images_per_s"] for r in rounds
+                r[n]["s3"]["images_per_s"] / r[n]["local"]["images_per_s"] for r in rounds
             )
-            runs["rounds"] = rounds
+            runs["rounds"] = [r[n] for r in rounds]
             results["sizes"][n] = runs
             for where in ("local", "s3"):
                 r = runs[where]
@@ -174,7 +181,7 @@ def sizes(args) -> int:
                     f"{r['bytes_read_over_split']:.3f}x the split"
                 )
             ratios = ", ".join(
-                f"{r['s3']['images_per_s'] / r['local']['images_per_s']:.2f}" for r in rounds
+                f"{r[n]['s3']['images_per_s'] / r[n]['local']['images_per_s']:.2f}" for r in rounds
             )
             print(
                 f"{n} images: S3 / local images/s {runs['s3_over_local_images_per_s']:.2f} "

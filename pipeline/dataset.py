@@ -1,23 +1,30 @@
 """The on-storage dataset: Parquet shards per split plus a manifest that commits them.
 
 Layout of `<output>/`:
-    manifest.json          written last: a dataset exists only once it is there
-    config.yaml            the resolved preprocessing config
-    train/part-00000.parquet, ...
-    val/part-00000.parquet, ...
-    _staging/<run>/...     a run in progress (pyarrow and Ray Data ignore `_` paths)
+    manifest.json                  the commit point: the dataset is the files it lists
+    data/<run>/config.yaml         each run's resolved preprocessing config
+    data/<run>/train/part-00000.parquet, ...
+    data/<run>/val/part-00000.parquet, ...
+
+A run writes only below its own `data/<run>/` and commits by writing the manifest, one atomic
+write (a rename on local disk, a single PUT on object stores), so a reader sees the previous
+dataset or the new one, whole, whatever moment a run crashes at. After the commit the run
+removes the older runs' directories. Runs are named by their start time, and the newest start
+wins: a run that finds a newer run's manifest committed does not replace it.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import uuid
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipeline import faults
 from pipeline.errors import InputError
 from pipeline.storage import Location
 
@@ -27,7 +34,9 @@ SCHEMA_VERSION = 1
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"
 CONFIG_YAML = "config.yaml"
-STAGING = "_staging"
+DATA = "data"
+# What the layout before data/<run>/ kept at the top: replaced by the first commit over it.
+OLD_LAYOUT = ("train", "val", CONFIG_YAML, "_staging")
 
 SCHEMA = pa.schema(
     [
@@ -61,6 +70,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: int = SCHEMA_VERSION
+    run: str = ""  # the run that wrote it (new_run); "" in datasets of the older layout
     created_at: str
     fingerprint: str
     classes: list[str]
@@ -114,41 +124,66 @@ def read_manifest(root: Location) -> Manifest | None:
     return manifest
 
 
+def new_run() -> str:
+    """A run's name: its start time first, so names sort by start."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return f"{now:%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
+
+
 def check_replaceable(root: Location, *, overwrite: bool) -> None:
     """Refuse to publish over a directory that holds something other than our dataset.
 
-    Publishing deletes `train/` and `val/`: in a folder of raw images laid out that way, that
-    would destroy the user's data. Only our own leftovers (`_staging`) are fine without a
-    manifest."""
+    A commit removes `train/` and `val/` of the older layout: in a folder of raw images laid
+    out that way, that would destroy the user's data. Only our own directories (`data/`, and
+    `_staging/` of older versions) are fine without a manifest."""
     if overwrite or not root.exists() or root.child(MANIFEST).exists():
         return
     if not root.is_dir():
         raise InputError(f"output {root.uri} is a file: point output at a directory")
     entries = root.fs.get_file_info(pafs.FileSelector(root.path))
-    foreign = sorted(e.base_name for e in entries if e.base_name != STAGING)
+    foreign = sorted(e.base_name for e in entries if e.base_name not in (DATA, "_staging"))
     if foreign:
         raise InputError(
             f"output {root.uri} is not empty and holds no {MANIFEST}, so it is not a dataset "
             f"this job wrote (it has: {', '.join(foreign[:5])}). Choose an empty or new "
-            "directory; or, if a previous run was interrupted while publishing, or you mean to "
-            "replace its train/ and val/, pass overwrite=true"
+            "directory; or, if you mean to replace its train/ and val/, pass overwrite=true"
         )
 
 
-def publish(root: Location, staging: Location, manifest: Manifest, config_yaml: str) -> None:
-    """Move a complete staged dataset into place, committing it with the manifest last.
-
-    Readers go through the manifest, so from its removal to its rewrite they see no dataset
-    rather than a mix of two: a crash in between leaves `root` without a manifest, and the next
-    run replaces it. Object stores have no atomic directory rename, hence this order."""
-    root.child(MANIFEST).delete()
-    for split in SPLITS:
-        root.child(split).delete()
-    for info in manifest.splits.values():
-        for f in info.files:
-            target = root.child(f.path)
-            target.create_parent()
-            root.fs.move(staging.child(f.path).path, target.path)
-    root.child(CONFIG_YAML).write_bytes(config_yaml.encode())
+def commit(root: Location, manifest: Manifest, config_yaml: str) -> Manifest:
+    """Commit the run that wrote `manifest`'s files (below `data/<manifest.run>/`), then remove
+    the older runs' files. Returns the manifest in place afterwards."""
+    run_dir = root.child(DATA, manifest.run)
+    run_dir.child(CONFIG_YAML).write_bytes(config_yaml.encode())
+    faults.point(faults.DATASET_WRITTEN)
+    try:
+        current = read_manifest(root)
+    except InputError:  # unreadable: this run was asked to replace it (overwrite=true)
+        current = None
+    if current is not None and current.run > manifest.run:
+        # Another run started after this one and committed first; its dataset stands.
+        run_dir.delete()
+        if current.fingerprint == manifest.fingerprint:
+            log.info("run %s committed the same dataset while this one ran", current.run)
+            return current
+        raise InputError(
+            f"{root.uri} was replaced while this run was writing: run {current.run}, started "
+            f"after this one ({manifest.run}), committed another config first and stays. "
+            "Run one preprocess job per output at a time, or submit this one again to replace it"
+        )
     root.child(MANIFEST).write_bytes(manifest.model_dump_json(indent=2).encode())
-    staging.delete()
+    faults.point(faults.DATASET_COMMITTED)
+    remove_older_runs(root, manifest.run)
+    return manifest
+
+
+def remove_older_runs(root: Location, run: str) -> None:
+    """Delete the runs that started before `run`: the datasets its commit replaced and runs
+    that crashed. Newer ones may still be writing, so they stay."""
+    older = [d for d in root.child(DATA).list_dirs() if d.base_name < run]
+    for info in older:
+        root.child(DATA, info.base_name).delete()
+    for name in OLD_LAYOUT:
+        root.child(name).delete()
+    if older:
+        log.info("removed %d older run(s) below %s", len(older), root.child(DATA).uri)

@@ -1,21 +1,25 @@
-"""Fault points: where a fault test holds a training worker, to kill it at a state it checked.
+"""Fault points: where a fault test holds a process, to kill it at a state it checked.
 
 A test arms one point for one job with `RAY_CV_FAULT=<point>:<directory>` in the job's runtime
-env, which Ray Train's workers inherit. The first worker to reach the armed point writes its pid
-to `<directory>/<point>` and blocks until it is killed. The file stays, so the workers that
-replace the killed one pass the point: a fresh directory per job. Both points are on rank 0's
-path only, as rank 0 alone attaches checkpoints. Unarmed, a point is one environment lookup.
+env, which the job's driver and Ray Train's workers inherit. The first process to reach the
+armed point writes its pid to `<directory>/<point>` and blocks until it is killed, or until the
+test calls `release` (to let a held writer go on at a moment of the test's choosing). The file
+stays, so the workers that replace a killed one pass the point: a fresh directory per job. The
+checkpoint points are on rank 0's path only, as rank 0 alone attaches checkpoints; the dataset
+points are in the preprocess job's driver. Unarmed, a point is one environment lookup.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import ray.train
+if TYPE_CHECKING:
+    import ray.train
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,11 @@ CHECKPOINT_UPLOADED = "checkpoint_uploaded"
 # Right after `ray.train.report` returns: the checkpoint is queued, and Ray's controller
 # records it without any more work from the worker.
 CHECKPOINT_REPORTED = "checkpoint_reported"
-POINTS = (CHECKPOINT_UPLOADED, CHECKPOINT_REPORTED)
+# A preprocess run's shards and config are written, its manifest not yet: the commit point.
+DATASET_WRITTEN = "dataset_written"
+# The new manifest is in place, the datasets it replaced not yet removed.
+DATASET_COMMITTED = "dataset_committed"
+POINTS = (CHECKPOINT_UPLOADED, CHECKPOINT_REPORTED, DATASET_WRITTEN, DATASET_COMMITTED)
 
 
 def arm(point: str, directory: str | Path) -> dict[str, str]:
@@ -49,8 +57,14 @@ def armed() -> tuple[str, Path] | None:
     return name, Path(directory)
 
 
+def release(marker: Path) -> None:
+    """Let the process held at `marker` (the file its point wrote) go on."""
+    marker.with_name(marker.name + ".release").touch()
+
+
 def point(name: str) -> None:
-    """If `name` is armed and has not fired in this run yet: block here until killed."""
+    """If `name` is armed and has not fired in this run yet: block here until killed or
+    released."""
     arming = armed()
     if arming is None or arming[0] != name:
         return
@@ -60,10 +74,11 @@ def point(name: str) -> None:
     partial = marker.with_name(f".{name}.tmp")
     partial.write_text(str(os.getpid()))
     partial.replace(marker)  # the test reads a whole pid or no file
-    log.warning(
-        "fault point %s: holding this worker (pid %d) until it is killed", name, os.getpid()
-    )
-    threading.Event().wait()
+    log.warning("fault point %s: holding this process (pid %d)", name, os.getpid())
+    released = marker.with_name(name + ".release")
+    while not released.exists():
+        time.sleep(0.1)
+    log.warning("fault point %s: released", name)
 
 
 def checkpoint_upload_fn() -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint] | None:
@@ -72,6 +87,7 @@ def checkpoint_upload_fn() -> Callable[[ray.train.Checkpoint, str], ray.train.Ch
     arming = armed()
     if arming is None or arming[0] != CHECKPOINT_UPLOADED:
         return None
+    import ray.train
 
     def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
         # What `report` calls when given no upload function (a DeveloperAPI; Ray is pinned).

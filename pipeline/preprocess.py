@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -19,15 +18,17 @@ import ray
 
 from pipeline.config import PreprocessConfig, dump_config, validate_config
 from pipeline.dataset import (
+    DATA,
     SPLITS,
-    STAGING,
     Manifest,
     ShardFile,
     Skipped,
     SplitInfo,
     check_replaceable,
-    publish,
+    commit,
+    new_run,
     read_manifest,
+    remove_older_runs,
     write_shard,
 )
 from pipeline.errors import InputError
@@ -96,14 +97,15 @@ def _process_shard(
     shard: int,
     items: list[Item],
     reader: Reader,
-    staging: Location,
+    root: Location,
+    run: str,
 ) -> ShardResult:
     cfg = validate_config(PreprocessConfig, cfg_dict)
     rows, skipped = process_items(cfg, classes, items, reader)
     result = ShardResult(skipped=skipped)
     for split, split_rows in rows.items():
-        rel = f"{split}/part-{shard:05d}.parquet"
-        write_shard(staging.child(rel), split_rows, row_group_size=cfg.row_group_size)
+        rel = f"{DATA}/{run}/{split}/part-{shard:05d}.parquet"
+        write_shard(root.child(rel), split_rows, row_group_size=cfg.row_group_size)
         result.files[split] = ShardFile(path=rel, rows=len(split_rows))
         result.counts[split] = Counter(r["label"] for r in split_rows)
     return result
@@ -119,6 +121,8 @@ def run(cfg: PreprocessConfig, *, output: Location) -> Manifest:
             output.uri,
             existing.created_at,
         )
+        if existing.run:  # what a run that crashed after its commit left to remove
+            remove_older_runs(output, existing.run)
         return existing
     check_replaceable(output, overwrite=cfg.overwrite)
 
@@ -129,17 +133,15 @@ def run(cfg: PreprocessConfig, *, output: Location) -> Manifest:
     classes = source.classes
     log.info("source %s: %d images in %d classes", cfg.source.kind, len(items), len(classes))
 
-    # Leftovers of interrupted runs are garbage: one writer per output at a time.
-    staging_root = output.child(STAGING)
-    staging_root.delete()
-    staging = staging_root.child(uuid.uuid4().hex[:12])
+    # This run writes below data/<run>/ only; the manifest's rewrite commits it (pipeline.dataset).
+    run = new_run()
     try:
-        results = _run_shards(cfg, classes, items, source, staging)
-        manifest = _build_manifest(cfg, classes, results, total=len(items))
-        publish(output, staging, manifest, dump_config(cfg))
-    finally:
-        staging_root.delete()
-    return manifest
+        results = _run_shards(cfg, classes, items, source, output, run)
+        manifest = _build_manifest(cfg, classes, run, results, total=len(items))
+    except BaseException:
+        output.child(DATA, run).delete()
+        raise
+    return commit(output, manifest, dump_config(cfg))
 
 
 def in_flight_limit(source: Source, cpus: int) -> int | float:
@@ -152,7 +154,7 @@ def in_flight_limit(source: Source, cpus: int) -> int | float:
     return max(4, 2 * cpus) if source.reads_on_driver else math.inf
 
 
-def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardResult]:
+def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[ShardResult]:
     shards = [items[i : i + cfg.shard_size] for i in range(0, len(items), cfg.shard_size)]
     cfg_dict = cfg.model_dump(mode="json")
     log.info(
@@ -171,8 +173,9 @@ def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardRes
             limit = in_flight_limit(source, int(ray.cluster_resources().get("CPU", 0)))
             while next_shard < len(shards) and len(pending) < limit:
                 shard_items = shards[next_shard]
+                reader = source.reader(shard_items)
                 ref = _process_shard.remote(
-                    cfg_dict, classes, next_shard, shard_items, source.reader(shard_items), staging
+                    cfg_dict, classes, next_shard, shard_items, reader, root, run
                 )
                 pending[ref] = next_shard
                 next_shard += 1
@@ -197,7 +200,7 @@ def _run_shards(cfg, classes, items, source, staging: Location) -> list[ShardRes
     return results
 
 
-def _build_manifest(cfg, classes, results: list[ShardResult], *, total: int) -> Manifest:
+def _build_manifest(cfg, classes, run, results: list[ShardResult], *, total: int) -> Manifest:
     skipped = sorted((s for r in results for s in r.skipped), key=lambda s: s.source_id)
     splits = {}
     per_class: Counter = Counter()
@@ -229,6 +232,7 @@ def _build_manifest(cfg, classes, results: list[ShardResult], *, total: int) -> 
     if skipped:
         log.warning("skipped %d of %d images (listed in the manifest)", len(skipped), total)
     return Manifest(
+        run=run,
         created_at=Manifest.now(),
         fingerprint=cfg.fingerprint(),
         classes=classes,

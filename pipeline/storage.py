@@ -80,6 +80,6 @@ class Location:
         return sorted((i for i in infos if i.type == pafs.FileType.File), key=lambda i: i.path)
 
     def list_dirs(self) -> list[pafs.FileInfo]:
-        """Direct subdirectories, sorted by name."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path))
+        """Direct subdirectories, sorted by name; none if this directory does not exist."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         return sorted((i for i in infos if i.type == pafs.FileType.Directory), key=lambda i: i.path)

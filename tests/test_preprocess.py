@@ -74,7 +74,10 @@ def test_folder_to_parquet(tmp_path):
 
     rows = read_rows(out, manifest)
     assert len(rows) == 3 * 20
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "manifest.json", "train", "val"]
+    assert sorted(p.name for p in out.iterdir()) == ["data", "manifest.json"]
+    run = out / "data" / manifest.run
+    assert [p.name for p in (out / "data").iterdir()] == [manifest.run]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "train", "val"]
     for r in rows:
         assert Image.open(io.BytesIO(r["image"])).size == (32, 32)
         assert manifest.classes[r["label"]] == r["label_name"] == r["source_id"].split("/")[0]
@@ -88,7 +91,7 @@ def test_folder_to_parquet(tmp_path):
     for f in manifest.splits["train"].files:
         meta = pq.ParquetFile(out / f.path).metadata
         assert all(meta.row_group(i).num_rows <= 8 for i in range(meta.num_row_groups))
-    assert load_config(PreprocessConfig, out / "config.yaml") == cfg
+    assert load_config(PreprocessConfig, run / "config.yaml") == cfg
 
 
 def test_rerun_skips_overwrite_replaces(tmp_path):

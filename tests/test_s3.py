@@ -146,8 +146,9 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     )
     assert rows == 120
     keys = [i.path for i in dataset.list_files()]
-    assert not [k for k in keys if "/_staging/" in k]
-    assert f"{dataset.path}/config.yaml" in keys
+    written = f"{dataset.path}/data/{manifest.run}"
+    assert f"{written}/config.yaml" in keys
+    assert all(k.startswith(written) for k in keys if k != f"{dataset.path}/manifest.json"), keys
     val_rows = manifest.splits["val"].rows
 
     # Training, stopped from outside with `ray job stop` after its first checkpoint on S3: the

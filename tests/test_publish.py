@@ -1,0 +1,143 @@
+"""A dataset survives its writer crashing at either side of the commit, and two writers at once,
+on local disk and on S3 (moto on loopback): preprocess jobs sent with `ray job submit`, their
+drivers held at fault points (pipeline.faults) and killed or released there."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import armed_runtime_env, in_background, wait_for
+
+from harness.cluster import LocalCluster
+from harness.s3 import S3Server
+from pipeline import faults
+from pipeline.dataset import DATA, Manifest, read_manifest
+from pipeline.storage import Location
+
+pytestmark = pytest.mark.slow
+BUCKET = "publish-test"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with S3Server() as server:
+        server.create_bucket(BUCKET)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def s3_cluster(s3):
+    with LocalCluster(num_cpus=2, env=s3.env) as c:
+        yield c
+
+
+@pytest.fixture(params=["local", "s3"])
+def output(request, tmp_path, s3):
+    """The dataset's URI: a fresh directory on local disk or a fresh prefix on S3."""
+    if request.param == "local":
+        return str(tmp_path / "dataset")
+    return f"s3://{BUCKET}/{tmp_path.name}"
+
+
+def preprocess(cluster, output: str, image_size: int, runtime_env=None):
+    args = [
+        "python",
+        "-m",
+        "jobs.preprocess",
+        f"output={output}",
+        "source.kind=synthetic",
+        "source.synthetic.num_classes=3",
+        "source.synthetic.images_per_class=10",
+        "source.synthetic.raw_size=48",
+        f"image_size={image_size}",
+        "shard_size=10",
+    ]
+    return cluster.submit(args, capture=True, timeout_s=300, runtime_env=runtime_env)
+
+
+def held(cluster, output, image_size, fault_dir, point):
+    """A preprocess job held at `point`: (the job, the marker holding its driver's pid)."""
+    fault_dir.mkdir()
+    runtime_env, marker = armed_runtime_env(fault_dir, point)
+    job = in_background(preprocess, cluster, output, image_size, runtime_env)
+    wait_for(lambda: marker.exists() or job.done(), f"a driver held at {point}", 120)
+    assert not job.done(), job.result().stdout
+    return job, marker
+
+
+def committed(s3, uri: str) -> Manifest:
+    """What a reader finds at `uri`, checked whole: the manifest, and every row it lists."""
+    with s3.client_env():
+        root = Location.parse(uri)
+        manifest = read_manifest(root)
+        assert manifest is not None, f"no dataset at {uri}"
+        for info in manifest.splits.values():
+            rows = sum(
+                pq.read_table(root.child(f.path).path, filesystem=root.fs).num_rows
+                for f in info.files
+            )
+            assert rows == info.rows
+        assert sum(i.rows for i in manifest.splits.values()) == 30
+        return manifest
+
+
+def runs_on_storage(s3, uri: str) -> list[str]:
+    with s3.client_env():
+        return [i.base_name for i in Location.parse(uri).child(DATA).list_dirs()]
+
+
+@pytest.mark.parametrize("point", [faults.DATASET_WRITTEN, faults.DATASET_COMMITTED])
+def test_a_writer_killed_at_the_commit_leaves_one_whole_dataset(
+    s3_cluster, s3, output, point, tmp_path
+):
+    cluster = s3_cluster
+    old = preprocess(cluster, output, 32)
+    assert old.returncode == 0, old.stdout
+    before = committed(s3, output)
+
+    job, marker = held(cluster, output, 40, tmp_path / "fault", point)
+    new_run = next(r for r in runs_on_storage(s3, output) if r != before.run)
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    assert job.result().returncode != 0
+
+    after = committed(s3, output)
+    if point == faults.DATASET_WRITTEN:  # killed before its manifest: the old dataset stands
+        assert after == before
+    else:  # killed after it: the new one does, the old one's files not yet removed
+        assert (after.run, after.image_size) == (new_run, 40)
+    assert sorted(runs_on_storage(s3, output)) == sorted([before.run, new_run])
+
+    # Submitted again, the job finishes the work: the new dataset, and no run's files left over.
+    again = preprocess(cluster, output, 40)
+    assert again.returncode == 0, again.stdout
+    final = committed(s3, output)
+    assert final.image_size == 40
+    assert runs_on_storage(s3, output) == [final.run]
+
+
+@pytest.mark.parametrize("first", ["older", "newer"])
+def test_two_writers_at_once_leave_the_newer_dataset(s3_cluster, s3, output, first, tmp_path):
+    cluster = s3_cluster
+    older, older_marker = held(cluster, output, 32, tmp_path / "older", faults.DATASET_WRITTEN)
+    newer, newer_marker = held(cluster, output, 40, tmp_path / "newer", faults.DATASET_WRITTEN)
+    if first == "older":
+        # The older run commits; the newer one, still writing, keeps its files and then wins.
+        faults.release(older_marker)
+        assert older.result().returncode == 0, older.result().stdout
+        assert committed(s3, output).image_size == 32
+        faults.release(newer_marker)
+        assert newer.result().returncode == 0, newer.result().stdout
+    else:
+        # The newer run commits; the older one then finds it and does not replace it.
+        faults.release(newer_marker)
+        assert newer.result().returncode == 0, newer.result().stdout
+        faults.release(older_marker)
+        proc = older.result()
+        assert proc.returncode == 1, proc.stdout
+        assert "was replaced while this run was writing" in proc.stdout
+    final = committed(s3, output)
+    assert final.image_size == 40
+    assert runs_on_storage(s3, output) == [final.run]
