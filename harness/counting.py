@@ -6,7 +6,8 @@
 
 Each file opened for reading appends the bytes read from it to the counts file when it is
 closed, with O_APPEND: DataLoader processes and Ray tasks (which get the filesystem pickled)
-add their own lines without a lock.
+add their own lines without a lock. `FlakyHandler` also fails some opens, for the tests of the
+retries of storage errors.
 """
 
 from __future__ import annotations
@@ -139,3 +140,32 @@ class CountedReads:
             os.write(fd, f"{self.read_bytes}\n".encode())  # one short write: appended whole
         finally:
             os.close(fd)
+
+
+class FlakyHandler(CountingHandler):
+    """Reads and writes through `inner`, where opening a file fails with `error` as storage
+    does when a connection drops: the first `failures` opens in each process, and then every
+    `every`-th one (0: never)."""
+
+    def __init__(
+        self, inner: pafs.FileSystem, counts: str, *, error: OSError, failures: int, every=0
+    ):
+        super().__init__(inner, counts)
+        self.error, self.failures, self.every, self.opened = error, failures, every, 0
+
+    def _open(self) -> None:
+        self.opened += 1
+        if self.opened <= self.failures or (self.every and self.opened % self.every == 0):
+            raise self.error
+
+    def open_input_stream(self, path):
+        self._open()
+        return super().open_input_stream(path)
+
+    def open_input_file(self, path):
+        self._open()
+        return super().open_input_file(path)
+
+    def open_output_stream(self, path, metadata):
+        self._open()
+        return super().open_output_stream(path, metadata)

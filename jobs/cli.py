@@ -48,7 +48,7 @@ def job_main(
         result = body(cfg)
     except (InputError, ConfigError, ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)
-        exit_now(EXIT_CODES[type(e)])
+        exit_now(next(code for kind, code in EXIT_CODES.items() if isinstance(e, kind)))
     # What the driver itself cost: it must not grow with the data (the work runs on the cluster).
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     log.info("done in %.0f s; driver peak memory %.0f MiB", time.monotonic() - started, peak_mib)

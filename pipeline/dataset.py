@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline import faults
 from pipeline.errors import InputError
-from pipeline.storage import Location
+from pipeline.storage import Location, retry
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,17 @@ def write_shard(location: Location, rows: list[dict], *, row_group_size: int) ->
     """One Parquet file; images are already compressed, so only the small columns get zstd."""
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
     location.create_parent()
-    pq.write_table(
-        table,
-        location.path,
-        filesystem=location.fs,
-        row_group_size=row_group_size,
-        compression={"image": "NONE", "label": "ZSTD", "label_name": "ZSTD", "source_id": "ZSTD"},
-        use_dictionary=["label_name"],
+    compression = {"image": "NONE", "label": "ZSTD", "label_name": "ZSTD", "source_id": "ZSTD"}
+    retry(
+        lambda: pq.write_table(
+            table,
+            location.path,
+            filesystem=location.fs,
+            row_group_size=row_group_size,
+            compression=compression,
+            use_dictionary=["label_name"],
+        ),
+        f"writing {location.uri}",
     )
 
 
@@ -140,7 +144,8 @@ def check_replaceable(root: Location, *, overwrite: bool) -> None:
         return
     if not root.is_dir():
         raise InputError(f"output {root.uri} is a file: point output at a directory")
-    entries = root.fs.get_file_info(pafs.FileSelector(root.path))
+    selector = pafs.FileSelector(root.path)
+    entries = retry(lambda: root.fs.get_file_info(selector), f"listing {root.uri}")
     foreign = sorted(e.base_name for e in entries if e.base_name not in (DATA, "_staging"))
     if foreign:
         raise InputError(

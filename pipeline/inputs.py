@@ -18,7 +18,7 @@ import ray.data
 
 from pipeline.dataset import MANIFEST, read_manifest
 from pipeline.errors import InputError
-from pipeline.storage import Location
+from pipeline.storage import Location, retry
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,8 @@ def read_shard(batch: dict, *, root: Location) -> dict:
     """Ray Data stage: Parquet shard paths -> their rows."""
     columns = ["image", "source_id", "label_name"]
     table = pa.concat_tables(
-        pq.read_table(p, filesystem=root.fs, columns=columns) for p in batch["path"]
+        retry(lambda p=p: pq.read_table(p, filesystem=root.fs, columns=columns), f"reading {p}")
+        for p in batch["path"]
     )
     return {
         "data": table["image"].to_numpy(),

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -28,7 +29,7 @@ from torchvision.transforms import v2
 
 from pipeline.dataset import SCHEMA, Manifest
 from pipeline.errors import InputError
-from pipeline.storage import Location
+from pipeline.storage import Location, retry
 from pipeline.transforms import decode_image
 
 COLUMNS = ["image", "label"]
@@ -106,8 +107,7 @@ class RowGroupStream(IterableDataset):
         for f in manifest.splits[split].files:
             loc = root.child(f.path)
             try:
-                with loc.fs.open_input_file(loc.path) as fh:
-                    meta = pq.ParquetFile(fh).metadata
+                meta = retry(lambda loc=loc: footer(loc), f"reading {loc.uri}")
             except FileNotFoundError:
                 raise InputError(missing(loc)) from None
             if not meta.schema.to_arrow_schema().equals(SCHEMA, check_metadata=False):
@@ -206,11 +206,15 @@ class RowGroupStream(IterableDataset):
         """Rows [lo, hi) of one row group: encoded images and labels."""
         g = self.groups[group]
         f = self.files[g.file]
-        try:
+
+        def read() -> pa.Table:
             with self.root.fs.open_input_file(f.path) as fh:
                 # pre_buffer: the two column chunks in one coalesced read (one GET on S3).
                 parquet = pq.ParquetFile(fh, metadata=f.metadata, pre_buffer=True)
-                table = parquet.read_row_group(g.index, columns=COLUMNS).slice(lo, hi - lo)
+                return parquet.read_row_group(g.index, columns=COLUMNS)
+
+        try:
+            table = retry(read, f"reading {f.uri}").slice(lo, hi - lo)
         except FileNotFoundError:
             raise InputError(missing(Location(self.root.fs, f.path, f.uri))) from None
         return table.column("image").to_pylist(), table.column("label").to_pylist()
@@ -273,6 +277,11 @@ def shuffled(rows, capacity: int, rng: random.Random):
         buffer[i] = row
     rng.shuffle(buffer)
     yield from buffer
+
+
+def footer(loc: Location) -> pq.FileMetaData:
+    with loc.fs.open_input_file(loc.path) as fh:
+        return pq.ParquetFile(fh).metadata
 
 
 def missing(loc: Location) -> str:

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
-from pipeline.storage import Location
+from pipeline.storage import Location, retry
 
 PREDICTIONS, SUMMARY, CONFUSION_PNG = "predictions.parquet", "summary.json", "confusion_matrix.png"
 STAGING = "_staging"
@@ -197,13 +197,15 @@ def publish(output: Location, tally: Tally, summary: dict, confusion_png: bytes 
     output.child(SUMMARY).delete()
     target = output.child(PREDICTIONS)
     target.delete()  # the previous run's directory, or the single file of older versions
-    output.fs.create_dir(target.path, recursive=True)
+    retry(lambda: output.fs.create_dir(target.path, recursive=True), f"creating {target.uri}")
     for i, (path, _) in enumerate(sorted(tally.parts)):
-        output.fs.move(path, target.child(f"part-{i:05d}.parquet").path)
+        part = target.child(f"part-{i:05d}.parquet")
+        retry(lambda path=path, part=part: output.fs.move(path, part.path), f"moving {path}")
     if not tally.parts:
         # No image could be read: still a table to read, of no rows.
-        empty = target.child("part-00000.parquet")
-        pq.write_table(PREDICTION_SCHEMA.empty_table(), empty.path, filesystem=empty.fs)
+        empty = PREDICTION_SCHEMA.empty_table()
+        part = target.child("part-00000.parquet")
+        retry(lambda: pq.write_table(empty, part.path, filesystem=part.fs), f"writing {part.uri}")
     if confusion_png is not None:
         output.child(CONFUSION_PNG).write_bytes(confusion_png)
     else:

@@ -31,7 +31,7 @@ from pipeline.dataset import (
     remove_older_runs,
     write_shard,
 )
-from pipeline.errors import InputError
+from pipeline.errors import ClusterError, InputError
 from pipeline.sources import (
     Item,
     Reader,
@@ -40,7 +40,7 @@ from pipeline.sources import (
     build_source,
     stable_fraction,
 )
-from pipeline.storage import Location
+from pipeline.storage import Location, is_transient
 from pipeline.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -67,11 +67,9 @@ def process_items(
     rows: dict[str, list[dict]] = {}
     skipped = []
     for item in items:
+        data = read_source(reader, item)
         try:
-            img = decode_image(reader.read(item))
-        except OSError as e:
-            skipped.append(Skipped(source_id=item.source_id, reason=f"unreadable: {e}"))
-            continue
+            img = decode_image(data)
         except BadImageError as e:
             skipped.append(Skipped(source_id=item.source_id, reason=str(e)))
             continue
@@ -87,6 +85,23 @@ def process_items(
             }
         )
     return rows, skipped
+
+
+def read_source(reader: Reader, item: Item) -> bytes:
+    """The item's bytes. A storage error is not the image's fault: it fails the job (after the
+    retries of pipeline.storage) rather than drop the image from the dataset for good."""
+    try:
+        return reader.read(item)
+    except OSError as e:
+        if is_transient(e):
+            raise ClusterError(
+                f"reading source image {item.source_id} kept failing ({e}): the storage may be "
+                "unavailable. Submit the job again once it is"
+            ) from None
+        raise InputError(
+            f"cannot read source image {item.source_id} ({e}): check that the job may read the "
+            "source and that nothing removes files from it while the job runs"
+        ) from None
 
 
 # Retries cover lost workers and nodes; a shard rewrites only its own files, so a retry is safe.
@@ -180,7 +195,12 @@ def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[S
                 pending[ref] = next_shard
                 next_shard += 1
             [ref], _ = ray.wait(list(pending), num_returns=1)
-            result = ray.get(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, (InputError, ClusterError)):
+                    raise e.cause from None  # its message, not the task's traceback
+                raise
             done_images += len(shards[pending.pop(ref)])
             skipped += len(result.skipped)
             results.append(result)

@@ -1,12 +1,66 @@
-"""Paths that may be local or any URI pyarrow.fs understands (s3://, gs://, ...)."""
+"""Paths that may be local or any URI pyarrow.fs understands (s3://, gs://, ...), and retries of
+the storage errors that pass.
+
+pyarrow raises OSError for a dropped connection, a timeout or a 503 as for a missing key: every
+read and write of the bundle goes through `retry`, which tries again, with backoff, what may
+pass and gives up at once on what cannot (a missing file, a denied request).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
+import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pyarrow.fs as pafs
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Attempts in all, and the wait before the second: doubled each time, with jitter, so five
+# attempts span about 8 s, what a storage service's brief unavailability lasts.
+ATTEMPTS = 5
+FIRST_WAIT_S = 0.5
+# Errors that retrying cannot fix: the request itself is wrong.
+PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+PERMANENT_MARKS = (
+    "NoSuchBucket",
+    "NoSuchKey",
+    "ACCESS_DENIED",
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "Path does not exist",
+    "No such file",
+)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether the same storage call may succeed if tried again."""
+    if not isinstance(error, OSError) or isinstance(error, PERMANENT_TYPES):
+        return False
+    return not any(mark in str(error) for mark in PERMANENT_MARKS)
+
+
+def retry(call: Callable[[], T], what: str) -> T:
+    """`call()`, tried again on transient storage errors; the last error if they persist."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return call()
+        except OSError as e:
+            if attempt == ATTEMPTS or not is_transient(e):
+                raise
+            wait = FIRST_WAIT_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.0)
+            log.warning(
+                "%s failed (%s); attempt %d of %d in %.1f s", what, e, attempt + 1, ATTEMPTS, wait
+            )
+            time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -35,7 +89,7 @@ class Location:
         return Location(self.fs, posixpath.join(self.path, *parts), uri)
 
     def info(self) -> pafs.FileInfo:
-        return self.fs.get_file_info(self.path)
+        return retry(lambda: self.fs.get_file_info(self.path), f"looking up {self.uri}")
 
     def exists(self) -> bool:
         return self.info().type != pafs.FileType.NotFound
@@ -44,42 +98,52 @@ class Location:
         return self.info().type == pafs.FileType.Directory
 
     def read_bytes(self) -> bytes:
-        with self.fs.open_input_stream(self.path) as f:
-            return f.read()
+        def read() -> bytes:
+            with self.fs.open_input_stream(self.path) as f:
+                return f.read()
+
+        return retry(read, f"reading {self.uri}")
 
     def create_parent(self) -> str:
         """Make the directory this file goes in; return its path."""
         parent = posixpath.dirname(self.path)
-        self.fs.create_dir(parent, recursive=True)
+        retry(lambda: self.fs.create_dir(parent, recursive=True), f"creating {parent}")
         return parent
 
     def write_bytes(self, data: bytes) -> None:
         """Write so that readers see the old content or the new, never a partial file."""
         parent = self.create_parent()
-        if isinstance(self.fs, pafs.LocalFileSystem):
-            tmp = posixpath.join(parent, f".{posixpath.basename(self.path)}.tmp-{os.getpid()}")
-            with self.fs.open_output_stream(tmp) as f:
-                f.write(data)
-            self.fs.move(tmp, self.path)  # rename(2): atomic on one filesystem
-        else:
-            # An object store's single PUT is atomic already.
-            with self.fs.open_output_stream(self.path) as f:
-                f.write(data)
+
+        def write() -> None:
+            if isinstance(self.fs, pafs.LocalFileSystem):
+                name = f".{posixpath.basename(self.path)}.tmp-{os.getpid()}"
+                tmp = posixpath.join(parent, name)
+                with self.fs.open_output_stream(tmp) as f:
+                    f.write(data)
+                self.fs.move(tmp, self.path)  # rename(2): atomic on one filesystem
+            else:
+                # An object store's single PUT is atomic already.
+                with self.fs.open_output_stream(self.path) as f:
+                    f.write(data)
+
+        retry(write, f"writing {self.uri}")
 
     def delete(self) -> None:
         """Remove a file or a whole directory; a missing path is fine."""
         info = self.info()
         if info.type == pafs.FileType.Directory:
-            self.fs.delete_dir(self.path)
+            retry(lambda: self.fs.delete_dir(self.path), f"deleting {self.uri}")
         elif info.type == pafs.FileType.File:
-            self.fs.delete_file(self.path)
+            retry(lambda: self.fs.delete_file(self.path), f"deleting {self.uri}")
 
     def list_files(self) -> list[pafs.FileInfo]:
         """All files below this directory, recursively, sorted by path."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=True))
+        selector = pafs.FileSelector(self.path, recursive=True)
+        infos = retry(lambda: self.fs.get_file_info(selector), f"listing {self.uri}")
         return sorted((i for i in infos if i.type == pafs.FileType.File), key=lambda i: i.path)
 
     def list_dirs(self) -> list[pafs.FileInfo]:
         """Direct subdirectories, sorted by name; none if this directory does not exist."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        selector = pafs.FileSelector(self.path, allow_not_found=True)
+        infos = retry(lambda: self.fs.get_file_info(selector), f"listing {self.uri}")
         return sorted((i for i in infos if i.type == pafs.FileType.Directory), key=lambda i: i.path)

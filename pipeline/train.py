@@ -22,7 +22,7 @@ from pipeline.dataset import MANIFEST, Manifest, read_manifest
 from pipeline.errors import ClusterError, InputError
 from pipeline.logs import RAY_TRAIN_LOG_LEVEL
 from pipeline.runs import SCORE, check_resumable, latest_checkpoint, resume_changes, write_reports
-from pipeline.storage import Location
+from pipeline.storage import Location, retry
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
             "dataset. Run the preprocess job with output= this path first (or fix dataset=)"
         )
     listed = [dataset.child(f.path) for info in manifest.splits.values() for f in info.files]
-    found = dataset.fs.get_file_info([f.path for f in listed])  # one call, a HEAD each on S3
+    paths = [f.path for f in listed]  # looked up in one call, a HEAD each on S3
+    found = retry(lambda: dataset.fs.get_file_info(paths), f"looking up {dataset.uri}")
     missing = [
         f.uri for f, i in zip(listed, found, strict=True) if i.type == pafs.FileType.NotFound
     ]

@@ -48,11 +48,26 @@ def test_an_armed_point_holds_the_first_process_only(tmp_path):
     finally:
         first.kill()
     _, said = first.communicate(timeout=60)
-    assert f"holding this worker (pid {first.pid}) until it is killed" in said
+    assert f"fault point checkpoint_reported: holding this process (pid {first.pid})" in said
     # The replacement passes: the marker says the point fired in this run.
     second = reach(armed)
     assert second.communicate(timeout=60)[0].strip() == "passed"
     assert second.returncode == 0
+
+
+def test_a_held_process_goes_on_once_released(tmp_path):
+    held = reach(faults.arm(faults.CHECKPOINT_REPORTED, tmp_path))
+    marker = tmp_path / faults.CHECKPOINT_REPORTED
+    try:
+        wait_for(lambda: marker.exists() or held.poll() is not None, "the marker", 60)
+        time.sleep(1)
+        assert held.poll() is None
+        faults.release(marker)
+        out, said = held.communicate(timeout=60)
+    finally:
+        held.kill()
+    assert out.strip() == "passed" and held.returncode == 0
+    assert "fault point checkpoint_reported: released" in said
 
 
 def test_an_unknown_point_is_an_error(monkeypatch, tmp_path):

@@ -88,7 +88,7 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dataset, broken)
-    shards = sorted((broken / "val").glob("*.parquet"))
+    shards = sorted(broken.glob("data/*/val/*.parquet"))
     shards[-1].write_bytes(b"not parquet")
     proc = infer_job(
         train_cluster, f"model={trained}", f"input={broken}", f"output={out}", "rows_per_file=10"

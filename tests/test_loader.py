@@ -16,7 +16,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from harness.counting import ByteCounter
+from harness.counting import ByteCounter, FlakyHandler
+from pipeline import storage
 from pipeline.dataset import MANIFEST, Manifest, ShardFile, SplitInfo, read_manifest, write_shard
 from pipeline.errors import InputError
 from pipeline.loader import RowGroupStream, train_transform
@@ -223,6 +224,20 @@ def test_a_failed_read_raises_in_the_consumer(numbered, tmp_path, workers):
         InputError, match=r"part-00005\.parquet is listed in the manifest but missing"
     ):
         list(loader)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_storage_errors_that_pass_cost_no_row(numbered, tmp_path, workers, monkeypatch):
+    monkeypatch.setattr(storage, "FIRST_WAIT_S", 0.01)
+    root, manifest, ids = numbered
+    dropped = OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28")
+    # In each process (this one reads the footers): every third open fails.
+    handler = FlakyHandler(
+        pafs.LocalFileSystem(), tmp_path / "r", error=dropped, failures=0, every=3
+    )
+    flaky = Location(pafs.PyFileSystem(handler), root.path, root.uri)
+    (stream,) = streams(flaky, manifest, "val", 1, batch_size=16)
+    assert sorted(flat(epoch_batches(stream, workers))) == sorted(ids["val"])
 
 
 def test_a_consumer_that_stops_early_leaves_no_thread_behind(numbered):

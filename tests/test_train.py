@@ -381,7 +381,7 @@ def test_a_resume_refuses_what_it_cannot_change(tiny_dataset, tmp_path):
 def test_driver_finds_missing_shards_and_bad_pretrained_weights(tiny_dataset, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(tiny_dataset, damaged)
-    gone = sorted((damaged / "val").glob("*.parquet"))[0]
+    gone = sorted(damaged.glob("data/*/val/*.parquet"))[0]
     gone.unlink()
     with pytest.raises(InputError, match=rf"damaged: 1 files .*{gone.name}.*overwrite=true"):
         checked(config(damaged, tmp_path))

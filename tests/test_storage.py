@@ -1,0 +1,119 @@
+"""Storage errors that pass are retried with backoff; the others fail at once, and neither turns
+an image that could not be read into a skipped one."""
+
+from __future__ import annotations
+
+import logging
+
+import pyarrow.fs as pafs
+import pytest
+from conftest import make_image_folder
+
+from harness.counting import FlakyHandler
+from harness.s3 import S3Server
+from pipeline import storage
+from pipeline.config import FolderSourceConfig, PreprocessConfig, load_config
+from pipeline.errors import ClusterError, InputError
+from pipeline.preprocess import process_items
+from pipeline.sources import FolderSource
+from pipeline.storage import Location, is_transient
+
+# What pyarrow raised when the S3 endpoint went away (taken from a real run against moto).
+DROPPED = OSError(
+    "When reading information for key 'x' in bucket 'b': AWS Error NETWORK_CONNECTION during "
+    "HeadObject operation: curlCode: 7, Couldn't connect to server"
+)
+DENIED = OSError("When reading 'b/x': AWS Error ACCESS_DENIED during GetObject operation")
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+    monkeypatch.setattr(storage, "FIRST_WAIT_S", 0.01)
+
+
+def flaky(tmp_path, **kwargs) -> tuple[pafs.FileSystem, FlakyHandler]:
+    handler = FlakyHandler(pafs.LocalFileSystem(), str(tmp_path / "reads"), **kwargs)
+    return pafs.PyFileSystem(handler), handler
+
+
+def test_an_error_that_passes_is_retried_with_backoff_and_logged(tmp_path, caplog):
+    (tmp_path / "f").write_bytes(b"data")
+    fs, handler = flaky(tmp_path, error=DROPPED, failures=2)
+    with caplog.at_level(logging.WARNING, logger="pipeline.storage"):
+        assert Location(fs, str(tmp_path / "f"), "f").read_bytes() == b"data"
+    assert handler.opened == 3
+    retries = [r.getMessage() for r in caplog.records]
+    assert len(retries) == 2 and "NETWORK_CONNECTION" in retries[0]
+    assert "attempt 2 of 5" in retries[0] and "attempt 3 of 5" in retries[1]
+
+
+def test_an_error_that_persists_gives_up_after_the_attempts(tmp_path):
+    (tmp_path / "f").write_bytes(b"data")
+    fs, handler = flaky(tmp_path, error=DROPPED, failures=99)
+    with pytest.raises(OSError, match="NETWORK_CONNECTION"):
+        Location(fs, str(tmp_path / "f"), "f").write_bytes(b"new")
+    assert handler.opened == storage.ATTEMPTS
+    assert (tmp_path / "f").read_bytes() == b"data"
+
+
+@pytest.mark.parametrize("error", [DENIED, FileNotFoundError("gone"), PermissionError("no")])
+def test_an_error_that_cannot_pass_is_not_retried(tmp_path, error):
+    (tmp_path / "f").write_bytes(b"data")
+    fs, handler = flaky(tmp_path, error=error, failures=99)
+    with pytest.raises(type(error)):
+        Location(fs, str(tmp_path / "f"), "f").read_bytes()
+    assert handler.opened == 1
+
+
+def test_real_s3_errors_are_told_apart():
+    with S3Server() as s3, s3.client_env():
+        s3.create_bucket("there")
+        fs, _ = pafs.FileSystem.from_uri("s3://there")
+        with pytest.raises(OSError) as missing_key:
+            fs.open_input_stream("there/nothing").read()
+        with pytest.raises(OSError) as missing_bucket:
+            fs.open_input_stream("nowhere/nothing").read()
+        endpoint = s3.env["AWS_ENDPOINT_URL"]
+    assert not is_transient(missing_key.value) and not is_transient(missing_bucket.value)
+    # The same endpoint once its server has stopped: nothing listens on the port.
+    down = pafs.S3FileSystem(
+        endpoint_override=endpoint,
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+        connect_timeout=1,
+    )
+    with pytest.raises(OSError) as unreachable:
+        down.open_input_stream("there/nothing").read()
+    assert is_transient(unreachable.value), unreachable.value
+
+
+def folder(tmp_path, **kwargs) -> tuple[PreprocessConfig, FolderSource, FlakyHandler]:
+    make_image_folder(tmp_path / "src", per_class=3, corrupt=False)
+    cfg = load_config(PreprocessConfig, overrides=["image_size=32", f"output={tmp_path}/out"])
+    source = FolderSource(FolderSourceConfig(path=str(tmp_path / "src")))
+    fs, handler = flaky(tmp_path, **kwargs)
+    source.root = Location(fs, source.root.path, source.root.uri)
+    return cfg, source, handler
+
+
+def test_preprocessing_reads_through_errors_that_pass(tmp_path):
+    cfg, source, handler = folder(tmp_path, error=DROPPED, failures=0, every=2)
+    items = source.list_items()
+    rows, skipped = process_items(cfg, source.classes, items, source)
+    assert skipped == [] and sum(map(len, rows.values())) == len(items) == 9
+    assert handler.opened == 2 * len(items) - 1  # every second open failed and was retried
+
+
+def test_preprocessing_fails_rather_than_skip_an_image_it_could_not_read(tmp_path):
+    cfg, source, _ = folder(tmp_path, error=DROPPED, failures=99)
+    items = source.list_items()
+    with pytest.raises(ClusterError, match=r"reading source image .* kept failing"):
+        process_items(cfg, source.classes, items, source)
+    # Gone between the listing and the read: not the image's fault either.
+    cfg, source, _ = folder(tmp_path / "again", error=DROPPED, failures=0)
+    items = source.list_items()
+    (tmp_path / "again" / "src" / items[0].source_id).unlink()
+    with pytest.raises(InputError, match=rf"cannot read source image {items[0].source_id}"):
+        process_items(cfg, source.classes, items, source)
