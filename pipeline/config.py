@@ -314,6 +314,8 @@ def validate_config(cls: type[C], data: dict[str, Any], where: str = "config") -
         return cls.model_validate(_lists_to_tuples(data))
     except ValidationError as e:
         problems = [_describe(cls, err) for err in e.errors()]
+        if len(problems) == 1:  # on the first line, which is what a scheduler's alert shows
+            raise ConfigError(f"invalid config ({where}): {problems[0]}") from None
         raise ConfigError(f"invalid config ({where}):\n  " + "\n  ".join(problems)) from None
 
 
@@ -344,15 +346,18 @@ def _lists_to_tuples(value: Any) -> Any:
 
 def _describe(cls: type[BaseModel], err: dict[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
-    key = ".".join(loc) or "<root>"
+    key = ".".join(loc)
     if err["type"] == "extra_forbidden":
         allowed = ", ".join(_fields_at(cls, loc[:-1]))
         return f"{key}: unknown key (allowed here: {allowed})"
     if err["type"] == "missing":
         return f"{key}: required, but not set (set it in the YAML file or as {key}=...)"
+    msg = err["msg"].removeprefix("Value error, ")  # our validators' own words
+    if not loc:  # a check across keys: its message names them
+        return msg
     got = err.get("input")
     shown = f" (got {got!r}, a {type(got).__name__})" if not isinstance(got, dict) else ""
-    return f"{key}: {err['msg']}{shown}"
+    return f"{key}: {msg}{shown}"
 
 
 def _fields_at(cls: type[BaseModel], loc: list[str]) -> list[str]:

@@ -87,7 +87,7 @@ def test_node_lost_mid_training(nodes, tiny_dataset, tmp_path):
     proc = job.result()
     waited = time.monotonic() - killed_at
     assert proc.returncode != 0, proc.stdout
-    expected = "could not place 2 training workers with {'CPU': 1} each within 5 s"
+    expected = "the cluster could not place 2 training workers with {'CPU': 1} each within 5 s"
     assert f"{expected} (startup_timeout_s), 3 times (max_failures=2)" in proc.stdout, proc.stdout
     left = re.findall(r"it has \{.*?\} in total", proc.stdout)
     assert "it has {'CPU': 1.0} in total" in left, left  # what is left: one node

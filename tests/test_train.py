@@ -198,7 +198,7 @@ def test_resume_refuses_a_checkpoint_of_other_classes(tiny_dataset):
     from test_model import meta
 
     manifest = read_manifest(Location.parse(str(tiny_dataset)))
-    with pytest.raises(InputError, match=r"trained on 3 classes .* has 4 .*pick a new name="):
+    with pytest.raises(InputError, match=r"was trained on 3 classes .* has 4 .*pick a new name="):
         check_resumable(meta(), manifest, checkpoint="/runs/x/epoch_0001", dataset="/d")
 
 

@@ -1,0 +1,311 @@
+"""Every bad input the README's table lists: its exit code and the start of its message.
+
+Each case either runs here (the library call the job makes, raising the error the job turns into
+its exit code) or names the test that runs it as a job on a cluster. The README's table is
+checked against this list, so the two cannot drift apart."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+import pytest
+from conftest import make_image_folder
+
+from harness.cluster import BUNDLE_ROOT
+from harness.counting import FlakyHandler
+from pipeline import storage
+from pipeline.config import (
+    FolderSourceConfig,
+    PreprocessConfig,
+    TrainConfig,
+    load_config,
+)
+from pipeline.dataset import check_replaceable, read_manifest
+from pipeline.errors import EXIT_CODES
+from pipeline.infer import resolve_checkpoint
+from pipeline.model import check_pretrained
+from pipeline.preprocess import process_items
+from pipeline.runs import resume_changes
+from pipeline.sources import FolderSource
+from pipeline.storage import Location
+from pipeline.submit import plan
+from pipeline.train import check_dataset
+
+
+@dataclass
+class Case:
+    what: str  # the bad input, as the README's table says it
+    exit_code: int
+    message: str  # how the message starts; <...> stands for a path or a value
+    run: Callable | None = None  # run(tmp_path, tiny_dataset) raises it ...
+    test: str = ""  # ... or this test runs it as a job: tests/<file>.py::<test>
+
+    def pattern(self) -> str:
+        parts = re.split(r"<[^>]+>", self.message)
+        return ".+?".join(re.escape(p) for p in parts)
+
+
+def train_config(tmp_path, dataset, *overrides) -> TrainConfig:
+    args = [f"dataset={dataset}", f"storage_path={tmp_path}/runs", *overrides]
+    return load_config(TrainConfig, None, args)
+
+
+def config_file(text: str):
+    def run(tmp_path, _):
+        (tmp_path / "c.yaml").write_text(text)
+        load_config(PreprocessConfig, tmp_path / "c.yaml")
+
+    return run
+
+
+def damaged(tmp_path, dataset):
+    shutil.copytree(dataset, tmp_path / "d")
+    next((tmp_path / "d").glob("data/*/train/*.parquet")).unlink()
+    cfg = train_config(tmp_path, tmp_path / "d")
+    check_dataset(cfg, Location.parse(cfg.dataset))
+
+
+def changed_optimizer(tmp_path, dataset):
+    old = train_config(tmp_path, dataset).model_dump(mode="json")
+    resume_changes(old, train_config(tmp_path, dataset, "optimizer.name=adamw"))
+
+
+def foreign_output(tmp_path, _):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    check_replaceable(Location.parse(str(tmp_path / "out")), overwrite=False)
+
+
+def unreadable_manifest(tmp_path, _):
+    (tmp_path / "manifest.json").write_text('{"schema_version": 1}')
+    read_manifest(Location.parse(str(tmp_path)))
+
+
+def source_image(error: OSError, *, gone: bool = False):
+    def run(tmp_path, _):
+        make_image_folder(tmp_path / "src", per_class=1, corrupt=False)
+        source = FolderSource(FolderSourceConfig(path=str(tmp_path / "src")))
+        handler = FlakyHandler(pafs.LocalFileSystem(), tmp_path / "r", error=error, failures=99)
+        if not gone:
+            source.root = Location(pafs.PyFileSystem(handler), source.root.path, source.root.uri)
+        items = source.list_items()
+        if gone:
+            (tmp_path / "src" / items[0].source_id).unlink()
+        cfg = load_config(PreprocessConfig, overrides=[f"output={tmp_path}/out"])
+        process_items(cfg, source.classes, items, source)
+
+    return run
+
+
+def empty_class(tmp_path, _):
+    (tmp_path / "src" / "cats").mkdir(parents=True)
+    FolderSource(FolderSourceConfig(path=str(tmp_path / "src"))).list_items()
+
+
+def checkpoint_of(name: str):
+    def run(tmp_path, _):
+        (tmp_path / "run").mkdir()
+        resolve_checkpoint(Location.parse(str(tmp_path / name)))
+
+    return run
+
+
+DROPPED = OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28")
+
+CASES = [
+    # Configs: exit 2.
+    Case(
+        "a config file that does not exist",
+        2,
+        "config file <path> does not exist",
+        lambda t, _: load_config(PreprocessConfig, t / "nope.yaml"),
+    ),
+    Case(
+        "a config file that is not YAML",
+        2,
+        "config file <path> is not valid YAML",
+        config_file("image_size: [64"),
+    ),
+    Case(
+        "an override without `=`",
+        2,
+        "override 'epochs' must look like key=value",
+        lambda t, d: load_config(TrainConfig, None, ["epochs"]),
+    ),
+    Case(
+        "an unknown key, or a value of the wrong type or range",
+        2,
+        "invalid config (<where>): epochs: Input should be a valid integer",
+        lambda t, d: train_config(t, d, "epochs=many"),
+    ),
+    Case(
+        "a global batch that does not split over the workers",
+        2,
+        "invalid config (<where>): global_batch_size=32 does not split evenly",
+        lambda t, d: train_config(t, d, "global_batch_size=32", "scaling.num_workers=3"),
+    ),
+    Case(
+        "a chain `--set` that names no step",
+        2,
+        "--set 'epochs=3': must start with one of",
+        lambda t, _: plan(str(t), sets=["epochs=3"]),
+    ),
+    Case(
+        "a resume with another optimizer, or to or from fp16",
+        2,
+        "this run cannot resume with these changes:",
+        changed_optimizer,
+    ),
+    # Input data: exit 1.
+    Case(
+        "a source folder that does not exist",
+        1,
+        "source.folder.path <path> does not exist",
+        lambda t, _: FolderSource(FolderSourceConfig(path=str(t / "nope"))).list_items(),
+    ),
+    Case("an empty class folder", 1, "class folder <path> is empty", empty_class),
+    Case(
+        "no source image that decodes",
+        1,
+        "no usable images: all <n> inputs were skipped",
+        test="tests/test_preprocess.py::test_zero_usable_images_fails",
+    ),
+    Case(
+        "a source image that is gone or forbidden",
+        1,
+        "cannot read source image <id>",
+        source_image(DROPPED, gone=True),
+    ),
+    Case(
+        "an output directory that holds other data",
+        1,
+        "output <path> is not empty and holds no manifest.json",
+        foreign_output,
+    ),
+    Case(
+        "an output another preprocess run replaced meanwhile",
+        1,
+        "<path> was replaced while this run was writing",
+        test="tests/test_publish.py::test_two_writers_at_once_leave_the_newer_dataset",
+    ),
+    Case(
+        "a manifest this code cannot read",
+        1,
+        "<path> is not a manifest this code can read",
+        unreadable_manifest,
+    ),
+    Case(
+        "a dataset path with no manifest",
+        1,
+        "no manifest.json at dataset=<path>",
+        lambda t, d: check_dataset(train_config(t, t / "no"), Location.parse(str(t / "no"))),
+    ),
+    Case("a dataset whose shard files are missing", 1, "dataset <path> is damaged", damaged),
+    Case(
+        "a dataset of other classes than the checkpoint resumed",
+        1,
+        "checkpoint <path> was trained on 3 classes",
+        test="tests/test_train.py::test_resume_refuses_a_checkpoint_of_other_classes",
+    ),
+    Case(
+        "`pretrained` that is no weights name",
+        1,
+        "pretrained='IMAGENET' is not a resnet18",
+        lambda t, _: check_pretrained("IMAGENET"),
+    ),
+    Case(
+        "`pretrained` weights that do not exist",
+        1,
+        "pretrained weights <path> do not exist",
+        lambda t, _: check_pretrained(str(t / "missing.pt")),
+    ),
+    Case(
+        "an inference `model=` that does not exist",
+        1,
+        "model=<path> does not exist",
+        checkpoint_of("nope"),
+    ),
+    Case(
+        "an inference `model=` that is no run or checkpoint",
+        1,
+        "model=<path> is neither a training run",
+        checkpoint_of("run"),
+    ),
+    # The cluster or its storage: exit 3.
+    Case(
+        "storage that keeps failing",
+        3,
+        "reading source image <id> kept failing",
+        source_image(DROPPED),
+    ),
+    Case(
+        "training workers the cluster cannot place",
+        3,
+        "the cluster could not place 2 training workers",
+        test="tests/test_multinode.py::test_node_lost_mid_training",
+    ),
+    Case(
+        "a training failure that outlasts `max_failures`",
+        3,
+        "training failed and max_failures=0 retries are used up",
+        test="tests/test_train.py::test_a_kill_with_max_failures_0_fails_the_job",
+    ),
+    Case(
+        "`use_gpu=true` on a cluster without a GPU",
+        3,
+        "use_gpu=true, but the cluster has no GPU",
+        test="tests/test_infer.py::test_resources_the_cluster_lacks_fail_fast",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.run], ids=lambda c: c.what)
+def test_a_bad_input_gets_its_exit_code_and_message(case, tmp_path, tiny_dataset, monkeypatch):
+    monkeypatch.setattr(storage, "FIRST_WAIT_S", 0.01)
+    with pytest.raises(tuple(EXIT_CODES)) as raised:
+        case.run(tmp_path, tiny_dataset)
+    code = next(c for kind, c in EXIT_CODES.items() if isinstance(raised.value, kind))
+    assert code == case.exit_code
+    assert re.match(case.pattern(), str(raised.value)), str(raised.value)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.test], ids=lambda c: c.what)
+def test_a_bad_input_run_as_a_job_is_asserted_by_the_test_named(case):
+    path, _, name = case.test.partition("::")
+    source = (BUNDLE_ROOT / path).read_text()
+    (test,) = [
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef) and node.name == name
+    ]
+    body = ast.get_source_segment(source, test)
+    # The message's fixed words appear in what that test asserts.
+    for words in re.split(r"<[^>]+>", case.message):
+        assert words.strip() in body, (case.test, words)
+
+
+def readme_table() -> list[tuple[str, int, str]]:
+    readme = (BUNDLE_ROOT / "README.md").read_text()
+    section = readme.split("### Bad input, exit codes and messages\n", 1)[1].split("\n#", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[1].isdigit():
+            rows.append((cells[0], int(cells[1]), cells[2].strip("`")))
+    return rows
+
+
+def test_the_readme_table_lists_every_case():
+    expected = [(c.what, c.exit_code, c.message.split("\n")[0]) for c in CASES]
+    assert readme_table() == expected
+    assert len(CASES) >= 15
+
+
+def test_exit_codes_are_the_documented_ones():
+    assert sorted(EXIT_CODES.values()) == [1, 2, 3]
+    assert {c.exit_code for c in CASES} == {1, 2, 3}
