@@ -23,8 +23,8 @@ local disk and from an S3 server on loopback (moto): images/s over the whole epo
 DataLoader processes start each epoch, so their start-up is included) and after the first
 batch (the steady rate, compared across sizes), peak RSS (the interpreter's and its largest
 DataLoader process's) and the bytes read over the train split's file bytes (through
-harness/counting.py); medians of --repeat rounds of every size and storage, after one
-unmeasured epoch per size. Results go to
+harness/counting.py), and the S3 server's CPU time (it shares the cores); medians of --repeat
+rounds of every size and storage, after one unmeasured epoch per size. Results go to
 bench/results/loader_sizes.json.
 """
 
@@ -102,6 +102,7 @@ def one_epoch(uri: str, *, image_size: int, batch: int, workers: int, counts: st
     return {
         "train_rows": manifest.splits["train"].rows,
         "images": images,
+        "epoch_s": seconds,
         "images_per_s": images / seconds,
         "steady_images_per_s": (images - first[1]) / steady_s,
         "bytes_read_over_split": (counter.total() - before) / split_bytes,
@@ -131,6 +132,15 @@ def epoch_in_fresh_interpreter(uri: str, env: dict | None, *, args, tmp: Path) -
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def measured(source: tuple[str, dict | None], args, tmp: Path) -> dict:
+    """One epoch, and the CPU time this process spent meanwhile: the S3 server's (moto runs in
+    a thread here), which shares the machine's cores with the loader."""
+    cpu = time.process_time()
+    run = epoch_in_fresh_interpreter(*source, args=args, tmp=tmp)
+    run["server_cpu_s"] = time.process_time() - cpu
+    return run
+
+
 def median_run(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -156,10 +166,7 @@ def sizes(args) -> int:
         # Each round measures every size and storage, so the machine's load weighs on all alike.
         rounds = [
             {
-                n: {
-                    k: epoch_in_fresh_interpreter(*sources[n][k], args=args, tmp=Path(tmp))
-                    for k in ("local", "s3")
-                }
+                n: {k: measured(sources[n][k], args, Path(tmp)) for k in ("local", "s3")}
                 for n in args.sizes
             }
             for _ in range(args.repeat)
@@ -178,7 +185,8 @@ def sizes(args) -> int:
                     f"{r['images_per_s']:.0f} images/s ({r['steady_images_per_s']:.0f} after the "
                     f"first batch), peak RSS {r['peak_rss_mb']:.0f} MiB "
                     f"(DataLoader process {r['worker_peak_rss_mb']:.0f} MiB), bytes read "
-                    f"{r['bytes_read_over_split']:.3f}x the split"
+                    f"{r['bytes_read_over_split']:.3f}x the split; S3 server CPU "
+                    f"{r['server_cpu_s']:.1f} s in {r['epoch_s']:.1f} s"
                 )
             ratios = ", ".join(
                 f"{r[n]['s3']['images_per_s'] / r[n]['local']['images_per_s']:.2f}" for r in rounds
