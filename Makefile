@@ -4,11 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench bench-scale clean
+.PHONY: install demo test test-fast test-deploy lint format bench bench-scale clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
@@ -25,6 +25,11 @@ test: $(STAMP)
 ## Unit tests only (no `ray start` clusters).
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
+
+## `ray up` of cluster-onprem.yaml over SSH on loopback addresses, the chain on it, `ray down`:
+## needs root (it runs sshd, and apt-get installs openssh-server and rsync where missing).
+test-deploy: $(STAMP)
+	$(PY) -m pytest -m deploy
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,8 @@
-"""cluster.yaml: valid for Ray's cluster launcher, pinned to the client's Ray, token auth on.
+"""cluster.yaml and cluster-onprem.yaml: valid for Ray's cluster launcher, installing what
+pyproject.toml pins, token auth on; cluster.yaml's workers can reach S3.
 
 No cloud calls: the schema check is the part of `ray up` that runs before it talks to AWS.
+test_deploy.py launches cluster-onprem.yaml for real.
 """
 
 from __future__ import annotations
@@ -30,14 +32,55 @@ SEPARATORS = {";", "&&", "||", "|", "&"}
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
+CONFIGS = ["cluster.yaml", "cluster-onprem.yaml"]
+
+
 @pytest.fixture(scope="module")
 def cluster() -> dict:
     return yaml.safe_load((ROOT / "cluster.yaml").read_text())
 
 
 @pytest.fixture(scope="module")
-def project() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+def onprem() -> dict:
+    return yaml.safe_load((ROOT / "cluster-onprem.yaml").read_text())
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def any_cluster(request) -> dict:
+    return yaml.safe_load((ROOT / request.param).read_text())
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def requirements_file(path: Path) -> list[Requirement]:
+    """The requirements in a pip requirements file, following its `-r` lines."""
+    reqs = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("-r"):
+            reqs += requirements_file(path.parent / line[2:].strip())
+        elif line:
+            reqs.append(Requirement(line))
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def project(pyproject) -> dict:
+    """pyproject.toml's dependencies and extras, as setuptools reads them from requirements/."""
+    dynamic = pyproject["tool"]["setuptools"]["dynamic"]
+
+    def read(entry: dict) -> list[str]:
+        return [str(r) for f in entry["file"] for r in requirements_file(ROOT / f)]
+
+    return {
+        "dependencies": read(dynamic["dependencies"]),
+        "optional-dependencies": {
+            extra: read(entry) for extra, entry in dynamic["optional-dependencies"].items()
+        },
+    }
 
 
 def ray_validate(config: dict) -> None:
@@ -87,14 +130,29 @@ def option(argv: list[str], name: str) -> str | None:
     return None
 
 
-def pip_installs(commands: list[str]) -> list[Requirement]:
+def local_path(config: dict, remote: str) -> Path:
+    """The file in this checkout that the config's file_mounts put at `remote` on the nodes."""
+    for target, source in config["file_mounts"].items():
+        if remote == target or remote.startswith(target.rstrip("/") + "/"):
+            return ROOT / source / remote[len(target) :].lstrip("/")
+    raise AssertionError(f"{remote} is not under any of file_mounts: {config['file_mounts']}")
+
+
+def pip_installs(config: dict, commands: list[str]) -> list[Requirement]:
+    """What `pip install` installs in `commands`: its arguments and its `-r` files (the copies
+    that file_mounts makes of this checkout's files)."""
     reqs = []
     for command in commands:
         for _, argv in simple_commands(command):
-            if argv[:1] == ["python3"] or argv[:1] == ["python"]:
+            if Path(argv[0]).name in ("python3", "python") if argv else False:
                 argv = argv[2:] if argv[1:2] == ["-m"] else argv
-            if argv[:2] in (["pip", "install"], ["pip3", "install"]):
-                reqs += [Requirement(arg) for arg in argv[2:] if not arg.startswith("-")]
+            if argv[:1] and Path(argv[0]).name in ("pip", "pip3") and argv[1:2] == ["install"]:
+                args = iter(argv[2:])
+                for arg in args:
+                    if arg in ("-r", "--requirement"):
+                        reqs += requirements_file(local_path(config, next(args)))
+                    elif not arg.startswith("-"):
+                        reqs.append(Requirement(arg))
     return reqs
 
 
@@ -102,8 +160,8 @@ def key(req: Requirement) -> tuple:
     return canonicalize_name(req.name), frozenset(req.extras), str(req.specifier), str(req.marker)
 
 
-def test_cluster_yaml_passes_ray_validation(cluster):
-    ray_validate(cluster)
+def test_configs_pass_ray_validation(any_cluster):
+    ray_validate(any_cluster)
 
 
 @pytest.mark.parametrize(
@@ -123,31 +181,92 @@ def test_ray_validation_rejects_a_broken_copy(cluster, break_it):
         ray_validate(broken)
 
 
-def test_nodes_install_the_ray_the_client_pins(cluster, project):
+def test_nodes_install_the_ray_the_client_pins(any_cluster, project):
     (pinned,) = [Requirement(d) for d in project["dependencies"] if Requirement(d).name == "ray"]
     assert re.fullmatch(r"==[^,*]+", str(pinned.specifier)), f"pin ray exactly: {pinned}"
-    (installed,) = [r for r in pip_installs(cluster["setup_commands"]) if r.name == "ray"]
-    assert installed.specifier == pinned.specifier, f"cluster {installed}, client {pinned}"
-    assert installed.extras == pinned.extras
+    installed = pip_installs(any_cluster, any_cluster["setup_commands"])
+    (ray,) = [r for r in installed if r.name == "ray"]
+    assert ray.specifier == pinned.specifier, f"cluster {ray}, client {pinned}"
+    assert ray.extras == pinned.extras
 
 
-def test_nodes_install_exactly_the_runtime_deps(cluster, project):
+def test_nodes_install_exactly_the_runtime_deps(any_cluster, project):
     # Runtime deps plus the hf extra (preprocessing's Hugging Face source); never the bundle.
     runtime = [*project["dependencies"], *project["optional-dependencies"]["hf"]]
     expected = {key(Requirement(d)) for d in runtime}
-    installed = [key(r) for r in pip_installs(cluster["setup_commands"])]
+    installed = [key(r) for r in pip_installs(any_cluster, any_cluster["setup_commands"])]
     assert len(installed) == len(set(installed)), "a requirement is installed twice"
     assert set(installed) == expected
 
 
-def test_every_ray_start_uses_token_auth(cluster):
+def test_the_versions_live_in_one_place(pyproject, cluster, onprem):
+    # pyproject.toml lists none itself: setuptools reads them from requirements/, and both
+    # configs install those files, not copies of their lines.
+    assert "dependencies" not in pyproject["project"]
+    assert "optional-dependencies" not in pyproject["project"]
+    for config in (cluster, onprem):
+        assert config["file_mounts"]["~/ray-cv/requirements"] == "requirements"
+        for command in config["setup_commands"]:
+            for _, argv in simple_commands(command):
+                if "pip" in argv:
+                    assert argv[argv.index("install") + 1 :] == [
+                        "-r",
+                        "~/ray-cv/requirements/cluster.txt",
+                    ], command
+
+
+def test_the_installed_bundle_has_the_requirements_files_deps(project):
+    # What `pip install -e .` recorded is what requirements/ says: setuptools read the files.
+    from importlib.metadata import requires
+
+    recorded = {key(Requirement(r)) for r in requires("ray-cv-bundle")}
+    declared = {key(Requirement(d)) for d in project["dependencies"]}
+    for extra, deps in project["optional-dependencies"].items():
+        declared |= {key(Requirement(f'{d}; extra == "{extra}"')) for d in deps}
+    assert recorded == declared
+
+
+def test_every_ray_start_uses_token_auth(any_cluster):
     for field in ("head_start_ray_commands", "worker_start_ray_commands"):
-        starts = ray_starts(cluster[field])
+        starts = ray_starts(any_cluster[field])
         assert starts, f"no `ray start` in {field}"
         for env, argv in starts:
             assert "RAY_AUTH_MODE=token" in env, f"{field}: {shlex.join(argv)}"
     # The token itself reaches every node (file_mounts is remote: local).
-    assert cluster["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token"
+    assert any_cluster["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token"
+
+
+def test_file_mounts_come_from_the_bundle(any_cluster):
+    for remote, local in any_cluster["file_mounts"].items():
+        if remote != "~/.ray/auth_token":
+            assert (ROOT / local).exists(), f"{remote}: {local} is not in the bundle"
+
+
+def test_workers_get_the_heads_role_for_s3(cluster):
+    # `ray up` gives the head Ray's default profile (EC2 and S3 full access) and the workers
+    # nothing: each worker type must ask for it, or s3:// fails on every worker.
+    from ray.autoscaler._private.aws.config import DEFAULT_RAY_INSTANCE_PROFILE
+
+    head = cluster["available_node_types"][cluster["head_node_type"]]["node_config"]
+    assert "IamInstanceProfile" not in head, "the head takes the default that `ray up` creates"
+    for name, node_type in cluster["available_node_types"].items():
+        if name != cluster["head_node_type"]:
+            profile = node_type["node_config"].get("IamInstanceProfile")
+            assert profile == {"Name": DEFAULT_RAY_INSTANCE_PROFILE}, name
+
+
+def test_onprem_head_runs_no_tasks_and_every_node_names_its_address(onprem):
+    (head,) = [argv for _, argv in ray_starts(onprem["head_start_ray_commands"])]
+    assert option(head, "--num-cpus") == "0"
+    assert option(head, "--dashboard-host") == "127.0.0.1"
+    assert option(head, "--autoscaling-config") == "~/ray_bootstrap_config.yaml"
+    ((env, _),) = [s for s in ray_starts(onprem["head_start_ray_commands"])]
+    # The v2 autoscaler never sets up this provider's workers (test_deploy.py found it).
+    assert "RAY_enable_autoscaler_v2=0" in env
+    (worker,) = [argv for _, argv in ray_starts(onprem["worker_start_ray_commands"])]
+    assert option(worker, "--address") == "$RAY_HEAD_IP:6379"
+    for argv in (head, worker):
+        assert option(argv, "--node-ip-address") == "$RAY_CV_NODE_IP"
 
 
 def test_head_dashboard_only_on_loopback(cluster):
