@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint format bench bench-scale clean
+.PHONY: install demo test test-fast test-deploy lint format bench bench-scale clean
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ test: $(STAMP)
 ## Unit tests only (no `ray start` clusters).
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
+
+## The bundle under a real scheduler: Airflow 3 (its own .venv-airflow, built on first use)
+## runs the example DAG against a local cluster with S3 storage.
+test-deploy: $(STAMP)
+	$(PY) -m pytest -m deploy
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
