@@ -26,8 +26,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
-## `ray up` of cluster-onprem.yaml over SSH on loopback addresses, the chain on it, `ray down`:
-## needs root (it runs sshd, and apt-get installs openssh-server and rsync where missing).
+## The deployment paths for real: `ray up` of cluster-onprem.yaml over SSH on loopback addresses
+## (needs root: it runs sshd, and apt-get installs openssh-server and rsync where missing), and
+## Airflow 3 (its own .venv-airflow, built on first use) running the example DAG.
 test-deploy: $(STAMP)
 	$(PY) -m pytest -m deploy
 

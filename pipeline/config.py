@@ -250,8 +250,9 @@ class InferConfig(_Strict):
     num_actors: int = Field(
         2,
         ge=1,
-        description="Predictor actors (each loads the model once); capped by the cluster's GPUs "
-        "with use_gpu, else by its CPUs // cpus_per_actor.",
+        description="Most predictor actors (each loads the model once): as many as the "
+        "cluster's GPUs with use_gpu (else CPUs // cpus_per_actor) at the start, more as nodes "
+        "join.",
     )
     cpus_per_actor: int = Field(
         1,
@@ -262,8 +263,11 @@ class InferConfig(_Strict):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 (else fp16) on GPU, fp32 on CPU."
     )
-    gpu_timeout_s: float = Field(
-        60, gt=0, description="With use_gpu, fail if the cluster shows no GPU within this time."
+    capacity_timeout_s: float = Field(
+        120,
+        gt=0,
+        description="How long to wait for the cluster to hold one predictor actor (a GPU with "
+        "use_gpu, else cpus_per_actor CPUs), e.g. while an autoscaler adds a node; then fail.",
     )
 
 

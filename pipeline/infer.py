@@ -152,18 +152,38 @@ class Predictor:
         )
 
 
-def wait_for_gpu(timeout_s: float) -> int:
-    """GPUs in the cluster, waiting up to `timeout_s` for an autoscaler to add one."""
+def wait_for_capacity(resource: str, need: int, timeout_s: float, *, asked: str, fix: str) -> int:
+    """The cluster's total `resource` once it holds `need` (one predictor's worth), waiting up
+    to `timeout_s` for an autoscaler to add nodes: a cluster idle at zero has none at first."""
     deadline = time.monotonic() + timeout_s
-    while (gpus := int(ray.cluster_resources().get("GPU", 0))) == 0:
+    waiting = False
+    while (have := int(ray.cluster_resources().get(resource, 0))) < need:
         if time.monotonic() > deadline:
             raise ClusterError(
-                f"use_gpu=true, but the cluster has no GPU (waited {timeout_s:.0f} s, "
-                "gpu_timeout_s): run on a cluster with GPU nodes, raise gpu_timeout_s if it is "
-                "autoscaling, or set use_gpu=false"
+                f"{asked}, but the cluster has {have} {resource}s (waited {timeout_s:.0f} s, "
+                f"capacity_timeout_s): {fix}, or raise capacity_timeout_s if it is autoscaling"
             )
+        if not waiting:
+            log.info(
+                "waiting up to %.0f s (capacity_timeout_s) for %d %s(s): the cluster has %d",
+                *(timeout_s, need, resource, have),
+            )
+            waiting = True
         time.sleep(1)
-    return gpus
+    if waiting:
+        log.info("the cluster has %d %s(s) now", have, resource)
+    return have
+
+
+def wait_for_gpu(timeout_s: float) -> int:
+    """GPUs in the cluster, waiting up to `timeout_s` for an autoscaler to add one."""
+    return wait_for_capacity(
+        "GPU",
+        1,
+        timeout_s,
+        asked="use_gpu=true",
+        fix="run on a cluster with GPU nodes or set use_gpu=false",
+    )
 
 
 # --- batch -------------------------------------------------------------------------------------
@@ -183,7 +203,7 @@ def run(cfg: InferConfig, *, model: Location, source: Location, output: Location
         "top_k": cfg.top_k,
     }
     if cfg.use_gpu:
-        actors = min(cfg.num_actors, wait_for_gpu(cfg.gpu_timeout_s))
+        actors = min(cfg.num_actors, wait_for_gpu(cfg.capacity_timeout_s))
         per_actor = {"num_gpus": 1, "num_cpus": 1}
         # CPU tasks decode while the GPUs classify.
         ds = ds.map_batches(
@@ -193,18 +213,23 @@ def run(cfg: InferConfig, *, model: Location, source: Location, output: Location
         # Each actor decodes its own batches with its CPUs, then runs the model on all of them
         # (torch threads = cpus_per_actor): a separate decoding stage would need CPUs that the
         # actors hold, and decoding is a few percent of a CPU forward pass.
-        cpus, have = cfg.cpus_per_actor, int(ray.cluster_resources().get("CPU", 0))
-        if have < cpus:
-            raise ClusterError(
-                f"cpus_per_actor={cpus}, but the cluster has {have} CPUs: lower cpus_per_actor"
-            )
+        cpus = cfg.cpus_per_actor
+        have = wait_for_capacity(
+            "CPU",
+            cpus,
+            cfg.capacity_timeout_s,
+            asked=f"cpus_per_actor={cpus}",
+            fix="lower cpus_per_actor",
+        )
         actors = min(cfg.num_actors, have // cpus)
         per_actor = {"num_cpus": cpus}
         predictor |= {"decode_size": meta.image_size, "threads": cpus}
+    # As many actors as the cluster holds now, growing up to num_actors as nodes join.
     log.info(
-        "checkpoint %s; %d predictor actors with %s each, batches of %d",
+        "checkpoint %s; %d to %d predictor actors with %s each, batches of %d",
         checkpoint.uri,
         actors,
+        cfg.num_actors,
         per_actor,
         cfg.batch_size,
     )
@@ -212,7 +237,7 @@ def run(cfg: InferConfig, *, model: Location, source: Location, output: Location
         Predictor,
         fn_constructor_kwargs=predictor,
         batch_size=cfg.batch_size,
-        compute=ray.data.ActorPoolStrategy(size=actors),
+        compute=ray.data.ActorPoolStrategy(min_size=actors, max_size=cfg.num_actors),
         **per_actor,
     )
 
@@ -306,7 +331,7 @@ def classify_image(cfg: InferConfig, *, model: Location, image: Location) -> dic
     """One image file through one Ray task (on a GPU with use_gpu): its top-k classes."""
     checkpoint = resolve_checkpoint(model)
     if cfg.use_gpu:
-        wait_for_gpu(cfg.gpu_timeout_s)
+        wait_for_gpu(cfg.capacity_timeout_s)
     data = image.read_bytes()
     try:
         decode_image(data)  # fail here, with what is wrong, rather than in the task

@@ -256,9 +256,15 @@ CASES = [
         test="tests/test_train.py::test_a_kill_with_max_failures_0_fails_the_job",
     ),
     Case(
-        "`use_gpu=true` on a cluster without a GPU",
+        "`use_gpu=true` on a cluster without a GPU, for `capacity_timeout_s`",
         3,
-        "use_gpu=true, but the cluster has no GPU",
+        "use_gpu=true, but the cluster has <n> GPUs",
+        test="tests/test_infer.py::test_resources_the_cluster_lacks_fail_fast",
+    ),
+    Case(
+        "inference actors larger than the cluster, for `capacity_timeout_s`",
+        3,
+        "cpus_per_actor=<n>, but the cluster has <n> CPUs",
         test="tests/test_infer.py::test_resources_the_cluster_lacks_fail_fast",
     ),
 ]

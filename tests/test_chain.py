@@ -1,37 +1,12 @@
-"""`python -m pipeline.submit`: the plan it submits, and the Airflow example that runs it.
-The chain itself runs for real in test_s3.py, through the DAG's own commands."""
+"""`python -m pipeline.submit`: the plan it submits. The chain itself runs for real in
+test_s3.py, and under Airflow, through the example DAG, in test_airflow.py."""
 
 from __future__ import annotations
 
-import shlex
-
 import pytest
-from conftest import airflow_dag_tasks
 
 from pipeline.errors import ConfigError
-from pipeline.submit import BUNDLE_ROOT, STEPS, main, plan, step_command
-
-
-def test_dag_runs_each_step_of_the_chain_in_order():
-    env = {
-        "RAY_CV_BUNDLE": str(BUNDLE_ROOT),
-        "RAY_CV_ADDRESS": "http://10.0.0.1:8265",
-        "RAY_CV_ROOT": "s3://b/ray-cv",
-        "RAY_CV_PROFILE": "demo",
-    }
-    tasks = airflow_dag_tasks(env)
-    assert [t["task_id"] for t in tasks] == list(STEPS)
-    for task in tasks:
-        expected = step_command(
-            "http://10.0.0.1:8265", "s3://b/ray-cv", task["task_id"], profile="demo"
-        )
-        assert shlex.split(task["bash_command"]) == expected
-        assert task["cwd"] == str(BUNDLE_ROOT)
-        # Token auth, and the token comes from Airflow's own store, never from the file.
-        assert task["env"] == {
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": "{{ var.value.ray_auth_token }}",
-        }
+from pipeline.submit import main, plan
 
 
 def test_plan_derives_every_path_from_the_root():

@@ -135,19 +135,20 @@ def test_resources_the_cluster_lacks_fail_fast(train_cluster, trained, tiny_data
         f"input={tiny_dataset}",
         f"output={tmp_path}",
         "use_gpu=true",
-        "gpu_timeout_s=2",
+        "capacity_timeout_s=2",
     )
     assert proc.returncode != 0
-    assert "use_gpu=true, but the cluster has no GPU (waited 2 s" in proc.stdout
+    assert "use_gpu=true, but the cluster has 0 GPUs (waited 2 s" in proc.stdout
     proc = infer_job(
         train_cluster,
         f"model={trained}",
         f"input={tiny_dataset}",
         f"output={tmp_path}",
         "cpus_per_actor=64",
+        "capacity_timeout_s=2",
     )
     assert proc.returncode != 0
-    assert "cpus_per_actor=64, but the cluster has 2 CPUs: lower cpus_per_actor" in proc.stdout
+    assert "cpus_per_actor=64, but the cluster has 2 CPUs (waited 2 s" in proc.stdout
     assert not (tmp_path / SUMMARY).exists()
 
 

@@ -1,11 +1,11 @@
-"""The chain as the Airflow example runs it, with everything on a real S3-compatible server
-(moto, on loopback): the image folder, the dataset, checkpoints, the resume, the predictions."""
+"""The chain, step by step as a scheduler's tasks run it, with everything on a real S3-compatible
+server (moto, on loopback): the image folder, the dataset, checkpoints, the resume, the
+predictions. test_airflow.py runs the same commands from the Airflow example under Airflow."""
 
 import csv
 import io
 import json
 import re
-import shlex
 import subprocess
 from concurrent.futures import Future
 
@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from conftest import CLASSES, airflow_dag_tasks, in_background, make_image_folder, wait_for
+from conftest import CLASSES, in_background, make_image_folder, wait_for
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.s3 import S3Server
@@ -21,7 +21,7 @@ from pipeline.dataset import read_manifest
 from pipeline.predictions import PREDICTIONS, SUMMARY
 from pipeline.runs import HISTORY_CSV, RUN_SUMMARY, SNAPSHOT
 from pipeline.storage import Location
-from pipeline.submit import step_command
+from pipeline.submit import STEPS, step_command
 
 pytestmark = pytest.mark.slow
 BUCKET = "bundle-test"
@@ -65,7 +65,7 @@ def upload(fs, local_root, prefix):
                 f.write(path.read_bytes())
 
 
-# --- the chain, as the Airflow example runs it, with everything on S3 ------------------------
+# --- the chain, one step at a time, with everything on S3 ------------------------------------
 
 CHAIN_ROOT = f"s3://{BUCKET}/chain"
 CHAIN_SETTINGS = [
@@ -85,31 +85,23 @@ CHAIN_SETTINGS = [
 
 
 @pytest.fixture(scope="module")
-def dag(s3_cluster):
-    tasks = airflow_dag_tasks(
-        {
-            "RAY_CV_BUNDLE": str(BUNDLE_ROOT),
-            "RAY_CV_ADDRESS": s3_cluster.address,
-            "RAY_CV_ROOT": CHAIN_ROOT,
-            "RAY_CV_PROFILE": "demo",
-            "RAY_CV_SET": shlex.join(CHAIN_SETTINGS),
-        }
-    )
-    return {t["task_id"]: t for t in tasks}
-
-
-def start_task(task: dict, cluster: LocalCluster) -> tuple[subprocess.Popen, list[str], Future]:
-    """Run a DAG task's command as Airflow's BashOperator would (its cwd, its env on top of the
-    worker's, the token Variable rendered); its output lines collect in the list as they come."""
-    env = {
-        k: v.replace("{{ var.value.ray_auth_token }}", cluster.token)
-        for k, v in task["env"].items()
+def steps(s3_cluster) -> dict[str, list[str]]:
+    """Each step's command line: what the Airflow example's task for it runs."""
+    return {
+        step: step_command(
+            s3_cluster.address, CHAIN_ROOT, step, profile="demo", sets=CHAIN_SETTINGS
+        )
+        for step in STEPS
     }
+
+
+def start_task(cmd: list[str], cluster: LocalCluster) -> tuple[subprocess.Popen, list[str], Future]:
+    """Run a step's command from the bundle root; its output lines collect in the list as they
+    come."""
     proc = subprocess.Popen(
-        task["bash_command"],
-        shell=True,
-        cwd=task["cwd"],
-        env={**cluster.env, **env},
+        cmd,
+        cwd=BUNDLE_ROOT,
+        env=cluster.env,
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -123,17 +115,17 @@ def start_task(task: dict, cluster: LocalCluster) -> tuple[subprocess.Popen, lis
     return proc, lines, in_background(read)
 
 
-def run_task(task: dict, cluster: LocalCluster) -> tuple[int, str]:
-    proc, lines, reading = start_task(task, cluster)
+def run_task(cmd: list[str], cluster: LocalCluster) -> tuple[int, str]:
+    proc, lines, reading = start_task(cmd, cluster)
     reading.result(timeout=600)
     return proc.wait(), "".join(lines)
 
 
-def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, dag, tmp_path):
+def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, steps, tmp_path):
     # Preprocessing: an image folder on S3 (with files that are not images) -> Parquet on S3.
     bad = make_image_folder(tmp_path / "src", per_class=40)
     upload(s3, tmp_path / "src", f"{BUCKET}/raw")
-    code, out = run_task(dag["preprocess"], s3_cluster)
+    code, out = run_task(steps["preprocess"], s3_cluster)
     assert code == 0, out
     dataset = Location.parse(f"{CHAIN_ROOT}/dataset")
     manifest = read_manifest(dataset)
@@ -154,7 +146,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     # Training, stopped from outside with `ray job stop` after its first checkpoint on S3: the
     # step fails (exit 4), where `ray job submit` would have exited 0.
     run = Location.parse(f"{CHAIN_ROOT}/runs/s3run")
-    proc, lines, reading = start_task(dag["train"], s3_cluster)
+    proc, lines, reading = start_task(steps["train"], s3_cluster)
     wait_for(lambda: any("[train] submitted" in line for line in lines), "submission")
     (submission_id,) = [
         re.search(r"\[train\] submitted (\S+):", line)[1]
@@ -173,7 +165,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     assert f"[train] {submission_id} was stopped" in out
 
     # The scheduler's retry: the same command resumes from the checkpoint on S3.
-    code, out = run_task(dag["train"], s3_cluster)
+    code, out = run_task(steps["train"], s3_cluster)
     assert code == 0, out
     resumed = re.search(rf"resuming from {CHAIN_ROOT}/runs/s3run/epoch_(\d+)", out)
     assert resumed, out
@@ -187,7 +179,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     assert kept == {"epoch_0000", "epoch_0001"}
 
     # Inference reads the best checkpoint from S3 and writes its predictions there.
-    code, out = run_task(dag["infer"], s3_cluster)
+    code, out = run_task(steps["infer"], s3_cluster)
     assert code == 0, out
     predictions = Location.parse(f"{CHAIN_ROOT}/predictions/s3run")
     result = json.loads(predictions.child(SUMMARY).read_bytes())

@@ -7,10 +7,12 @@ exit 0). Killing the task stops the job. Retrying a task is safe: preprocessing 
 its dataset is up to date, training resumes its run, inference replaces its output.
 
 Set-up on the Airflow workers (Airflow 3; BashOperator is in the standard provider it ships):
-  - the bundle checked out at RAY_CV_BUNDLE with its client installed: `pip install -e .` there,
-    in the environment Airflow runs tasks with;
+  - the bundle checked out at RAY_CV_BUNDLE with its client installed (`pip install -e .` there)
+    for the `python` first on the tasks' PATH: Airflow's own environment or one beside it (to
+    parse this file Airflow needs only pyyaml and pydantic, which it ships with);
   - RAY_CV_ADDRESS (the Ray dashboard, e.g. http://ray-head:8265) and RAY_CV_ROOT (s3://...);
-    optionally RAY_CV_PROFILE and RAY_CV_SET (see `python -m pipeline.submit --help`);
+    optionally RAY_CV_PROFILE and RAY_CV_SET (see `python -m pipeline.submit --help`), and
+    RAY_CV_RETRIES (default 2: a task that fails is retried that many times, 5 minutes apart);
   - the cluster's token in the Airflow Variable `ray_auth_token` (Ray 2.60 clusters require
     token authentication). Nothing secret lives in this file.
 """
@@ -30,6 +32,7 @@ ADDRESS = os.environ.get("RAY_CV_ADDRESS", "http://127.0.0.1:8265")
 ROOT = os.environ.get("RAY_CV_ROOT", "s3://my-bucket/ray-cv")
 PROFILE = os.environ.get("RAY_CV_PROFILE", "")  # "demo" for the small generated-data configs
 SETTINGS = shlex.split(os.environ.get("RAY_CV_SET", ""))  # e.g. "train.epochs=20 infer.top_k=3"
+RETRIES = int(os.environ.get("RAY_CV_RETRIES", "2"))
 
 sys.path.insert(0, BUNDLE)
 from pipeline.submit import STEPS, step_command  # noqa: E402  (the bundle: on the path above)
@@ -40,7 +43,7 @@ with DAG(
     start_date=datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc),
     catchup=False,
     max_active_runs=1,  # two runs would train the same run name at once
-    default_args={"retries": 2, "retry_delay": datetime.timedelta(minutes=5)},
+    default_args={"retries": RETRIES, "retry_delay": datetime.timedelta(minutes=5)},
     tags=["ray"],
 ) as dag:
     chain(
