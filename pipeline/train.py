@@ -46,7 +46,7 @@ def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
             f"missing ({', '.join(missing[:3])}). Re-run preprocessing with overwrite=true"
         )
     train, val = manifest.splits["train"].rows, manifest.splits["val"].rows
-    workers = cfg.scaling.num_workers
+    workers = cfg.scaling.max_workers
     if train < 2 * workers:
         raise InputError(
             f"dataset {dataset.uri} has {train} train images: too few for {workers} workers "
@@ -101,6 +101,29 @@ def train_loop_per_worker(config: dict) -> None:
     train_loop_per_worker(config)
 
 
+# Attempts at placing the workers when max_failures=-1 (recover from worker failures always):
+# a cluster without room must still end the job, as with the default max_failures=3.
+STARTUP_ATTEMPTS_UNLIMITED = 4
+
+
+def startup_attempts(cfg: TrainConfig) -> int:
+    """How many times the workers' start is tried before the job fails."""
+    return cfg.max_failures + 1 if cfg.max_failures >= 0 else STARTUP_ATTEMPTS_UNLIMITED
+
+
+def failure_config(cfg: TrainConfig) -> ray.train.FailureConfig:
+    """Ray Train's failure handling for `cfg`.
+
+    Ray Train waits startup_timeout_s for the workers' placement group, then retries forever
+    unless controller failures are capped: capped so that a worker group that cannot be placed,
+    or that fails to start (a node lost while its workers import torch), is retried like a
+    worker failure, and a cluster without room ends the job after `startup_attempts` attempts.
+    """
+    return ray.train.FailureConfig(
+        max_failures=cfg.max_failures, controller_failure_limit=startup_attempts(cfg) - 1
+    )
+
+
 def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Location) -> None:
     from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
@@ -108,12 +131,8 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
 
     s = cfg.scaling
     per_worker = {"CPU": s.cpus_per_worker} | ({"GPU": 1} if s.use_gpu else {})
-    # Ray Train waits this long for the workers' placement group, then retries forever unless
-    # controller failures are capped. Capped at max_failures: a worker group that cannot be
-    # placed, or that fails to start (a node lost while its workers import torch), is retried
-    # like a worker failure, and a cluster without room ends the job after max_failures + 1
-    # attempts of startup_timeout_s each.
     os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(s.startup_timeout_s)
+    workers = f"{s.min_workers} to {s.max_workers}" if s.elastic else str(s.max_workers)
     data = {}
     if cfg.ingest == "ray_data":
         from pipeline.ingest import ExactValConfig, datasets
@@ -122,7 +141,7 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
             "datasets": datasets(manifest, dataset, augment=cfg.augment, seed=cfg.seed),
             "dataset_config": ExactValConfig(),
         }
-        spare = ray.cluster_resources().get("CPU", 0) - s.num_workers * s.cpus_per_worker
+        spare = ray.cluster_resources().get("CPU", 0) - s.max_workers * s.cpus_per_worker
         log.info("ingest=ray_data: decoding on the cluster's spare CPUs (%g now)", spare)
         if spare < 1:
             log.warning(
@@ -137,7 +156,14 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
             "run_dir": runs.child(cfg.name),
         },
         scaling_config=ray.train.ScalingConfig(
-            num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=per_worker
+            # A (min, max) range makes Ray Train elastic: it starts with as many workers as
+            # the cluster has room for, restarts with fewer when a node is lost, and grows
+            # (a restart from the latest checkpoint) when it finds room, checked every
+            # resize_interval_s.
+            num_workers=(s.min_workers, s.max_workers) if s.elastic else s.max_workers,
+            elastic_resize_monitor_interval_s=s.resize_interval_s,
+            use_gpu=s.use_gpu,
+            resources_per_worker=per_worker,
         ),
         **data,
         run_config=ray.train.RunConfig(
@@ -145,9 +171,7 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
             storage_path=runs.path,
             storage_filesystem=runs.fs,
             logging_config=ray.train.LoggingConfig(log_level=RAY_TRAIN_LOG_LEVEL),
-            failure_config=ray.train.FailureConfig(
-                max_failures=cfg.max_failures, controller_failure_limit=cfg.max_failures
-            ),
+            failure_config=failure_config(cfg),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.num_to_keep,
                 checkpoint_score_attribute=SCORE,
@@ -156,8 +180,8 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
         ),
     )
     log.info(
-        "starting %d workers with %s each; waiting up to %.0f s for them (startup_timeout_s)",
-        *(s.num_workers, per_worker, s.startup_timeout_s),
+        "starting %s workers with %s each; waiting up to %.0f s for them (startup_timeout_s)",
+        *(workers, per_worker, s.startup_timeout_s),
     )
     try:
         trainer.fit()
@@ -165,9 +189,9 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
         if isinstance(e.controller_failure, WorkerGroupStartupTimeoutError):
             have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
             raise ClusterError(
-                f"the cluster could not place {s.num_workers} training workers with "
+                f"the cluster could not place {workers} training workers with "
                 f"{per_worker} each within {s.startup_timeout_s:.0f} s (startup_timeout_s), "
-                f"{cfg.max_failures + 1} times (max_failures={cfg.max_failures}); it has {have} "
+                f"{startup_attempts(cfg)} times (max_failures={cfg.max_failures}); it has {have} "
                 "in total. Lower scaling.num_workers or scaling.cpus_per_worker, add nodes (or "
                 "GPUs), or raise scaling.startup_timeout_s if the cluster is autoscaling"
             ) from None

@@ -45,7 +45,12 @@ from pipeline.runs import (
 )
 from pipeline.step import Step, pick_precision
 from pipeline.storage import Location
-from pipeline.train import check_dataset
+from pipeline.train import (
+    STARTUP_ATTEMPTS_UNLIMITED,
+    check_dataset,
+    failure_config,
+    startup_attempts,
+)
 from pipeline.train_loop import (
     Progress,
     build_optimizer,
@@ -173,6 +178,43 @@ def test_global_batch_must_split_evenly():
         config("/d", "/s", "global_batch_size=32", "scaling.num_workers=3")
     with pytest.raises(ConfigError, match=r"name: String should match pattern"):
         config("/d", "/s", "name=../escape")
+
+
+def test_num_workers_is_a_count_or_an_elastic_range(tmp_path):
+    cfg = config("/d", "/s", "global_batch_size=12", "scaling.num_workers=[1, 4]").scaling
+    assert (cfg.min_workers, cfg.max_workers, cfg.elastic) == (1, 4, True)
+    path = tmp_path / "train.yaml"
+    path.write_text("dataset: /d\nstorage_path: /s\nscaling:\n  num_workers: [2, 2]\n")
+    cfg = load_config(TrainConfig, path).scaling
+    assert (cfg.min_workers, cfg.max_workers, cfg.elastic) == (2, 2, False)
+    for value, said in [
+        ("1-2", r"give a number of workers, or \[min, max\] for elastic training"),
+        ("[2, 1]", r"\[min, max\] needs 1 <= min <= max"),
+        ("[0, 2]", r"\[min, max\] needs 1 <= min <= max"),
+        ("[1, 2, 3]", r"give \[min, max\] for elastic training: two numbers"),
+        ("0", r"0 workers: at least 1"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"scaling.num_workers: Value error, {said}"):
+            config("/d", "/s", f"scaling.num_workers={value}")
+
+
+def test_an_elastic_global_batch_splits_evenly_over_every_count():
+    # The global batch, and so the learning rate, stays the same whatever the worker count.
+    cfg = config("/d", "/s", "global_batch_size=12", "scaling.num_workers=[1,4]")
+    assert [cfg.batch_size_per_worker(n) for n in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    said = r"over scaling.num_workers=\[2, 4\] \(every count in the range\): use a multiple of 12"
+    with pytest.raises(ConfigError, match=said):
+        config("/d", "/s", "global_batch_size=16", "scaling.num_workers=[2,4]")
+
+
+def test_placing_the_workers_is_tried_a_bounded_number_of_times():
+    # Ray Train's controller_failure_limit=-1 would retry a group it cannot place forever.
+    for max_failures, attempts in [(0, 1), (2, 3), (-1, STARTUP_ATTEMPTS_UNLIMITED)]:
+        cfg = config("/d", "/s", f"max_failures={max_failures}")
+        assert startup_attempts(cfg) == attempts
+        failures = failure_config(cfg)
+        assert failures.max_failures == max_failures
+        assert failures.controller_failure_limit == attempts - 1 >= 0
 
 
 def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):
