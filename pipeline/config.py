@@ -177,8 +177,10 @@ class TrainScalingConfig(_Strict):
         120,
         gt=0,
         description="How long one attempt to place the workers waits (at start, or after a "
-        "failure) before it counts as a failure; after max_failures + 1 such attempts the job "
-        "fails (Ray would otherwise wait forever).",
+        "failure) before it counts as a failure; after max_failures + 1 such attempts (4 with "
+        "max_failures=-1; one more for a [min, max] num_workers) the job fails (Ray would "
+        "otherwise wait forever). A [min, max] run also fails once it has waited that many "
+        "times this long for room for min workers.",
     )
     resize_interval_s: float = Field(
         60,
@@ -246,6 +248,13 @@ class TrainConfig(_Strict):
         ge=-1,
         description="Worker failures to recover from; -1: always (placing the workers is still "
         "tried at most 4 times, see scaling.startup_timeout_s).",
+    )
+    max_preemptions: int = Field(
+        -1,
+        ge=-1,
+        description="Node preemptions to recover from, counted apart from max_failures: a node "
+        "drained as preempted (a spot instance reclaimed; `ray drain-node --reason "
+        "DRAIN_NODE_REASON_PREEMPTION`) costs none of max_failures. -1: always.",
     )
     num_to_keep: int = Field(
         2, ge=1, description="Best checkpoints kept by val_accuracy (the latest is kept too)."

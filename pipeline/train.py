@@ -15,6 +15,12 @@ import pyarrow.fs as pafs
 import ray
 import ray.train
 import ray.train.torch
+from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.controller.state import (
+    InitializingState,
+    ReschedulingState,
+    RestartingState,
+)
 
 from pipeline.checkpoint import read_meta
 from pipeline.config import TrainConfig
@@ -107,8 +113,13 @@ STARTUP_ATTEMPTS_UNLIMITED = 4
 
 
 def startup_attempts(cfg: TrainConfig) -> int:
-    """How many times the workers' start is tried before the job fails."""
-    return cfg.max_failures + 1 if cfg.max_failures >= 0 else STARTUP_ATTEMPTS_UNLIMITED
+    """How many times the workers' start is tried before the job fails.
+
+    An elastic run gets one more: right after a node is lost (or reaches its preemption
+    deadline), Ray Train can size the new group by the cluster's resources from before the
+    cluster declared the node dead, and that attempt times out; the next one counts right."""
+    attempts = cfg.max_failures + 1 if cfg.max_failures >= 0 else STARTUP_ATTEMPTS_UNLIMITED
+    return attempts + 1 if cfg.scaling.elastic else attempts
 
 
 def failure_config(cfg: TrainConfig) -> ray.train.FailureConfig:
@@ -118,16 +129,53 @@ def failure_config(cfg: TrainConfig) -> ray.train.FailureConfig:
     unless controller failures are capped: capped so that a worker group that cannot be placed,
     or that fails to start (a node lost while its workers import torch), is retried like a
     worker failure, and a cluster without room ends the job after `startup_attempts` attempts.
+    A preemption (a node drained as preempted, then lost) is retried apart from max_failures:
+    Ray Train waits for the drain's deadline, then restarts from the latest checkpoint.
     """
     return ray.train.FailureConfig(
-        max_failures=cfg.max_failures, controller_failure_limit=startup_attempts(cfg) - 1
+        max_failures=cfg.max_failures,
+        controller_failure_limit=startup_attempts(cfg) - 1,
+        # Ray's default too; set here so that the config says it, and can change it.
+        max_preemption_failures=cfg.max_preemptions,
     )
+
+
+class WorkersNotPlacedError(RuntimeError):
+    """Raised on Ray Train's controller when an elastic run has waited its limit for room."""
+
+
+class ElasticWaitLimit(ControllerCallback):
+    """Ends an elastic run that waits longer than `limit_s` for room for its minimum workers.
+
+    With a [min, max] worker range Ray Train starts a worker group only once the cluster has
+    room for `min` workers, and until then waits with no time limit (the startup timeout counts
+    only once a group is being placed). Runs on the controller, which calls it on every turn
+    of its loop: a state that waits for a scaling decision starts the clock, any other stops it.
+    """
+
+    WAITING = (InitializingState, RestartingState, ReschedulingState)
+
+    def __init__(self, limit_s: float, min_workers: int):
+        self.limit_s, self.min_workers = limit_s, min_workers
+        self.waiting_since: float | None = None
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if not isinstance(current_state, self.WAITING):
+            self.waiting_since = None
+            return
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        elif now - self.waiting_since > self.limit_s:
+            raise WorkersNotPlacedError(
+                f"waited {self.limit_s:.0f} s for room for {self.min_workers} workers"
+            )
 
 
 def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Location) -> None:
     from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-    from ray.train.v2.api.exceptions import ControllerError
+    from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
     s = cfg.scaling
     per_worker = {"CPU": s.cpus_per_worker} | ({"GPU": 1} if s.use_gpu else {})
@@ -172,6 +220,11 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
             storage_filesystem=runs.fs,
             logging_config=ray.train.LoggingConfig(log_level=RAY_TRAIN_LOG_LEVEL),
             failure_config=failure_config(cfg),
+            # The same bound as for a fixed count: startup_attempts placements of
+            # startup_timeout_s each.
+            callbacks=[ElasticWaitLimit(startup_attempts(cfg) * s.startup_timeout_s, s.min_workers)]
+            if s.elastic
+            else None,
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.num_to_keep,
                 checkpoint_score_attribute=SCORE,
@@ -186,16 +239,31 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
     try:
         trainer.fit()
     except ControllerError as e:
+        have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        advice = (
+            f"it has {have} in total. Lower {'the minimum of ' if s.elastic else ''}"
+            "scaling.num_workers or scaling.cpus_per_worker, add nodes (or GPUs), or raise "
+            "scaling.startup_timeout_s if the cluster is autoscaling"
+        )
+        if isinstance(e.controller_failure, WorkersNotPlacedError):
+            raise ClusterError(
+                f"the cluster had no room for {s.min_workers} training workers (the least of "
+                f"scaling.num_workers={list(s.num_workers)}) with {per_worker} each for "
+                f"{startup_attempts(cfg) * s.startup_timeout_s:.0f} s ({startup_attempts(cfg)} "
+                f"times startup_timeout_s={s.startup_timeout_s:.0f}); {advice}"
+            ) from None
         if isinstance(e.controller_failure, WorkerGroupStartupTimeoutError):
-            have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
             raise ClusterError(
                 f"the cluster could not place {workers} training workers with "
                 f"{per_worker} each within {s.startup_timeout_s:.0f} s (startup_timeout_s), "
-                f"{startup_attempts(cfg)} times (max_failures={cfg.max_failures}); it has {have} "
-                "in total. Lower scaling.num_workers or scaling.cpus_per_worker, add nodes (or "
-                "GPUs), or raise scaling.startup_timeout_s if the cluster is autoscaling"
+                f"{startup_attempts(cfg)} times (max_failures={cfg.max_failures}); {advice}"
             ) from None
         raise ClusterError(f"training failed: {e}") from None
+    except PreemptionError as e:
+        raise ClusterError(
+            f"training failed: more than max_preemptions={cfg.max_preemptions} node "
+            f"preemptions; the last: {e}"
+        ) from None
     except ray.train.TrainingFailedError as e:
         raise ClusterError(
             f"training failed and max_failures={cfg.max_failures} retries are used up; "

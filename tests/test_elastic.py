@@ -25,6 +25,8 @@ from pipeline import faults
 pytestmark = pytest.mark.slow
 
 ELASTIC = ("scaling.num_workers=[1,2]", "scaling.resize_interval_s=5", "max_failures=1")
+# An attempt at placing the workers that counted a node just lost times out after this.
+STARTUP = "scaling.startup_timeout_s=15"
 
 
 def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(nodes, tiny_dataset, tmp_path):
@@ -32,7 +34,7 @@ def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(nodes, tiny_dataset, 
     # 0. The run goes on with one worker from epoch 0's checkpoint and finishes.
     run = tmp_path / "elastic"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    args = ("name=elastic", "epochs=2", *ELASTIC)
+    args = ("name=elastic", "epochs=2", *ELASTIC, STARTUP)
     job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
     held_worker(marker, job)
     wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
@@ -57,7 +59,7 @@ def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(nodes, tiny_dataset, 
     fault = tmp_path / "grow"
     fault.mkdir()
     env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
-    args = ("name=elastic", "epochs=4", *ELASTIC)
+    args = ("name=elastic", "epochs=4", *ELASTIC, STARTUP)
     job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
     held_worker(marker, job)
     wait_for(lambda: latest_recorded(run) == "epoch_0002", "epoch 2 in Ray's record", 60)
@@ -72,3 +74,19 @@ def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(nodes, tiny_dataset, 
     rows = history(run)
     assert [(r["epoch"], r["workers"]) for r in rows] == [(0, 2), (1, 1), (2, 1), (3, 2)]
     print(f"node joined -> two workers: {grew_s:.0f} s")
+
+    # 3. Room for fewer workers than the minimum: Ray Train would wait for it with no limit; the
+    # job fails once it has waited as long as a fixed count's placement attempts may take.
+    args = ("name=starved", "scaling.num_workers=[3,4]", "global_batch_size=12")
+    started = time.monotonic()
+    proc = train_job(
+        nodes, tiny_dataset, tmp_path, *args, *ELASTIC[1:], "scaling.startup_timeout_s=5"
+    )
+    waited = time.monotonic() - started
+    assert "failed with exit code 3" in proc.stdout, proc.stdout  # the job's: cluster error
+    said = "the cluster had no room for 3 training workers (the least of scaling.num_workers="
+    assert (
+        said + "[3, 4]) with {'CPU': 1} each for 15 s (3 times startup_timeout_s=5)" in proc.stdout
+    )
+    assert waited < 90, f"the job took {waited:.0f} s to give up"
+    print(f"no room for the minimum -> job failed after {waited:.0f} s")

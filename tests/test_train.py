@@ -28,7 +28,7 @@ from conftest import (
 from torch.utils.data import DataLoader
 
 from harness.cluster import LocalCluster
-from pipeline import faults
+from pipeline import faults, train
 from pipeline.checkpoint import read_meta
 from pipeline.config import TrainConfig, load_config
 from pipeline.dataset import MANIFEST, read_manifest
@@ -215,6 +215,26 @@ def test_placing_the_workers_is_tried_a_bounded_number_of_times():
         failures = failure_config(cfg)
         assert failures.max_failures == max_failures
         assert failures.controller_failure_limit == attempts - 1 >= 0
+    # Elastic: one more, for a group sized by a node that was lost a moment before.
+    assert startup_attempts(config("/d", "/s", "max_failures=0", "scaling.num_workers=[1,2]")) == 2
+
+
+def test_an_elastic_run_waits_for_room_a_bounded_time(monkeypatch):
+    # Ray Train waits with no limit for room for an elastic run's minimum: the driver's
+    # callback on its controller ends that wait, timed from when the wait starts.
+    from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
+
+    clock = iter([0.0, 5.0, 6.0, 15.0, 17.0])
+    monkeypatch.setattr(train.time, "monotonic", lambda: next(clock))
+    limit = train.ElasticWaitLimit(10, min_workers=2)
+    waiting, running = RestartingState(training_failed_error=None), RunningState()
+    limit.after_controller_state_update(running, waiting)  # t=0: a wait starts
+    limit.after_controller_state_update(waiting, waiting)  # t=5
+    limit.after_controller_state_update(waiting, running)  # placed: that wait is over
+    limit.after_controller_state_update(running, waiting)  # t=6: a new wait
+    limit.after_controller_state_update(waiting, waiting)  # t=15: 9 s of it
+    with pytest.raises(train.WorkersNotPlacedError, match=r"waited 10 s for room for 2 workers"):
+        limit.after_controller_state_update(waiting, waiting)  # t=17: 11 s
 
 
 def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):
