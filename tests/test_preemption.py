@@ -33,7 +33,7 @@ NO_FAILURES = (
 DEADLINE_S = 10
 
 
-def lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, name: str, *, preempted: bool):
+def lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, name: str, *args, preempted: bool):
     """Train `name`, hold rank 0 once Ray has recorded epoch 0, then lose the last node: drained
     as preempted and killed at the drain's deadline, or killed with no warning. Returns the
     job's output and the seconds from the loss to the job's end."""
@@ -41,7 +41,7 @@ def lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, name: str, *, preem
     fault = tmp_path / f"fault-{name}"
     fault.mkdir()
     env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
-    args = (f"name={name}", *NO_FAILURES)
+    args = (f"name={name}", *NO_FAILURES, *args)
     job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
     held_worker(marker, job)
     wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
@@ -64,10 +64,11 @@ def test_a_preempted_node_costs_no_failure(nodes, tiny_dataset, tmp_path):
     assert [(r["epoch"], r["workers"]) for r in history(tmp_path / "spot")] == [(0, 2), (1, 1)]
     print(f"preempted node lost -> job done: {took_s:.0f} s")
 
-    # The same loss with no drain is a failure, and max_failures=0 allows none.
+    # The same loss with no drain is a failure, and max_failures=0 allows none. A fixed count
+    # of two: an elastic run could start on one worker, before Ray Train counts the new node.
     nodes.add_node(num_cpus=1)
     proc, took_s = lose_a_node_after_epoch_0(
-        nodes, tiny_dataset, tmp_path, "plain", preempted=False
+        nodes, tiny_dataset, tmp_path, "plain", "scaling.num_workers=2", preempted=False
     )
     assert "failed with exit code 3" in proc.stdout, proc.stdout  # the job's: cluster error
     assert "training failed and max_failures=0 retries are used up" in proc.stdout, proc.stdout

@@ -194,7 +194,7 @@ def test_num_workers_is_a_count_or_an_elastic_range(tmp_path):
         ("[1, 2, 3]", r"give \[min, max\] for elastic training: two numbers"),
         ("0", r"0 workers: at least 1"),
     ]:
-        with pytest.raises(ConfigError, match=rf"scaling.num_workers: Value error, {said}"):
+        with pytest.raises(ConfigError, match=rf"scaling.num_workers: (Value error, )?{said}"):
             config("/d", "/s", f"scaling.num_workers={value}")
 
 
