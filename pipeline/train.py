@@ -117,7 +117,10 @@ def startup_attempts(cfg: TrainConfig) -> int:
 
     An elastic run gets one more: right after a node is lost (or reaches its preemption
     deadline), Ray Train can size the new group by the cluster's resources from before the
-    cluster declared the node dead, and that attempt times out; the next one counts right."""
+    cluster declared the node dead, and that attempt times out; the next one counts right if
+    startup_timeout_s outlasts that stale view: Ray Data's autoscaling coordinator, which Ray
+    Train asks, refreshes it every 20 s, after the node's death is detected (about 17 s by
+    default)."""
     attempts = cfg.max_failures + 1 if cfg.max_failures >= 0 else STARTUP_ATTEMPTS_UNLIMITED
     return attempts + 1 if cfg.scaling.elastic else attempts
 
