@@ -101,7 +101,7 @@ class LocalCluster:
         # A resource of its own, to tell this node from the others in the node list.
         tag = f"local_node_{len(self.nodes) + 1}"
         args = [f"--address={self.gcs_address}", f"--resources={json.dumps({tag: 1})}"]
-        node = Node(*_ray_start(args, num_cpus, self.env))
+        node = Node(*_ray_start(args, num_cpus, self.env), tag=tag)
         self.nodes.append(node)
         deadline = time.monotonic() + timeout_s
         while tag not in self.alive_resources():
@@ -236,8 +236,35 @@ class LocalCluster:
 class Node:
     """A worker node of a LocalCluster: `ray start --address ... --block` and what it started."""
 
-    def __init__(self, temp_dir: str, proc: subprocess.Popen, log_file):
+    def __init__(self, temp_dir: str, proc: subprocess.Popen, log_file, *, tag: str):
         self.temp_dir, self.proc, self._log = temp_dir, proc, log_file
+        self.tag = tag  # the custom resource only this node has
+
+    def node_id(self, cluster: LocalCluster) -> str:
+        """Ray's hex id of this node, while it is alive."""
+        [node] = [
+            n for n in cluster.state("nodes", "state=ALIVE") if self.tag in n["resources_total"]
+        ]
+        return node["node_id"]
+
+    def drain(self, cluster: LocalCluster, *, reason: str, message: str, deadline_s: int) -> None:
+        """`ray drain-node`: tell the cluster this node goes away in `deadline_s` seconds (the
+        caller kills it then), with `reason` DRAIN_NODE_REASON_PREEMPTION or _IDLE_TERMINATION."""
+        subprocess.run(
+            [
+                _ray_cli(),
+                "drain-node",
+                f"--address={cluster.gcs_address}",
+                f"--node-id={self.node_id(cluster)}",
+                f"--reason={reason}",
+                f"--reason-message={message}",
+                f"--deadline-remaining-seconds={deadline_s}",
+            ],
+            env=cluster.env,
+            timeout=60,
+            check=True,
+            capture_output=True,
+        )
 
     def kill(self) -> None:
         """SIGKILL the node's raylet, its workers and the rest, as a machine that dies. Its

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import textwrap
 import types
@@ -15,6 +16,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -140,8 +142,32 @@ class OptimizerConfig(_Strict):
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
 
 
+def _worker_range(value: Any) -> Any:
+    # One error that says what is allowed, rather than one per member of the union.
+    if isinstance(value, bool) or not isinstance(value, int | tuple):
+        raise ValueError("give a number of workers, or [min, max] for elastic training")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{value} workers: at least 1")
+        return value
+    if len(value) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in value):
+        raise ValueError("give [min, max] for elastic training: two numbers, e.g. [1, 4]")
+    if not 1 <= value[0] <= value[1]:
+        raise ValueError("[min, max] needs 1 <= min <= max, e.g. [1, 4]")
+    return value
+
+
+WorkerCount = Annotated[int | tuple[int, ...], BeforeValidator(_worker_range)]
+
+
 class TrainScalingConfig(_Strict):
-    num_workers: int = Field(2, ge=1, description="Training workers (one process each).")
+    num_workers: WorkerCount = Field(
+        2,
+        description="Training workers (one process each): a number, or [min, max] for elastic "
+        "training, which starts with as many as fit (at least min), goes on with fewer when a "
+        "node is lost and not replaced, and grows back when nodes return, each time from the "
+        "latest checkpoint. The global batch stays global_batch_size whatever the count.",
+    )
     cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker (torch threads).")
     use_gpu: bool = Field(False, description="One GPU per worker; mixed precision on it.")
     loader_workers: int = Field(
@@ -151,9 +177,31 @@ class TrainScalingConfig(_Strict):
         120,
         gt=0,
         description="How long one attempt to place the workers waits (at start, or after a "
-        "failure) before it counts as a failure; after max_failures + 1 such attempts the job "
-        "fails (Ray would otherwise wait forever).",
+        "failure) before it counts as a failure; after max_failures + 1 such attempts (4 with "
+        "max_failures=-1; one more for a [min, max] num_workers) the job fails (Ray would "
+        "otherwise wait forever). A [min, max] run also fails once it has waited that many "
+        "times this long for room for min workers.",
     )
+    resize_interval_s: float = Field(
+        60,
+        gt=0,
+        description="With a [min, max] num_workers: how often a running group below max checks "
+        "for room to grow (growing restarts the workers from the latest checkpoint).",
+    )
+
+    @property
+    def min_workers(self) -> int:
+        n = self.num_workers
+        return n if isinstance(n, int) else n[0]
+
+    @property
+    def max_workers(self) -> int:
+        n = self.num_workers
+        return n if isinstance(n, int) else n[1]
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers < self.max_workers
 
 
 class TrainConfig(_Strict):
@@ -166,7 +214,11 @@ class TrainConfig(_Strict):
     )
     epochs: int = Field(10, ge=1, description="Total epochs of the run, resumed ones included.")
     global_batch_size: int = Field(
-        128, ge=1, description="Images per optimizer step over all workers (split evenly)."
+        128,
+        ge=1,
+        description="Images per optimizer step over all workers, split evenly over them; it "
+        "stays the same when an elastic run changes its worker count, so optimizer.lr stays "
+        "right.",
     )
     ingest: Literal["torch", "ray_data"] = Field(
         "torch",
@@ -191,7 +243,19 @@ class TrainConfig(_Strict):
     seed: int = Field(0, description="Seed for weights init and data order.")
     optimizer: OptimizerConfig = OptimizerConfig()
     scaling: TrainScalingConfig = TrainScalingConfig()
-    max_failures: int = Field(3, ge=-1, description="Worker failures to recover from; -1: always.")
+    max_failures: int = Field(
+        3,
+        ge=-1,
+        description="Worker failures to recover from; -1: always (placing the workers is still "
+        "tried at most 4 times, see scaling.startup_timeout_s).",
+    )
+    max_preemptions: int = Field(
+        -1,
+        ge=-1,
+        description="Node preemptions to recover from, counted apart from max_failures: a node "
+        "drained as preempted (a spot instance reclaimed; `ray drain-node --reason "
+        "DRAIN_NODE_REASON_PREEMPTION`) costs none of max_failures. -1: always.",
+    )
     num_to_keep: int = Field(
         2, ge=1, description="Best checkpoints kept by val_accuracy (the latest is kept too)."
     )
@@ -201,11 +265,17 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _batch_splits_evenly(self) -> TrainConfig:
-        workers = self.scaling.num_workers
-        if self.global_batch_size % workers:
+        # Every worker count the run may go through, so that a resize never changes the batch.
+        s = self.scaling
+        counts = range(s.min_workers, s.max_workers + 1)
+        if any(self.global_batch_size % n for n in counts):
+            shown = list(s.num_workers) if s.elastic else s.num_workers
+            multiple = math.lcm(*counts)
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} does not split evenly over "
-                f"scaling.num_workers={workers}: use a multiple of {workers}"
+                f"scaling.num_workers={shown}"
+                + (" (every count in the range)" if s.elastic else "")
+                + f": use a multiple of {multiple}"
             )
         return self
 
@@ -216,9 +286,9 @@ class TrainConfig(_Strict):
             _absolute_or_uri(p)
         return self
 
-    @property
-    def batch_size_per_worker(self) -> int:
-        return self.global_batch_size // self.scaling.num_workers
+    def batch_size_per_worker(self, workers: int) -> int:
+        """Each worker's share of the global batch, with `workers` workers running."""
+        return self.global_batch_size // workers
 
 
 class InferConfig(_Strict):

@@ -93,7 +93,10 @@ def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
 
 def history_csv(history: list[dict]) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(history[0]))
+    # Every key of every row: a run resumed from an older checkpoint has rows without the
+    # newer ones (such as `workers`), left empty.
+    fields = list(dict.fromkeys(key for row in history for key in row))
+    writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()
     writer.writerows(history)
     return out.getvalue()

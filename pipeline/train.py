@@ -15,6 +15,12 @@ import pyarrow.fs as pafs
 import ray
 import ray.train
 import ray.train.torch
+from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.controller.state import (
+    InitializingState,
+    ReschedulingState,
+    RestartingState,
+)
 
 from pipeline.checkpoint import read_meta
 from pipeline.config import TrainConfig
@@ -47,7 +53,7 @@ def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
             f"missing ({', '.join(missing[:3])}). Re-run preprocessing with overwrite=true"
         )
     train, val = manifest.splits["train"].rows, manifest.splits["val"].rows
-    workers = cfg.scaling.num_workers
+    workers = cfg.scaling.max_workers
     if train < 2 * workers:
         raise InputError(
             f"dataset {dataset.uri} has {train} train images: too few for {workers} workers "
@@ -102,19 +108,83 @@ def train_loop_per_worker(config: dict) -> None:
     train_loop_per_worker(config)
 
 
+# Attempts at placing the workers when max_failures=-1 (recover from worker failures always):
+# a cluster without room must still end the job, as with the default max_failures=3.
+STARTUP_ATTEMPTS_UNLIMITED = 4
+
+
+def startup_attempts(cfg: TrainConfig) -> int:
+    """How many times the workers' start is tried before the job fails.
+
+    An elastic run gets one more: right after a node is lost (or reaches its preemption
+    deadline), Ray Train can size the new group by the cluster's resources from before the
+    cluster declared the node dead, and that attempt times out; the next one counts right if
+    startup_timeout_s outlasts that stale view: Ray Data's autoscaling coordinator, which Ray
+    Train asks, refreshes it every 20 s, after the node's death is detected (about 17 s by
+    default)."""
+    attempts = cfg.max_failures + 1 if cfg.max_failures >= 0 else STARTUP_ATTEMPTS_UNLIMITED
+    return attempts + 1 if cfg.scaling.elastic else attempts
+
+
+def failure_config(cfg: TrainConfig) -> ray.train.FailureConfig:
+    """Ray Train's failure handling for `cfg`.
+
+    Ray Train waits startup_timeout_s for the workers' placement group, then retries forever
+    unless controller failures are capped: capped so that a worker group that cannot be placed,
+    or that fails to start (a node lost while its workers import torch), is retried like a
+    worker failure, and a cluster without room ends the job after `startup_attempts` attempts.
+    A preemption (a node drained as preempted, then lost) is retried apart from max_failures:
+    Ray Train waits for the drain's deadline, then restarts from the latest checkpoint.
+    """
+    return ray.train.FailureConfig(
+        max_failures=cfg.max_failures,
+        controller_failure_limit=startup_attempts(cfg) - 1,
+        # Ray's default too; set here so that the config says it, and can change it.
+        max_preemption_failures=cfg.max_preemptions,
+    )
+
+
+class WorkersNotPlacedError(RuntimeError):
+    """Raised on Ray Train's controller when an elastic run has waited its limit for room."""
+
+
+class ElasticWaitLimit(ControllerCallback):
+    """Ends an elastic run that waits longer than `limit_s` for room for its minimum workers.
+
+    With a [min, max] worker range Ray Train starts a worker group only once the cluster has
+    room for `min` workers, and until then waits with no time limit (the startup timeout counts
+    only once a group is being placed). Runs on the controller, which calls it on every turn
+    of its loop: a state that waits for a scaling decision starts the clock, any other stops it.
+    """
+
+    WAITING = (InitializingState, RestartingState, ReschedulingState)
+
+    def __init__(self, limit_s: float, min_workers: int):
+        self.limit_s, self.min_workers = limit_s, min_workers
+        self.waiting_since: float | None = None
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if not isinstance(current_state, self.WAITING):
+            self.waiting_since = None
+            return
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        elif now - self.waiting_since > self.limit_s:
+            raise WorkersNotPlacedError(
+                f"waited {self.limit_s:.0f} s for room for {self.min_workers} workers"
+            )
+
+
 def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Location) -> None:
     from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-    from ray.train.v2.api.exceptions import ControllerError
+    from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
     s = cfg.scaling
     per_worker = {"CPU": s.cpus_per_worker} | ({"GPU": 1} if s.use_gpu else {})
-    # Ray Train waits this long for the workers' placement group, then retries forever unless
-    # controller failures are capped. Capped at max_failures: a worker group that cannot be
-    # placed, or that fails to start (a node lost while its workers import torch), is retried
-    # like a worker failure, and a cluster without room ends the job after max_failures + 1
-    # attempts of startup_timeout_s each.
     os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(s.startup_timeout_s)
+    workers = f"{s.min_workers} to {s.max_workers}" if s.elastic else str(s.max_workers)
     data = {}
     if cfg.ingest == "ray_data":
         from pipeline.ingest import ExactValConfig, datasets
@@ -123,7 +193,7 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
             "datasets": datasets(manifest, dataset, augment=cfg.augment, seed=cfg.seed),
             "dataset_config": ExactValConfig(),
         }
-        spare = ray.cluster_resources().get("CPU", 0) - s.num_workers * s.cpus_per_worker
+        spare = ray.cluster_resources().get("CPU", 0) - s.max_workers * s.cpus_per_worker
         log.info("ingest=ray_data: decoding on the cluster's spare CPUs (%g now)", spare)
         if spare < 1:
             log.warning(
@@ -138,7 +208,14 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
             "run_dir": runs.child(cfg.name),
         },
         scaling_config=ray.train.ScalingConfig(
-            num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=per_worker
+            # A (min, max) range makes Ray Train elastic: it starts with as many workers as
+            # the cluster has room for, restarts with fewer when a node is lost, and grows
+            # (a restart from the latest checkpoint) when it finds room, checked every
+            # resize_interval_s.
+            num_workers=(s.min_workers, s.max_workers) if s.elastic else s.max_workers,
+            elastic_resize_monitor_interval_s=s.resize_interval_s,
+            use_gpu=s.use_gpu,
+            resources_per_worker=per_worker,
         ),
         **data,
         run_config=ray.train.RunConfig(
@@ -146,9 +223,12 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
             storage_path=runs.path,
             storage_filesystem=runs.fs,
             logging_config=ray.train.LoggingConfig(log_level=RAY_TRAIN_LOG_LEVEL),
-            failure_config=ray.train.FailureConfig(
-                max_failures=cfg.max_failures, controller_failure_limit=cfg.max_failures
-            ),
+            failure_config=failure_config(cfg),
+            # The same bound as for a fixed count: startup_attempts placements of
+            # startup_timeout_s each.
+            callbacks=[ElasticWaitLimit(startup_attempts(cfg) * s.startup_timeout_s, s.min_workers)]
+            if s.elastic
+            else None,
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.num_to_keep,
                 checkpoint_score_attribute=SCORE,
@@ -157,22 +237,37 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
         ),
     )
     log.info(
-        "starting %d workers with %s each; waiting up to %.0f s for them (startup_timeout_s)",
-        *(s.num_workers, per_worker, s.startup_timeout_s),
+        "starting %s workers with %s each; waiting up to %.0f s for them (startup_timeout_s)",
+        *(workers, per_worker, s.startup_timeout_s),
     )
     try:
         trainer.fit()
     except ControllerError as e:
-        if isinstance(e.controller_failure, WorkerGroupStartupTimeoutError):
-            have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        advice = (
+            f"it has {have} in total. Lower {'the minimum of ' if s.elastic else ''}"
+            "scaling.num_workers or scaling.cpus_per_worker, add nodes (or GPUs), or raise "
+            "scaling.startup_timeout_s if the cluster is autoscaling"
+        )
+        if isinstance(e.controller_failure, WorkersNotPlacedError):
             raise ClusterError(
-                f"the cluster could not place {s.num_workers} training workers with "
+                f"the cluster had no room for {s.min_workers} training workers (the least of "
+                f"scaling.num_workers={list(s.num_workers)}) with {per_worker} each for "
+                f"{startup_attempts(cfg) * s.startup_timeout_s:.0f} s ({startup_attempts(cfg)} "
+                f"times startup_timeout_s={s.startup_timeout_s:.0f}); {advice}"
+            ) from None
+        if isinstance(e.controller_failure, WorkerGroupStartupTimeoutError):
+            raise ClusterError(
+                f"the cluster could not place {workers} training workers with "
                 f"{per_worker} each within {s.startup_timeout_s:.0f} s (startup_timeout_s), "
-                f"{cfg.max_failures + 1} times (max_failures={cfg.max_failures}); it has {have} "
-                "in total. Lower scaling.num_workers or scaling.cpus_per_worker, add nodes (or "
-                "GPUs), or raise scaling.startup_timeout_s if the cluster is autoscaling"
+                f"{startup_attempts(cfg)} times (max_failures={cfg.max_failures}); {advice}"
             ) from None
         raise ClusterError(f"training failed: {e}") from None
+    except PreemptionError as e:
+        raise ClusterError(
+            f"training failed: more than max_preemptions={cfg.max_preemptions} node "
+            f"preemptions; the last: {e}"
+        ) from None
     except ray.train.TrainingFailedError as e:
         raise ClusterError(
             f"training failed and max_failures={cfg.max_failures} retries are used up; "

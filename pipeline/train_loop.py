@@ -201,7 +201,7 @@ def train_data(
         dataset,
         manifest,
         "train",
-        batch_size=cfg.batch_size_per_worker,
+        batch_size=cfg.batch_size_per_worker(world),
         rank=rank,
         world=world,
         shuffle=True,
@@ -216,7 +216,12 @@ def train_data(
 def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
     """This worker's contiguous share of the val split, unpadded (see `evaluate`)."""
     stream = RowGroupStream(
-        dataset, manifest, "val", batch_size=cfg.batch_size_per_worker, rank=rank, world=world
+        dataset,
+        manifest,
+        "val",
+        batch_size=cfg.batch_size_per_worker(world),
+        rank=rank,
+        world=world,
     )
     return loader(stream, cfg, device)
 
@@ -271,7 +276,7 @@ def train_loop_per_worker(config: dict) -> None:
     if rank == 0:
         log.info(
             "%d workers on %s, precision %s (precision=%s), %d images per worker batch",
-            *(world, device.type, step.precision, cfg.precision, cfg.batch_size_per_worker),
+            *(world, device.type, step.precision, cfg.precision, cfg.batch_size_per_worker(world)),
         )
 
     torch.manual_seed(cfg.seed)
@@ -314,6 +319,7 @@ def train_loop_per_worker(config: dict) -> None:
             "images_per_s": images / slowest,  # all workers together
             "images_per_s_per_worker": t["images"] / t["seconds"],  # this rank's (rank 0's)
             "train_s": slowest,
+            "workers": w.world,  # an elastic run's count can change from epoch to epoch
         }
         w.history.append(metrics)
         train_state = {
@@ -326,7 +332,7 @@ def train_loop_per_worker(config: dict) -> None:
 
 def loaders(w: Worker, device: torch.device):
     """This worker's train batches (with `set_epoch`) and val batches, by `ingest`."""
-    cfg, batch = w.cfg, w.cfg.batch_size_per_worker
+    cfg, batch = w.cfg, w.cfg.batch_size_per_worker(w.world)
     if cfg.ingest == "ray_data":
         from pipeline.ingest import ShardBatches
 
@@ -361,6 +367,14 @@ def restore(w: Worker, model: torch.nn.Module) -> dict | None:
             "resumed from checkpoint %s (epoch %d done): continuing at epoch %d of %d",
             *(checkpoint.path, meta.epoch, w.start_epoch, w.cfg.epochs),
         )
+        before = meta.metrics.get("workers")
+        if before is not None and before != w.world:
+            log.info(
+                "resumed with %s workers: %d, was %d; the global batch stays %d (%d per worker), "
+                "so the learning rate is unchanged",
+                *("fewer" if w.world < before else "more", w.world, before),
+                *(w.cfg.global_batch_size, w.cfg.batch_size_per_worker(w.world)),
+            )
     return train_state
 
 

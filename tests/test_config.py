@@ -163,6 +163,6 @@ def test_keys_are_flattened_with_types_and_defaults():
     keys = {key: (kind, default) for key, kind, default, _ in describe_keys(TrainConfig)}
     assert keys["dataset"] == ("str", "required")
     assert keys["optimizer.lr"] == ("float", "0.1")
-    assert keys["scaling.num_workers"] == ("int", "2")
+    assert keys["scaling.num_workers"] == ("int or list of int", "2")
     assert keys["precision"] == ("auto|fp32|bf16|fp16", "auto")
     assert keys["pretrained"] == ("str or null", "null")

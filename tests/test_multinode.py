@@ -18,37 +18,13 @@ from conftest import (
     in_background,
     latest_recorded,
     train_job,
-    training_workers,
+    training_worker_nodes,
     wait_for,
 )
 
-from harness.cluster import LocalCluster
 from pipeline import faults
 
 pytestmark = pytest.mark.slow
-
-
-# The GCS declares a killed node dead within about 5 s, not Ray's default of about 17 s
-# (measured here: 4.8 s and 17.1 s): with 5 s placement attempts the job would otherwise race
-# the detection, and could give up while the dead node still counts in the cluster's resources.
-FAST_NODE_DEATH = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "2",
-}
-
-
-@pytest.fixture(scope="module")
-def nodes():
-    """Head with no CPUs (it runs drivers, never training, as in cluster.yaml) + 2 one-CPU nodes."""
-    with LocalCluster(num_cpus=0, env=FAST_NODE_DEATH) as cluster:
-        cluster.add_node(num_cpus=1)
-        cluster.add_node(num_cpus=1)
-        yield cluster
-
-
-def training_worker_nodes(cluster) -> list[str]:
-    return sorted(a["node_id"] for a in training_workers(cluster))
 
 
 def test_node_lost_mid_training(nodes, tiny_dataset, tmp_path):

@@ -28,7 +28,7 @@ from conftest import (
 from torch.utils.data import DataLoader
 
 from harness.cluster import LocalCluster
-from pipeline import faults
+from pipeline import faults, train
 from pipeline.checkpoint import read_meta
 from pipeline.config import TrainConfig, load_config
 from pipeline.dataset import MANIFEST, read_manifest
@@ -45,7 +45,12 @@ from pipeline.runs import (
 )
 from pipeline.step import Step, pick_precision
 from pipeline.storage import Location
-from pipeline.train import check_dataset
+from pipeline.train import (
+    STARTUP_ATTEMPTS_UNLIMITED,
+    check_dataset,
+    failure_config,
+    startup_attempts,
+)
 from pipeline.train_loop import (
     Progress,
     build_optimizer,
@@ -173,6 +178,63 @@ def test_global_batch_must_split_evenly():
         config("/d", "/s", "global_batch_size=32", "scaling.num_workers=3")
     with pytest.raises(ConfigError, match=r"name: String should match pattern"):
         config("/d", "/s", "name=../escape")
+
+
+def test_num_workers_is_a_count_or_an_elastic_range(tmp_path):
+    cfg = config("/d", "/s", "global_batch_size=12", "scaling.num_workers=[1, 4]").scaling
+    assert (cfg.min_workers, cfg.max_workers, cfg.elastic) == (1, 4, True)
+    path = tmp_path / "train.yaml"
+    path.write_text("dataset: /d\nstorage_path: /s\nscaling:\n  num_workers: [2, 2]\n")
+    cfg = load_config(TrainConfig, path).scaling
+    assert (cfg.min_workers, cfg.max_workers, cfg.elastic) == (2, 2, False)
+    for value, said in [
+        ("1-2", r"give a number of workers, or \[min, max\] for elastic training"),
+        ("[2, 1]", r"\[min, max\] needs 1 <= min <= max"),
+        ("[0, 2]", r"\[min, max\] needs 1 <= min <= max"),
+        ("[1, 2, 3]", r"give \[min, max\] for elastic training: two numbers"),
+        ("0", r"0 workers: at least 1"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"scaling.num_workers: (Value error, )?{said}"):
+            config("/d", "/s", f"scaling.num_workers={value}")
+
+
+def test_an_elastic_global_batch_splits_evenly_over_every_count():
+    # The global batch, and so the learning rate, stays the same whatever the worker count.
+    cfg = config("/d", "/s", "global_batch_size=12", "scaling.num_workers=[1,4]")
+    assert [cfg.batch_size_per_worker(n) for n in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    said = r"over scaling.num_workers=\[2, 4\] \(every count in the range\): use a multiple of 12"
+    with pytest.raises(ConfigError, match=said):
+        config("/d", "/s", "global_batch_size=16", "scaling.num_workers=[2,4]")
+
+
+def test_placing_the_workers_is_tried_a_bounded_number_of_times():
+    # Ray Train's controller_failure_limit=-1 would retry a group it cannot place forever.
+    for max_failures, attempts in [(0, 1), (2, 3), (-1, STARTUP_ATTEMPTS_UNLIMITED)]:
+        cfg = config("/d", "/s", f"max_failures={max_failures}")
+        assert startup_attempts(cfg) == attempts
+        failures = failure_config(cfg)
+        assert failures.max_failures == max_failures
+        assert failures.controller_failure_limit == attempts - 1 >= 0
+    # Elastic: one more, for a group sized by a node that was lost a moment before.
+    assert startup_attempts(config("/d", "/s", "max_failures=0", "scaling.num_workers=[1,2]")) == 2
+
+
+def test_an_elastic_run_waits_for_room_a_bounded_time(monkeypatch):
+    # Ray Train waits with no limit for room for an elastic run's minimum: the driver's
+    # callback on its controller ends that wait, timed from when the wait starts.
+    from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
+
+    clock = iter([0.0, 5.0, 6.0, 15.0, 17.0])
+    monkeypatch.setattr(train.time, "monotonic", lambda: next(clock))
+    limit = train.ElasticWaitLimit(10, min_workers=2)
+    waiting, running = RestartingState(training_failed_error=None), RunningState()
+    limit.after_controller_state_update(running, waiting)  # t=0: a wait starts
+    limit.after_controller_state_update(waiting, waiting)  # t=5
+    limit.after_controller_state_update(waiting, running)  # placed: that wait is over
+    limit.after_controller_state_update(running, waiting)  # t=6: a new wait
+    limit.after_controller_state_update(waiting, waiting)  # t=15: 9 s of it
+    with pytest.raises(train.WorkersNotPlacedError, match=r"waited 10 s for room for 2 workers"):
+        limit.after_controller_state_update(waiting, waiting)  # t=17: 11 s
 
 
 def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):

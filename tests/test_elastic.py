@@ -1,0 +1,92 @@
+"""Elastic training (`scaling.num_workers=[min, max]`) across nodes: a head and two one-CPU
+worker nodes on this machine. A node lost for good leaves the run to finish on the worker that
+fits; a node that joins grows it back. Each change restarts the workers from the latest
+checkpoint, with the same global batch."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from conftest import (
+    armed_runtime_env,
+    held_worker,
+    history,
+    in_background,
+    latest_recorded,
+    train_job,
+    training_worker_nodes,
+    wait_for,
+)
+
+from pipeline import faults
+
+pytestmark = pytest.mark.slow
+
+ELASTIC = ("scaling.num_workers=[1,2]", "scaling.resize_interval_s=5", "max_failures=1")
+# An attempt at placing the workers that counted a node just lost times out after this.
+STARTUP = "scaling.startup_timeout_s=15"
+
+
+def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(nodes, tiny_dataset, tmp_path):
+    # 1. Two workers, one per node; the node of one dies for good once Ray has recorded epoch
+    # 0. The run goes on with one worker from epoch 0's checkpoint and finishes.
+    run = tmp_path / "elastic"
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
+    args = ("name=elastic", "epochs=2", *ELASTIC, STARTUP)
+    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
+    held_worker(marker, job)
+    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
+    assert len(set(training_worker_nodes(nodes))) == 2, "the two workers are not on two nodes"
+    nodes.nodes[-1].kill()
+    killed_at = time.monotonic()
+    wait_for(lambda: latest_recorded(run) == "epoch_0001" or job.done(), "epoch 1 in the record")
+    recovered_s = time.monotonic() - killed_at
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    assert re.search(r"resumed from checkpoint \S+/elastic/epoch_0000", proc.stdout), proc.stdout
+    said = "resumed with fewer workers: 1, was 2; the global batch stays 32 (32 per worker)"
+    assert said in proc.stdout, proc.stdout
+    rows = history(run)
+    assert [(r["epoch"], r["workers"]) for r in rows] == [(0, 2), (1, 1)]
+    # Exact on any count: every val image once, with one worker as with two.
+    assert {r["val_images"] for r in rows} == {119}
+    print(f"node lost for good -> epoch 1 on 1 worker: {recovered_s:.0f} s")
+
+    # 2. The run trained on (epochs=4) on the one node left, held after its first epoch; a node
+    # joins: within resize_interval_s the run restarts on two workers from that checkpoint.
+    fault = tmp_path / "grow"
+    fault.mkdir()
+    env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
+    args = ("name=elastic", "epochs=4", *ELASTIC, STARTUP)
+    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
+    held_worker(marker, job)
+    wait_for(lambda: latest_recorded(run) == "epoch_0002", "epoch 2 in Ray's record", 60)
+    nodes.add_node(num_cpus=1)
+    joined_at = time.monotonic()
+    wait_for(lambda: len(training_worker_nodes(nodes)) == 2 or job.done(), "two workers again")
+    grew_s = time.monotonic() - joined_at
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    said = "resumed with more workers: 2, was 1; the global batch stays 32 (16 per worker)"
+    assert said in proc.stdout, proc.stdout
+    rows = history(run)
+    assert [(r["epoch"], r["workers"]) for r in rows] == [(0, 2), (1, 1), (2, 1), (3, 2)]
+    print(f"node joined -> two workers: {grew_s:.0f} s")
+
+    # 3. Room for fewer workers than the minimum: Ray Train would wait for it with no limit; the
+    # job fails once it has waited as long as a fixed count's placement attempts may take.
+    args = ("name=starved", "scaling.num_workers=[3,4]", "global_batch_size=12")
+    started = time.monotonic()
+    proc = train_job(
+        nodes, tiny_dataset, tmp_path, *args, *ELASTIC[1:], "scaling.startup_timeout_s=5"
+    )
+    waited = time.monotonic() - started
+    assert "failed with exit code 3" in proc.stdout, proc.stdout  # the job's: cluster error
+    said = "the cluster had no room for 3 training workers (the least of scaling.num_workers="
+    assert (
+        said + "[3, 4]) with {'CPU': 1} each for 15 s (3 times startup_timeout_s=5)" in proc.stdout
+    )
+    assert waited < 90, f"the job took {waited:.0f} s to give up"
+    print(f"no room for the minimum -> job failed after {waited:.0f} s")

@@ -1,0 +1,76 @@
+"""Preemption across nodes: a node drained as preempted (a spot instance reclaimed) and then
+lost costs none of max_failures; the same loss without the drain does. A head and two one-CPU
+worker nodes on this machine, training with scaling.num_workers=[1,2] and max_failures=0."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import (
+    armed_runtime_env,
+    held_worker,
+    history,
+    in_background,
+    latest_recorded,
+    train_job,
+    training_worker_nodes,
+    wait_for,
+)
+
+from pipeline import faults
+
+pytestmark = pytest.mark.slow
+
+# startup_timeout_s: an attempt at placing the workers that counted a node just lost times out
+# after it. Ray Train sizes an elastic group by what Ray Data's autoscaling coordinator reserved,
+# refreshed every 20 s: with 15 s attempts, two in a row could count the lost node (1 of 5 runs).
+NO_FAILURES = (
+    "epochs=2",
+    "scaling.num_workers=[1,2]",
+    "max_failures=0",
+    "scaling.startup_timeout_s=30",
+)
+DEADLINE_S = 10
+
+
+def lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, name: str, *args, preempted: bool):
+    """Train `name`, hold rank 0 once Ray has recorded epoch 0, then lose the last node: drained
+    as preempted and killed at the drain's deadline, or killed with no warning. Returns the
+    job's output and the seconds from the loss to the job's end."""
+    run = tmp_path / name
+    fault = tmp_path / f"fault-{name}"
+    fault.mkdir()
+    env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
+    args = (f"name={name}", *NO_FAILURES, *args)
+    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
+    held_worker(marker, job)
+    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
+    assert len(set(training_worker_nodes(nodes))) == 2, "the two workers are not on two nodes"
+    node = nodes.nodes[-1]
+    if preempted:
+        reason, message = "DRAIN_NODE_REASON_PREEMPTION", "spot instance reclaimed (test)"
+        node.drain(nodes, reason=reason, message=message, deadline_s=DEADLINE_S)
+        time.sleep(DEADLINE_S)  # the cloud takes the machine at the deadline
+    node.kill()
+    lost_at = time.monotonic()
+    proc = job.result()
+    return proc, time.monotonic() - lost_at
+
+
+def test_a_preempted_node_costs_no_failure(nodes, tiny_dataset, tmp_path):
+    proc, took_s = lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, "spot", preempted=True)
+    assert proc.returncode == 0, proc.stdout
+    assert "resumed with fewer workers: 1, was 2" in proc.stdout, proc.stdout
+    assert [(r["epoch"], r["workers"]) for r in history(tmp_path / "spot")] == [(0, 2), (1, 1)]
+    print(f"preempted node lost -> job done: {took_s:.0f} s")
+
+    # The same loss with no drain is a failure, and max_failures=0 allows none. A fixed count
+    # of two: an elastic run could start on one worker, before Ray Train counts the new node.
+    nodes.add_node(num_cpus=1)
+    proc, took_s = lose_a_node_after_epoch_0(
+        nodes, tiny_dataset, tmp_path, "plain", "scaling.num_workers=2", preempted=False
+    )
+    assert "failed with exit code 3" in proc.stdout, proc.stdout  # the job's: cluster error
+    assert "training failed and max_failures=0 retries are used up" in proc.stdout, proc.stdout
+    print(f"node lost with no drain -> job failed: {took_s:.0f} s")
