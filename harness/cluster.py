@@ -26,6 +26,18 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent
+# Keys a cluster config must have; the fake multi-node provider runs no commands.
+AUTOSCALER_EMPTY_LISTS = (
+    "initialization_commands",
+    "setup_commands",
+    "head_setup_commands",
+    "worker_setup_commands",
+    "head_start_ray_commands",
+    "worker_start_ray_commands",
+    "cluster_synced_files",
+    "rsync_exclude",
+    "rsync_filter",
+)
 
 
 def free_port() -> int:
@@ -40,17 +52,32 @@ def _ray_cli() -> str:
 
 
 class LocalCluster:
-    """`with LocalCluster(num_cpus=2) as cluster: cluster.submit([...])`."""
+    """`with LocalCluster(num_cpus=2) as cluster: cluster.submit([...])`.
 
-    def __init__(self, *, num_cpus: int | None = None, env: dict[str, str] | None = None):
+    With `autoscale`, Ray's own autoscaler runs on the head and adds and removes worker nodes
+    of those types on this machine (its fake multi-node provider): `{"cpu": {"resources":
+    {"CPU": 1}, "max_workers": 2}}` starts none, adds up to 2 one-CPU nodes for the demand it
+    sees, and removes each after `idle_timeout_s` idle."""
+
+    def __init__(
+        self,
+        *,
+        num_cpus: int | None = None,
+        env: dict[str, str] | None = None,
+        autoscale: dict[str, dict] | None = None,
+        idle_timeout_s: float = 60,
+    ):
         self.num_cpus = num_cpus
         self.extra_env = env or {}
+        self.autoscale = autoscale
+        self.idle_timeout_s = idle_timeout_s
         self.token = secrets.token_hex(32)
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.temp_dir = ""
         self._proc: subprocess.Popen | None = None
         self.nodes: list[Node] = []
+        self._config_file = ""
 
     @property
     def address(self) -> str:
@@ -77,16 +104,21 @@ class LocalCluster:
         }
 
     def start(self, timeout_s: float = 90) -> LocalCluster:
-        self.temp_dir, self._proc, self._log = _ray_start(
-            [
-                "--head",
-                f"--port={self.gcs_port}",
-                f"--dashboard-port={self.dashboard_port}",
-                f"--ray-client-server-port={free_port()}",
-            ],
-            self.num_cpus,
-            self.env,
-        )
+        args = [
+            "--head",
+            f"--port={self.gcs_port}",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+        ]
+        if self.autoscale is not None:
+            args.append(f"--autoscaling-config={self._autoscaling_config()}")
+            self.extra_env |= {
+                "RAY_FAKE_CLUSTER": "1",
+                "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+                # The v1 autoscaler, as cluster-onprem.yaml's head runs.
+                "RAY_enable_autoscaler_v2": "0",
+            }
+        self.temp_dir, self._proc, self._log = _ray_start(args, self.num_cpus, self.env)
         try:
             self._wait_ready(timeout_s)
         except BaseException:
@@ -94,6 +126,39 @@ class LocalCluster:
             raise
         log.info("Ray cluster up: dashboard %s, %s CPUs", self.address, self.num_cpus or "all")
         return self
+
+    def _autoscaling_config(self) -> str:
+        """A cluster config for Ray's fake multi-node provider: the head as started here,
+        worker node types from `autoscale`, none at the start."""
+        head = {"resources": {"CPU": self.num_cpus or 0}, "node_config": {}, "max_workers": 0}
+        workers = {
+            name: {"node_config": {}, "min_workers": 0, **node_type}
+            for name, node_type in self.autoscale.items()
+        }
+        config = {
+            "cluster_name": "local",
+            "max_workers": sum(t["max_workers"] for t in workers.values()),
+            "provider": {
+                "type": "fake_multinode",
+                "gcs_address": self.gcs_address,
+                "use_node_id_as_ip": True,
+                "disable_node_updaters": True,
+                "disable_launch_config_check": True,
+            },
+            "available_node_types": {"ray.head.default": head, **workers},
+            "head_node_type": "ray.head.default",
+            "idle_timeout_minutes": self.idle_timeout_s / 60,
+            "upscaling_speed": 1.0,
+            "auth": {},
+            "docker": {},
+            "file_mounts": {},
+            **{key: [] for key in AUTOSCALER_EMPTY_LISTS},
+        }
+        fd, path = tempfile.mkstemp(prefix="ray-autoscale-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+        self._config_file = path
+        return path
 
     def add_node(self, num_cpus: int, timeout_s: float = 60) -> Node:
         """Join one more node (`ray start --address`) with its own processes, temp dir and
@@ -165,6 +230,8 @@ class LocalCluster:
             self._log.close()
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self._config_file:
+            Path(self._config_file).unlink(missing_ok=True)
 
     def _kill_leftovers(self) -> None:
         _kill_tree(self._proc, self.temp_dir)

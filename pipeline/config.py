@@ -105,6 +105,10 @@ class SourceConfig(_Strict):
         return self
 
 
+# A cloud node takes minutes to boot and run its setup commands (cluster.yaml installs torch).
+CAPACITY_TIMEOUT_S = 600
+
+
 class PreprocessConfig(_Strict):
     output: AbsolutePathOrURI = Field(
         description="Dataset directory: an absolute path or a pyarrow.fs URI (s3://...)."
@@ -122,10 +126,16 @@ class PreprocessConfig(_Strict):
     shard_size: int = Field(1000, ge=1, description="Images per task and per Parquet file.")
     row_group_size: int = Field(128, ge=1, description="Rows per Parquet row group.")
     overwrite: bool = Field(False, description="Rebuild even if the output is already up to date.")
+    capacity_timeout_s: float = Field(
+        CAPACITY_TIMEOUT_S,
+        gt=0,
+        description="How long to wait for the cluster to have a CPU for the first shard (an "
+        "autoscaler adding a node to a cluster idle at zero); then fail with exit code 3.",
+    )
 
     def fingerprint(self) -> str:
         """Hash of everything that shapes the output, to tell an up-to-date dataset."""
-        data = self.model_dump(mode="json", exclude={"overwrite"})
+        data = self.model_dump(mode="json", exclude={"overwrite", "capacity_timeout_s"})
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -334,10 +344,11 @@ class InferConfig(_Strict):
         "auto", description="auto: bf16 (else fp16) on GPU, fp32 on CPU."
     )
     capacity_timeout_s: float = Field(
-        120,
+        CAPACITY_TIMEOUT_S,
         gt=0,
         description="How long to wait for the cluster to hold one predictor actor (a GPU with "
-        "use_gpu, else cpus_per_actor CPUs), e.g. while an autoscaler adds a node; then fail.",
+        "use_gpu, else cpus_per_actor CPUs), e.g. while an autoscaler adds a node; then fail "
+        "with exit code 3.",
     )
 
 

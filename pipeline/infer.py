@@ -20,9 +20,10 @@ import ray
 import ray.data
 import torch
 
+from pipeline.capacity import wait_for_capacity
 from pipeline.checkpoint import METADATA, read_meta
 from pipeline.config import InferConfig
-from pipeline.errors import ClusterError, InputError
+from pipeline.errors import InputError
 from pipeline.inputs import read_input
 from pipeline.logs import quiet_ray_data
 from pipeline.model import load_model
@@ -152,38 +153,15 @@ class Predictor:
         )
 
 
-def wait_for_capacity(resource: str, need: int, timeout_s: float, *, asked: str, fix: str) -> int:
-    """The cluster's total `resource` once it holds `need` (one predictor's worth), waiting up
-    to `timeout_s` for an autoscaler to add nodes: a cluster idle at zero has none at first."""
-    deadline = time.monotonic() + timeout_s
-    waiting = False
-    while (have := int(ray.cluster_resources().get(resource, 0))) < need:
-        if time.monotonic() > deadline:
-            raise ClusterError(
-                f"{asked}, but the cluster has {have} {resource}s (waited {timeout_s:.0f} s, "
-                f"capacity_timeout_s): {fix}, or raise capacity_timeout_s if it is autoscaling"
-            )
-        if not waiting:
-            log.info(
-                "waiting up to %.0f s (capacity_timeout_s) for %d %s(s): the cluster has %d",
-                *(timeout_s, need, resource, have),
-            )
-            waiting = True
-        time.sleep(1)
-    if waiting:
-        log.info("the cluster has %d %s(s) now", have, resource)
-    return have
-
-
 def wait_for_gpu(timeout_s: float) -> int:
     """GPUs in the cluster, waiting up to `timeout_s` for an autoscaler to add one."""
-    return wait_for_capacity(
-        "GPU",
-        1,
+    have = wait_for_capacity(
+        {"GPU": 1},
         timeout_s,
         asked="use_gpu=true",
         fix="run on a cluster with GPU nodes or set use_gpu=false",
     )
+    return have["GPU"]
 
 
 # --- batch -------------------------------------------------------------------------------------
@@ -215,13 +193,12 @@ def run(cfg: InferConfig, *, model: Location, source: Location, output: Location
         # actors hold, and decoding is a few percent of a CPU forward pass.
         cpus = cfg.cpus_per_actor
         have = wait_for_capacity(
-            "CPU",
-            cpus,
+            {"CPU": cpus},
             cfg.capacity_timeout_s,
             asked=f"cpus_per_actor={cpus}",
             fix="lower cpus_per_actor",
         )
-        actors = min(cfg.num_actors, have // cpus)
+        actors = min(cfg.num_actors, have["CPU"] // cpus)
         per_actor = {"num_cpus": cpus}
         predictor |= {"decode_size": meta.image_size, "threads": cpus}
     # As many actors as the cluster holds now, growing up to num_actors as nodes join.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from pipeline.capacity import wait_for_capacity
 from pipeline.config import PreprocessConfig, dump_config, validate_config
 from pipeline.dataset import (
     DATA,
@@ -183,6 +184,7 @@ def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[S
     results: list[ShardResult] = []
     done_images, skipped, started = 0, 0, time.monotonic()
     next_shard = 0
+    capacity = None
     try:
         while pending or next_shard < len(shards):
             limit = in_flight_limit(source, int(ray.cluster_resources().get("CPU", 0)))
@@ -194,6 +196,14 @@ def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[S
                 )
                 pending[ref] = next_shard
                 next_shard += 1
+            if not capacity:
+                # After submitting: the pending shards are the demand an autoscaler scales for.
+                capacity = wait_for_capacity(
+                    {"CPU": 1},
+                    cfg.capacity_timeout_s,
+                    asked="each shard is a task of 1 CPU",
+                    fix="add nodes with CPUs to the cluster",
+                )
             [ref], _ = ray.wait(list(pending), num_returns=1)
             try:
                 result = ray.get(ref)

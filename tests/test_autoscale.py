@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 import torch
 from conftest import in_background, make_image_folder, wait_for
 from test_model import meta
 
-from harness.cluster import LocalCluster
+from harness.cluster import BUNDLE_ROOT, LocalCluster
 from pipeline.checkpoint import save_checkpoint
 from pipeline.model import build_model
 from pipeline.predictions import SUMMARY
+from pipeline.submit import STEPS, step_command
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +39,14 @@ def idle_cluster():
         yield c
 
 
-def infer(cluster, model_and_images, output, *overrides, submission_id: str):
+def infer(cluster, model_and_images, output, *overrides, submission_id: str, runtime_env=None):
     checkpoint, images = model_and_images
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
     args += [f"model={checkpoint}", f"input={images}", f"output={output}"]
     args += ["cpus_per_actor=1", "num_actors=2", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600, submission_id=submission_id)
+    return cluster.submit(
+        args, capture=True, timeout_s=600, submission_id=submission_id, runtime_env=runtime_env
+    )
 
 
 def test_inference_waits_for_a_node_to_join(idle_cluster, model_and_images, tmp_path):
@@ -54,7 +58,7 @@ def test_inference_waits_for_a_node_to_join(idle_cluster, model_and_images, tmp_
         except subprocess.CalledProcessError:  # not submitted yet
             return ""
 
-    wait_for(lambda: "waiting up to 120 s" in log() or job.done(), "the job waiting", 300)
+    wait_for(lambda: "waiting up to 600 s" in log() or job.done(), "the job waiting", 300)
     assert not job.done(), job.result().stdout
     idle_cluster.add_node(num_cpus=1)
     proc = job.result(timeout=600)
@@ -74,3 +78,128 @@ def test_inference_fails_with_exit_3_when_no_capacity_comes(
     assert "cpus_per_actor=1, but the cluster has 0 CPUs (waited 5 s" in proc.stdout
     assert "exit code 3" in idle_cluster.ray("job", "status", "never")
     assert not (tmp_path / SUMMARY).exists()
+
+
+def test_preprocessing_fails_with_exit_3_when_no_capacity_comes(idle_cluster, tmp_path):
+    output = tmp_path / "dataset"
+    args = ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml"]
+    args += [f"output={output}", "capacity_timeout_s=5"]
+    proc = idle_cluster.submit(args, capture=True, timeout_s=300, submission_id="no-cpus")
+    assert proc.returncode != 0
+    assert "each shard is a task of 1 CPU, but the cluster has 0 CPUs (waited 5 s" in proc.stdout
+    assert "exit code 3" in idle_cluster.ray("job", "status", "no-cpus")
+    # Its run's directory is removed: nothing of it is left.
+    assert not output.exists() or not any(output.rglob("*.parquet"))
+
+
+# --- the chain on Ray's own autoscaler ---------------------------------------------------------
+
+# Each step small, so that the test is about waiting for nodes, not about the work.
+ZERO_SETTINGS = [
+    "preprocess.source.synthetic.images_per_class=20",
+    "preprocess.image_size=32",
+    "preprocess.shard_size=30",
+    "train.epochs=1",
+    "train.global_batch_size=16",
+    "infer.num_actors=2",
+    "infer.cpus_per_actor=1",
+    "infer.batch_size=4",
+]
+
+
+@pytest.fixture
+def autoscaling_cluster():
+    """A head with no CPUs and Ray's autoscaler, which adds up to two one-CPU nodes for the
+    demand it sees and removes them after 5 s idle: a cluster.yaml cluster, on one machine."""
+    node_types = {"cpu": {"resources": {"CPU": 1}, "max_workers": 2}}
+    with LocalCluster(num_cpus=0, autoscale=node_types, idle_timeout_s=5) as c:
+        yield c
+
+
+def worker_nodes(cluster) -> list[dict]:
+    return [n for n in cluster.state("nodes", "state=ALIVE") if not n["is_head_node"]]
+
+
+def run_watching_nodes(cluster, cmd: list[str]) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `cmd` from the bundle root; return it and the most worker nodes seen meanwhile."""
+    job = in_background(
+        subprocess.run,
+        cmd,
+        cwd=BUNDLE_ROOT,
+        env=cluster.env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=900,
+    )
+    seen = [0]
+
+    def watch() -> bool:
+        seen.append(len(worker_nodes(cluster)))
+        return job.done()
+
+    wait_for(watch, "the step done", 900)
+    return job.result(), max(seen)
+
+
+def test_the_chain_runs_on_a_cluster_autoscaling_from_zero(autoscaling_cluster, tmp_path):
+    cluster = autoscaling_cluster
+    logs, nodes = {}, {}
+    for step in STEPS:
+        # Every step starts on an idle cluster: no node but the head, no CPU.
+        wait_for(lambda: not worker_nodes(cluster), "worker nodes removed when idle", 120)
+        cmd = step_command(cluster.address, str(tmp_path), step, profile="demo", sets=ZERO_SETTINGS)
+        proc, nodes[step] = run_watching_nodes(cluster, cmd)
+        assert proc.returncode == 0, proc.stdout
+        logs[step] = proc.stdout
+    # Preprocessing submits its shards, then waits; the autoscaler adds nodes for them.
+    assert (
+        "waiting up to 600 s (capacity_timeout_s) for the cluster to hold 1 CPU(s)"
+        in logs["preprocess"]
+    )
+    assert nodes["preprocess"] >= 1
+    # Training's two one-CPU workers wait in their placement group for two nodes.
+    assert nodes["train"] == 2
+    # Inference asks the autoscaler for one actor's CPU, as it shows no demand of its own yet.
+    assert (
+        "waiting up to 600 s (capacity_timeout_s) for the cluster to hold 1 CPU(s)" in logs["infer"]
+    )
+    summary = json.loads((tmp_path / "predictions" / "demo" / SUMMARY).read_text())
+    assert summary["images"] > 0
+
+
+def predictors(cluster) -> list[dict]:
+    """The live actors of inference's pool (Ray Data names them after the predictor class)."""
+    return [a for a in cluster.state("actors", "state=ALIVE") if "Predictor" in a["class_name"]]
+
+
+def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(idle_cluster, tmp_path):
+    # The job starts on the one node there is; two more join while it runs: room for three
+    # actors, and num_actors=2. The pool grows to two and no further.
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    # At 224 px a CPU classifies a few dozen images a second: the job lasts while nodes join.
+    slow = meta(image_size=224)
+    save_checkpoint(checkpoint, build_model(len(slow.classes)).eval().state_dict(), slow, {})
+    images = tmp_path / "images"
+    make_image_folder(images, per_class=600, corrupt=False)
+    idle_cluster.add_node(num_cpus=1)
+    job = in_background(
+        infer, idle_cluster, (checkpoint, images), tmp_path / "out", submission_id="grow"
+    )
+    wait_for(lambda: predictors(idle_cluster) or job.done(), "the first predictor actor", 300)
+    idle_cluster.add_node(num_cpus=1)
+    idle_cluster.add_node(num_cpus=1)
+    started = time.monotonic()
+    sizes = []
+
+    def watch() -> bool:
+        sizes.append((round(time.monotonic() - started), len(predictors(idle_cluster))))
+        return job.done()
+
+    wait_for(watch, "inference done", 900)
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    assert "1 to 2 predictor actors" in proc.stdout
+    assert max(n for _, n in sizes) == 2, sizes
+    assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 1800
