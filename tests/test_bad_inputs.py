@@ -244,6 +244,12 @@ CASES = [
         source_image(DROPPED),
     ),
     Case(
+        "preprocessing on a cluster with no CPU, for `capacity_timeout_s`",
+        3,
+        "each shard is a task of 1 CPU, but the cluster has <n> CPUs",
+        test="tests/test_autoscale.py::test_preprocessing_fails_with_exit_3_when_no_capacity_comes",
+    ),
+    Case(
         "training workers the cluster cannot place",
         3,
         "the cluster could not place 2 training workers",
