@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -247,6 +248,26 @@ def latest_recorded(run: Path) -> str | None:
 
 def in_background(fn, *args, **kwargs) -> Future:
     return ThreadPoolExecutor(max_workers=1).submit(fn, *args, **kwargs)
+
+
+def start_task(cmd: list[str], cluster: LocalCluster) -> tuple[subprocess.Popen, list[str], Future]:
+    """Run a step's command from the bundle root; its output lines collect in the list as they
+    come."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=BUNDLE_ROOT,
+        env=cluster.env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    lines: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+
+    return proc, lines, in_background(read)
 
 
 @pytest.fixture(scope="session")

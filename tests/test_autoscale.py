@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
-from conftest import in_background, make_image_folder, wait_for
+from conftest import in_background, make_image_folder, start_task, wait_for
 from test_model import meta
 
-from harness.cluster import BUNDLE_ROOT, LocalCluster
+from harness.cluster import LocalCluster
 from pipeline.checkpoint import save_checkpoint
 from pipeline.model import build_model
 from pipeline.predictions import SUMMARY
@@ -39,14 +39,12 @@ def idle_cluster():
         yield c
 
 
-def infer(cluster, model_and_images, output, *overrides, submission_id: str, runtime_env=None):
+def infer(cluster, model_and_images, output, *overrides, submission_id: str):
     checkpoint, images = model_and_images
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
     args += [f"model={checkpoint}", f"input={images}", f"output={output}"]
     args += ["cpus_per_actor=1", "num_actors=2", *overrides]
-    return cluster.submit(
-        args, capture=True, timeout_s=600, submission_id=submission_id, runtime_env=runtime_env
-    )
+    return cluster.submit(args, capture=True, timeout_s=600, submission_id=submission_id)
 
 
 def test_inference_waits_for_a_node_to_join(idle_cluster, model_and_images, tmp_path):
@@ -120,26 +118,22 @@ def worker_nodes(cluster) -> list[dict]:
     return [n for n in cluster.state("nodes", "state=ALIVE") if not n["is_head_node"]]
 
 
-def run_watching_nodes(cluster, cmd: list[str]) -> tuple[subprocess.CompletedProcess, int]:
-    """Run `cmd` from the bundle root; return it and the most worker nodes seen meanwhile."""
-    job = in_background(
-        subprocess.run,
-        cmd,
-        cwd=BUNDLE_ROOT,
-        env=cluster.env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=900,
-    )
+def run_watching_nodes(cluster, cmd: list[str]) -> tuple[int, str, int]:
+    """Run a step's command from the bundle root; return its exit code, its output and the most
+    worker nodes seen meanwhile."""
+    proc, lines, reading = start_task(cmd, cluster)
     seen = [0]
 
     def watch() -> bool:
         seen.append(len(worker_nodes(cluster)))
-        return job.done()
+        return reading.done()
 
-    wait_for(watch, "the step done", 900)
-    return job.result(), max(seen)
+    try:
+        wait_for(watch, "the step done", 900)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc.wait(), "".join(lines), max(seen)
 
 
 def test_the_chain_runs_on_a_cluster_autoscaling_from_zero(autoscaling_cluster, tmp_path):
@@ -149,9 +143,8 @@ def test_the_chain_runs_on_a_cluster_autoscaling_from_zero(autoscaling_cluster, 
         # Every step starts on an idle cluster: no node but the head, no CPU.
         wait_for(lambda: not worker_nodes(cluster), "worker nodes removed when idle", 120)
         cmd = step_command(cluster.address, str(tmp_path), step, profile="demo", sets=ZERO_SETTINGS)
-        proc, nodes[step] = run_watching_nodes(cluster, cmd)
-        assert proc.returncode == 0, proc.stdout
-        logs[step] = proc.stdout
+        code, logs[step], nodes[step] = run_watching_nodes(cluster, cmd)
+        assert code == 0, logs[step]
     # Preprocessing submits its shards, then waits; the autoscaler adds nodes for them.
     assert (
         "waiting up to 600 s (capacity_timeout_s) for the cluster to hold 1 CPU(s)"

@@ -7,13 +7,12 @@ import io
 import json
 import re
 import subprocess
-from concurrent.futures import Future
 
 import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from conftest import CLASSES, in_background, make_image_folder, wait_for
+from conftest import CLASSES, make_image_folder, start_task, wait_for
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.s3 import S3Server
@@ -93,26 +92,6 @@ def steps(s3_cluster) -> dict[str, list[str]]:
         )
         for step in STEPS
     }
-
-
-def start_task(cmd: list[str], cluster: LocalCluster) -> tuple[subprocess.Popen, list[str], Future]:
-    """Run a step's command from the bundle root; its output lines collect in the list as they
-    come."""
-    proc = subprocess.Popen(
-        cmd,
-        cwd=BUNDLE_ROOT,
-        env=cluster.env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    lines: list[str] = []
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-
-    return proc, lines, in_background(read)
 
 
 def run_task(cmd: list[str], cluster: LocalCluster) -> tuple[int, str]:
