@@ -68,7 +68,14 @@ class LocalCluster:
         idle_timeout_s: float = 60,
     ):
         self.num_cpus = num_cpus
-        self.extra_env = env or {}
+        self.extra_env = dict(env or {})
+        if autoscale is not None:
+            self.extra_env |= {
+                "RAY_FAKE_CLUSTER": "1",
+                "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+                # The v1 autoscaler, as cluster-onprem.yaml's head runs.
+                "RAY_enable_autoscaler_v2": "0",
+            }
         self.autoscale = autoscale
         self.idle_timeout_s = idle_timeout_s
         self.token = secrets.token_hex(32)
@@ -112,12 +119,6 @@ class LocalCluster:
         ]
         if self.autoscale is not None:
             args.append(f"--autoscaling-config={self._autoscaling_config()}")
-            self.extra_env |= {
-                "RAY_FAKE_CLUSTER": "1",
-                "AUTOSCALER_UPDATE_INTERVAL_S": "1",
-                # The v1 autoscaler, as cluster-onprem.yaml's head runs.
-                "RAY_enable_autoscaler_v2": "0",
-            }
         self.temp_dir, self._proc, self._log = _ray_start(args, self.num_cpus, self.env)
         try:
             self._wait_ready(timeout_s)
