@@ -184,7 +184,7 @@ def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[S
     results: list[ShardResult] = []
     done_images, skipped, started = 0, 0, time.monotonic()
     next_shard = 0
-    capacity = None
+    waited_for_capacity = False
     try:
         while pending or next_shard < len(shards):
             limit = in_flight_limit(source, int(ray.cluster_resources().get("CPU", 0)))
@@ -196,14 +196,15 @@ def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[S
                 )
                 pending[ref] = next_shard
                 next_shard += 1
-            if not capacity:
+            if not waited_for_capacity:
                 # After submitting: the pending shards are the demand an autoscaler scales for.
-                capacity = wait_for_capacity(
+                wait_for_capacity(
                     {"CPU": 1},
                     cfg.capacity_timeout_s,
                     asked="each shard is a task of 1 CPU",
                     fix="add nodes with CPUs to the cluster",
                 )
+                waited_for_capacity = True
             [ref], _ = ray.wait(list(pending), num_returns=1)
             try:
                 result = ray.get(ref)
