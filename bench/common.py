@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from pipeline.checkpoint import CheckpointMeta, save_checkpoint
-from pipeline.dataset import read_manifest
-from pipeline.model import build_model
-from pipeline.storage import Location
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.model.checkpoint import CheckpointMeta, save_checkpoint
+from pipeline.model.networks import build_model
 
 
 def preprocess_generated(out: Path, *overrides: str, cpus: int = 2) -> None:

@@ -35,8 +35,8 @@ import pyarrow.fs as pafs
 
 from bench.common import preprocess_generated, random_checkpoint, write_results
 from harness.cluster import LocalCluster, free_port
-from pipeline.predictions import SUMMARY
-from pipeline.storage import Location
+from pipeline.core.storage import Location
+from pipeline.infer.predictions import SUMMARY
 
 CLASSES = 10
 BUCKET = "bench"

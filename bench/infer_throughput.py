@@ -29,10 +29,10 @@ import torch
 
 from bench.common import preprocess_generated, random_checkpoint, write_results
 from harness.cluster import LocalCluster
-from pipeline.dataset import read_manifest
-from pipeline.infer import Classifier, _classify_one, prepare_image
-from pipeline.predictions import SUMMARY
-from pipeline.storage import Location
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.infer.batch import Classifier, _classify_one, prepare_image
+from pipeline.infer.predictions import SUMMARY
 
 
 def make_inputs(tmp: Path, per_class: int, size: int, cpus: int) -> tuple[Path, Path]:

@@ -48,9 +48,10 @@ def loader(dataset: Path, *, image_size: int, batch: int, workers: int, root=Non
     """The training job's loader over `dataset` (or over `root`, a Location of it)."""
     from torch.utils.data import DataLoader
 
-    from pipeline.dataset import read_manifest
-    from pipeline.loader import RowGroupStream, train_transform
-    from pipeline.storage import Location
+    from pipeline.core.storage import Location
+    from pipeline.data.dataset import read_manifest
+    from pipeline.train.augment import train_transform
+    from pipeline.train.torch_input import RowGroupStream
 
     root = root or Location.parse(str(dataset))
     manifest = read_manifest(root)
@@ -62,7 +63,7 @@ def loader(dataset: Path, *, image_size: int, batch: int, workers: int, root=Non
 
 
 def loader_rate(dataset: Path, *, image_size: int, batch: int, workers: int) -> float:
-    from pipeline.step import normalize
+    from pipeline.model.device import normalize
 
     batches, manifest = loader(dataset, image_size=image_size, batch=batch, workers=workers)
     images, started = 0, None
@@ -79,8 +80,8 @@ def one_epoch(uri: str, *, image_size: int, batch: int, workers: int, counts: st
     """One epoch of the training loader over the dataset at `uri`, read through a counting
     filesystem; run in a fresh interpreter, so the peak RSS is this epoch's."""
     from harness.counting import ByteCounter
-    from pipeline.step import normalize
-    from pipeline.storage import Location
+    from pipeline.core.storage import Location
+    from pipeline.model.device import normalize
 
     plain = Location.parse(uri)
     counter = ByteCounter(plain.fs, counts)

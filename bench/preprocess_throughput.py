@@ -28,10 +28,10 @@ from PIL import Image
 
 from bench.common import write_results
 from harness.cluster import LocalCluster
-from pipeline.sources import render_synthetic
+from pipeline.data.sources import render_synthetic
 
 PROGRESS = re.compile(
-    r"^(\S+ \S+) INFO pipeline.preprocess: progress: (\d+)/(\d+) images .* ([\d.]+) images/s$",
+    r"^(\S+ \S+) INFO pipeline.data.preprocess: progress: (\d+)/(\d+) images .* ([\d.]+) images/s$",
     re.MULTILINE,
 )
 

@@ -47,9 +47,9 @@ def preprocess(cluster: LocalCluster, output: str, images: int) -> dict:
 RAY_DATA_EPOCH = """
 import json, resource, sys, time
 import ray
-from pipeline.dataset import read_manifest
-from pipeline.ingest import datasets
-from pipeline.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.train.ray_data_input import datasets
+from pipeline.core.storage import Location
 root = Location.parse(sys.argv[1])
 ray.init(address=sys.argv[2], log_to_driver=False)
 train = datasets(read_manifest(root), root, augment="random_resized_crop", seed=0)["train"]

@@ -4,7 +4,7 @@ against 1, and the time from `ray job submit` to the first training step.
     .venv/bin/python -m bench.train_throughput --image-size 64 --epochs 3
 
 Preprocesses generated images once, then:
-- plain: one process, the same model, loader (`pipeline.train_loop.train_data`, the worker's own),
+- plain: one process, the same model, loader (`pipeline.train.worker.train_data`, the worker's own),
   batch size, optimizer and train step as a worker, torch threads = 1;
 - for each worker count, a fresh local cluster with that many CPUs and the train job (1 CPU
   per worker, no DataLoader processes) submitted with `ray job submit`.
@@ -27,13 +27,14 @@ import torch
 
 from bench.common import preprocess_generated, submit_timed, write_results
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from pipeline.config import TrainConfig, load_config
-from pipeline.dataset import read_manifest
-from pipeline.model import build_model
-from pipeline.runs import HISTORY_CSV
-from pipeline.step import Step
-from pipeline.storage import Location
-from pipeline.train_loop import build_optimizer, train_data, train_one_epoch
+from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.model.device import DevicePolicy
+from pipeline.model.networks import build_model
+from pipeline.model.runs import HISTORY_CSV
+from pipeline.train.optim import build_optimizer
+from pipeline.train.worker import train_data, train_one_epoch
 
 MILESTONES = {
     "driver_ready_s": "new run",
@@ -58,7 +59,7 @@ def plain(dataset: Path, epochs: int, overrides: list[str]) -> dict:
     root = Location.parse(cfg.dataset)
     manifest = read_manifest(root)
     cpu = torch.device("cpu")
-    step = Step(cpu, "fp32", manifest.mean, manifest.std)
+    policy = DevicePolicy(cpu, "fp32", manifest.mean, manifest.std)
     torch.manual_seed(cfg.seed)
     model = build_model(len(manifest.classes))
     optimizer, _ = build_optimizer(model, cfg)
@@ -67,7 +68,7 @@ def plain(dataset: Path, epochs: int, overrides: list[str]) -> dict:
     rates = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
-        t = train_one_epoch(model, loader, optimizer, criterion, step=step)
+        t = train_one_epoch(model, loader, optimizer, criterion, policy=policy)
         rates.append(t["images"] / t["seconds"])
     return {"images_per_s": round(statistics.median(rates[1:]), 1)}
 

@@ -2,7 +2,7 @@
 
 Airflow lives in a virtualenv of its own (`.venv-airflow`, beside `.venv`), installed with the
 bundle's constraints file and kept between runs: built once (about 80 s), then reused until the
-constraints change. Its tasks run `python -m pipeline.submit` with the `python` first on PATH,
+constraints change. Its tasks run `python -m jobs.submit` with the `python` first on PATH,
 the bundle's: Airflow's environment holds no Ray and no torch.
 """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from pipeline.storage import Location
+from pipeline.core.storage import Location
 
 
 class ByteCounter:

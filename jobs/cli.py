@@ -14,9 +14,9 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from pipeline.config import keys_help, load_config
-from pipeline.errors import EXIT_CODES, ClusterError, ConfigError, InputError
-from pipeline.logs import setup_logging
+from pipeline.core.config import keys_help, load_config
+from pipeline.core.errors import EXIT_CODES, ClusterError, ConfigError, InputError
+from pipeline.core.logs import setup_logging
 
 C = TypeVar("C", bound=BaseModel)
 

@@ -16,28 +16,28 @@ import logging
 import ray
 
 from jobs.cli import job_main
-from pipeline.config import InferConfig
-from pipeline.errors import InputError
-from pipeline.storage import Location
+from pipeline.core.config import InferConfig
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
 
 log = logging.getLogger("jobs.infer")
 
 
 def main(cfg: InferConfig) -> str:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
-    from pipeline import infer, predictions
+    from pipeline.infer import batch, predictions
 
     model, source = Location.parse(cfg.model), Location.parse(cfg.input)
     if not source.exists():
         raise InputError(f"input={source.uri} does not exist")
     if not source.is_dir():
         ray.init()
-        return json.dumps(infer.classify_image(cfg, model=model, image=source), indent=2)
+        return json.dumps(batch.classify_image(cfg, model=model, image=source), indent=2)
     if cfg.output is None:
         raise InputError("output= is required for a dataset or a folder (where to write)")
     output = Location.parse(cfg.output)
     ray.init()
-    summary = infer.run(cfg, model=model, source=source, output=output)
+    summary = batch.infer(cfg, model=model, source=source, output=output)
     accuracy = summary.get("accuracy")
     log.info(
         "%d images, %.1f images/s, %d skipped%s",

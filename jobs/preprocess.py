@@ -10,19 +10,19 @@ import logging
 import ray
 
 from jobs.cli import job_main
-from pipeline.config import PreprocessConfig
-from pipeline.storage import Location
+from pipeline.core.config import PreprocessConfig
+from pipeline.core.storage import Location
 
 log = logging.getLogger("jobs.preprocess")
 
 
 def main(cfg: PreprocessConfig) -> None:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
-    from pipeline.preprocess import run
+    from pipeline.data.preprocess import preprocess
 
     output = Location.parse(cfg.output)
     ray.init()
-    manifest = run(cfg, output=output)
+    manifest = preprocess(cfg, output=output)
     train, val = manifest.splits["train"], manifest.splits["val"]
     log.info(
         "dataset at %s: %d classes, train %d, val %d, skipped %d",

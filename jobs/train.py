@@ -14,19 +14,19 @@ import logging
 import ray
 
 from jobs.cli import job_main
-from pipeline.config import TrainConfig
-from pipeline.storage import Location
+from pipeline.core.config import TrainConfig
+from pipeline.core.storage import Location
 
 log = logging.getLogger("jobs.train")
 
 
 def main(cfg: TrainConfig) -> str:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
-    from pipeline.train import run
+    from pipeline.train.driver import train
 
     dataset, runs = Location.parse(cfg.dataset), Location.parse(cfg.storage_path)
     ray.init()
-    summary = run(cfg, dataset=dataset, runs=runs)
+    summary = train(cfg, dataset=dataset, runs=runs)
     best = summary["best_metrics"]
     log.info(
         "%d epochs, final val accuracy %.4f; best val accuracy %.4f at epoch %d; %.1f images/s",

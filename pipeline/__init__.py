@@ -1,1 +1,13 @@
-"""Library behind the jobs in jobs/: configs, sources, transforms, dataset I/O, Ray runs."""
+"""The library the Ray cluster runs behind jobs/: one package a wing, over a small core.
+
+core/    config, storage, errors, logs, the cluster-capacity wait, figures, fault points,
+         and Ray's private imports (ray_internals)
+data/    the stored dataset (Parquet shards + manifest), image sources and decoding, preprocessing
+train/   the TorchTrainer driver, the worker loop, its two input paths, the optimizer and schedule
+infer/   batch inference on Ray Data: inputs, the predictor, predictions on storage
+model/   the network, its checkpoints, a training run's record, the device-and-precision policy
+
+Wings import the core and model/, never each other (infer/ imports no training code). A new
+capability gets a wing of its own beside these (tracking/, serve/); a new architecture goes
+into model/.
+"""

@@ -1,6 +1,6 @@
 """`make demo`: start a local Ray cluster, run the bundle's chain on it, stop it.
 
-The chain is `python -m pipeline.submit ... all`, exactly what a scheduler runs against a real
+The chain is `python -m jobs.submit ... all`, exactly what a scheduler runs against a real
 cluster: preprocess, train, infer, each a job submitted with runtime_env.yaml.
 """
 
@@ -12,8 +12,8 @@ import sys
 import time
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from pipeline.predictions import CONFUSION_PNG, PREDICTIONS, SUMMARY
-from pipeline.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
+from pipeline.infer.predictions import CONFUSION_PNG, PREDICTIONS, SUMMARY
+from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
 
 OUTPUT = BUNDLE_ROOT / "outputs" / "demo"
 
@@ -29,7 +29,7 @@ def main() -> int:
         chain = [
             sys.executable,
             "-m",
-            "pipeline.submit",
+            "jobs.submit",
             "--address",
             cluster.address,
             "--root",

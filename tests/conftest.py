@@ -23,9 +23,10 @@ import ray
 import yaml
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from pipeline import faults
-from pipeline.runs import HISTORY_CSV, SNAPSHOT
-from pipeline.sources import render_synthetic
+from harness.faults import arm
+from pipeline.core import faults
+from pipeline.data.sources import render_synthetic
+from pipeline.model.runs import HISTORY_CSV, SNAPSHOT
 
 EXIT_STATUS = pytest.StashKey[int]()
 
@@ -132,9 +133,9 @@ def hf_dataset(tmp_path_factory):
 def tiny_dataset(tmp_path_factory) -> Path:
     """A preprocessed dataset of generated images: 4 classes, 32 px, several shards of several
     row groups; the val split has an odd number of rows (119), to catch padded evaluation."""
-    from pipeline import preprocess
-    from pipeline.config import PreprocessConfig, load_config
-    from pipeline.storage import Location
+    from pipeline.core.config import PreprocessConfig, load_config
+    from pipeline.core.storage import Location
+    from pipeline.data.preprocess import preprocess
 
     out = tmp_path_factory.mktemp("tiny") / "dataset"
     cfg = load_config(
@@ -153,7 +154,7 @@ def tiny_dataset(tmp_path_factory) -> Path:
     )
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        manifest = preprocess.run(cfg, output=Location.parse(str(out)))
+        manifest = preprocess(cfg, output=Location.parse(str(out)))
     finally:
         ray.shutdown()
     assert manifest.splits["val"].rows % 2 == 1
@@ -220,10 +221,10 @@ def kill_worker(cluster, pid: int) -> float:
 
 
 def armed_runtime_env(directory: Path, point: str) -> tuple[Path, Path]:
-    """runtime_env.yaml plus the variable that arms fault `point` (pipeline.faults) for one job:
+    """runtime_env.yaml plus the variable that arms fault `point` for one job:
     returns the file to submit the job with, and the marker the held worker will write."""
     env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
-    env["env_vars"] = {**env.get("env_vars", {}), **faults.arm(point, directory)}
+    env["env_vars"] = {**env.get("env_vars", {}), **arm(point, directory)}
     path = directory / "runtime_env.yaml"  # its working_dir "." is the submitter's cwd: the bundle
     path.write_text(yaml.safe_dump(env))
     return path, directory / point

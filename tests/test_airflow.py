@@ -17,11 +17,11 @@ from conftest import in_background, wait_for
 from harness.airflow import Airflow
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.s3 import S3Server
-from pipeline.dataset import read_manifest
-from pipeline.predictions import PREDICTIONS, SUMMARY
-from pipeline.runs import RUN_SUMMARY
-from pipeline.storage import Location
-from pipeline.submit import STEPS, step_command
+from jobs.submit import STEPS, step_command
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.infer.predictions import PREDICTIONS, SUMMARY
+from pipeline.model.runs import RUN_SUMMARY
 
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]
 
@@ -125,7 +125,7 @@ def test_the_dag_runs_the_chain_on_a_ray_cluster_with_s3(chain, cluster):
     code, out, states = chain
     assert code == 0, out[-5000:]
     assert states == dict.fromkeys(STEPS, "success")
-    # Each task ran its step's `python -m pipeline.submit`, in the chain's order.
+    # Each task ran its step's `python -m jobs.submit`, in the chain's order.
     assert commands_run(out) == {
         step: shlex.join(step_command(cluster.address, ROOT, step, profile="demo", sets=SETTINGS))
         for step in STEPS

@@ -13,10 +13,10 @@ from conftest import in_background, make_image_folder, start_task, wait_for
 from test_model import meta
 
 from harness.cluster import LocalCluster
-from pipeline.checkpoint import save_checkpoint
-from pipeline.model import build_model
-from pipeline.predictions import SUMMARY
-from pipeline.submit import STEPS, step_command
+from jobs.submit import STEPS, step_command
+from pipeline.infer.predictions import SUMMARY
+from pipeline.model.checkpoint import save_checkpoint
+from pipeline.model.networks import build_model
 
 pytestmark = pytest.mark.slow
 

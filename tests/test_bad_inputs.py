@@ -18,23 +18,23 @@ from conftest import make_image_folder
 
 from harness.cluster import BUNDLE_ROOT
 from harness.counting import FlakyHandler
-from pipeline import storage
-from pipeline.config import (
+from jobs.submit import plan
+from pipeline.core import storage
+from pipeline.core.config import (
     FolderSourceConfig,
     PreprocessConfig,
     TrainConfig,
     load_config,
 )
-from pipeline.dataset import check_replaceable, read_manifest
-from pipeline.errors import EXIT_CODES
-from pipeline.infer import resolve_checkpoint
-from pipeline.model import check_pretrained
-from pipeline.preprocess import process_items
-from pipeline.runs import resume_changes
-from pipeline.sources import FolderSource
-from pipeline.storage import Location
-from pipeline.submit import plan
-from pipeline.train import check_dataset
+from pipeline.core.errors import EXIT_CODES
+from pipeline.core.storage import Location
+from pipeline.data.dataset import check_replaceable, read_manifest
+from pipeline.data.preprocess import process_items
+from pipeline.data.sources import FolderSource
+from pipeline.infer.batch import resolve_checkpoint
+from pipeline.model.networks import check_pretrained
+from pipeline.model.runs import resume_changes
+from pipeline.train.driver import check_dataset
 
 
 @dataclass
@@ -190,7 +190,7 @@ CASES = [
     Case(
         "an output another preprocess run replaced meanwhile",
         1,
-        "<path> was replaced while this run was writing",
+        "<path> was replaced while this job was writing",
         test="tests/test_publish.py::test_two_writers_at_once_leave_the_newer_dataset",
     ),
     Case(

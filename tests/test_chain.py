@@ -1,12 +1,12 @@
-"""`python -m pipeline.submit`: the plan it submits. The chain itself runs for real in
+"""`python -m jobs.submit`: the plan it submits. The chain itself runs for real in
 test_s3.py, and under Airflow, through the example DAG, in test_airflow.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import ConfigError
-from pipeline.submit import main, plan
+from jobs.submit import main, plan
+from pipeline.core.errors import ConfigError
 
 
 def test_plan_derives_every_path_from_the_root():

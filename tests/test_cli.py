@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline.config import InferConfig, PreprocessConfig, TrainConfig, describe_keys
+from pipeline.core.config import InferConfig, PreprocessConfig, TrainConfig, describe_keys
 
 
 def run(*args: str) -> str:
@@ -29,7 +29,7 @@ def test_job_help_lists_every_key(job, cls):
 
 
 def test_chain_help_lists_steps_and_their_keys():
-    text = run("-m", "pipeline.submit", "--help")
+    text = run("-m", "jobs.submit", "--help")
     assert "steps, in this order: preprocess, train, infer (or all)" in text
     for step, cls in [("preprocess", PreprocessConfig), ("train", TrainConfig)]:
         assert f"--set {step}.KEY=VALUE" in text
@@ -42,26 +42,21 @@ def imported_by(module: str) -> set[str]:
 
 
 def test_inference_imports_no_training_code():
-    # Each inference actor imports pipeline.infer: training code, torchmetrics and the plotting
-    # library would only add seconds to its start-up.
-    loaded = imported_by("pipeline.infer")
-    assert "pipeline.step" in loaded and "pipeline.runs" in loaded
+    # Each inference actor imports pipeline.infer.batch: training code, torchmetrics and the
+    # plotting library would only add seconds to its start-up.
+    loaded = imported_by("pipeline.infer.batch")
+    assert "pipeline.model.device" in loaded and "pipeline.model.runs" in loaded
     assert not {m for m in loaded if m.startswith(("pipeline.train", "torchmetrics", "matplotlib"))}
 
 
 def test_inference_reads_and_writes_import_no_torch():
     # Their tasks take no CPU and run in worker processes of their own: torch would cost each
     # one seconds of start-up, taken from the CPUs the predictor actors hold.
-    loaded = imported_by("pipeline.inputs") | imported_by("pipeline.predictions")
+    loaded = imported_by("pipeline.infer.inputs") | imported_by("pipeline.infer.predictions")
     assert "ray.data" in loaded and not {m for m in loaded if m.startswith("torch")}
 
 
 def test_training_driver_imports_neither_torchvision_nor_torchmetrics():
     # The workers need them; the driver only starts the workers.
-    loaded = imported_by("pipeline.train")
+    loaded = imported_by("pipeline.train.driver")
     assert not {m for m in loaded if m.startswith(("torchvision", "torchmetrics", "matplotlib"))}
-
-
-def test_the_library_carries_no_harness():
-    loaded = imported_by("pipeline.submit")
-    assert not {m for m in loaded if m.startswith(("harness", "jobs"))}

@@ -309,7 +309,7 @@ def test_gpu_workers_scale_from_zero_one_gpu_each(worker_types):
 
 
 def test_worker_types_can_hold_the_default_train_config(worker_types, cluster):
-    from pipeline.config import TrainConfig, load_config
+    from pipeline.core.config import TrainConfig, load_config
 
     cfg = load_config(TrainConfig, ROOT / "configs/train.yaml").scaling
     demand = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
@@ -320,7 +320,7 @@ def test_worker_types_can_hold_the_default_train_config(worker_types, cluster):
 
 
 def test_worker_types_can_hold_the_default_infer_config(worker_types):
-    from pipeline.config import InferConfig, load_config
+    from pipeline.core.config import InferConfig, load_config
 
     cfg = load_config(InferConfig, ROOT / "configs/infer.yaml")
     assert cfg.use_gpu

@@ -1,7 +1,7 @@
 import pytest
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline.config import (
+from pipeline.core.config import (
     FOOD101_LITE_CLASSES,
     InferConfig,
     PreprocessConfig,
@@ -12,7 +12,7 @@ from pipeline.config import (
     load_config,
     validate_config,
 )
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 
 def write(tmp_path, text):

@@ -316,7 +316,7 @@ def test_ray_up_chain_ray_down(onprem, tmp_path):
         cmd = [
             sys.executable,
             "-m",
-            "pipeline.submit",
+            "jobs.submit",
             "--address",
             address,
             "--root",

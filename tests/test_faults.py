@@ -1,4 +1,4 @@
-"""Fault points (pipeline.faults), in plain processes: unarmed, or armed for another point, a
+"""Fault points (pipeline.core.faults), in plain processes: unarmed, or armed for another point, a
 point passes; armed, the first process to reach it is held there, and the ones after it pass."""
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import pytest
 from conftest import wait_for
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline import faults
+from harness.faults import arm, release
+from pipeline.core import faults
 
-REACH = "from pipeline import faults; faults.point(faults.CHECKPOINT_REPORTED); print('passed')"
+REACH = (
+    "from pipeline.core import faults; faults.point(faults.CHECKPOINT_REPORTED); print('passed')"
+)
 
 
 def reach(env: dict[str, str]) -> subprocess.Popen:
@@ -29,7 +32,7 @@ def test_points_pass_unless_armed(monkeypatch, tmp_path):
     monkeypatch.delenv(faults.ENV, raising=False)
     faults.point(faults.CHECKPOINT_REPORTED)
     assert faults.checkpoint_upload_fn() is None  # Ray's own upload, as without this module
-    for name, value in faults.arm(faults.CHECKPOINT_UPLOADED, tmp_path).items():
+    for name, value in arm(faults.CHECKPOINT_UPLOADED, tmp_path).items():
         monkeypatch.setenv(name, value)
     faults.point(faults.CHECKPOINT_REPORTED)
     assert list(tmp_path.iterdir()) == []
@@ -37,7 +40,7 @@ def test_points_pass_unless_armed(monkeypatch, tmp_path):
 
 
 def test_an_armed_point_holds_the_first_process_only(tmp_path):
-    armed = faults.arm(faults.CHECKPOINT_REPORTED, tmp_path)
+    armed = arm(faults.CHECKPOINT_REPORTED, tmp_path)
     marker = tmp_path / faults.CHECKPOINT_REPORTED
     first = reach(armed)
     try:
@@ -56,13 +59,13 @@ def test_an_armed_point_holds_the_first_process_only(tmp_path):
 
 
 def test_a_held_process_goes_on_once_released(tmp_path):
-    held = reach(faults.arm(faults.CHECKPOINT_REPORTED, tmp_path))
+    held = reach(arm(faults.CHECKPOINT_REPORTED, tmp_path))
     marker = tmp_path / faults.CHECKPOINT_REPORTED
     try:
         wait_for(lambda: marker.exists() or held.poll() is not None, "the marker", 60)
         time.sleep(1)
         assert held.poll() is None
-        faults.release(marker)
+        release(marker)
         out, said = held.communicate(timeout=60)
     finally:
         held.kill()

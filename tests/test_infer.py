@@ -12,14 +12,14 @@ import torch
 from conftest import make_image_folder
 
 from jobs.infer import main as infer_main
-from pipeline.checkpoint import save_checkpoint
-from pipeline.config import InferConfig, load_config
-from pipeline.errors import InputError
-from pipeline.infer import Classifier, resolve_checkpoint
-from pipeline.model import build_model
-from pipeline.predictions import CONFUSION_PNG, PREDICTIONS, SUMMARY
-from pipeline.runs import RUN_SUMMARY
-from pipeline.storage import Location
+from pipeline.core.config import InferConfig, load_config
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
+from pipeline.infer.batch import Classifier, resolve_checkpoint
+from pipeline.infer.predictions import CONFUSION_PNG, PREDICTIONS, SUMMARY
+from pipeline.model.checkpoint import save_checkpoint
+from pipeline.model.networks import build_model
+from pipeline.model.runs import RUN_SUMMARY
 
 pytestmark = pytest.mark.slow
 

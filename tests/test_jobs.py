@@ -14,8 +14,8 @@ from PIL import Image
 from ray._private.runtime_env.packaging import create_package
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline.dataset import read_manifest
-from pipeline.storage import Location
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +96,7 @@ def test_runtime_env_uploads_code_not_data(tmp_path):
         (copy / d).parent.mkdir(parents=True, exist_ok=True)
         (copy / d).write_bytes(b"x" * 1000)
     names = set(package(copy, tmp_path).namelist())
-    assert {"jobs/preprocess.py", "pipeline/preprocess.py", "configs/preprocess.yaml"} <= names
+    assert {"jobs/preprocess.py", "pipeline/data/preprocess.py", "configs/preprocess.yaml"} <= names
     assert not [n for n in names if any(n.startswith(d) for d in decoys)]
     # The cluster runs the library and the jobs; the harness, tests and benchmarks stay here.
     assert not [n for n in names if n.startswith(("harness/", "tests/", "bench/"))]

@@ -17,13 +17,21 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from harness.counting import ByteCounter, FlakyHandler
-from pipeline import storage
-from pipeline.dataset import MANIFEST, Manifest, ShardFile, SplitInfo, read_manifest, write_shard
-from pipeline.errors import InputError
-from pipeline.loader import RowGroupStream, train_transform
-from pipeline.step import normalize
-from pipeline.storage import Location
-from pipeline.transforms import IMAGENET_MEAN, IMAGENET_STD
+from pipeline.core import storage
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
+from pipeline.data.dataset import (
+    MANIFEST,
+    Manifest,
+    ShardFile,
+    SplitInfo,
+    read_manifest,
+    write_shard,
+)
+from pipeline.data.images import IMAGENET_MEAN, IMAGENET_STD
+from pipeline.model.device import normalize
+from pipeline.train.augment import train_transform
+from pipeline.train.torch_input import RowGroupStream
 
 CLASSES = ["a", "b", "c", "d"]
 # The numbered dataset: files of 97 rows in row groups of 10 (the last one of 7), so groups
@@ -75,6 +83,7 @@ def numbered(tmp_path_factory):
         splits[split] = info
         ids[split] = [100 * f + r for f in range(first, first + files) for r in range(FILE_ROWS)]
     manifest = Manifest(
+        version="numbered",
         created_at=Manifest.now(),
         fingerprint="numbered",
         classes=CLASSES,

@@ -5,16 +5,16 @@ import json
 import pytest
 import torch
 
-from pipeline.checkpoint import (
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
+from pipeline.model.checkpoint import (
     METADATA,
     CheckpointMeta,
     load_train_state,
     read_meta,
     save_checkpoint,
 )
-from pipeline.errors import InputError
-from pipeline.model import build_model, load_model, unwrap
-from pipeline.storage import Location
+from pipeline.model.networks import build_model, load_model, unwrap
 
 CLASSES = ["a", "b", "c"]
 

@@ -6,10 +6,11 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from ray.data._internal.execution.interfaces import TaskContext
 from ray.data.datasource import WriteResult
 
-from pipeline.predictions import (
+from pipeline.core.ray_internals import TaskContext
+from pipeline.core.storage import Location
+from pipeline.infer.predictions import (
     PREDICTION_SCHEMA,
     PREDICTIONS,
     STAGING,
@@ -18,7 +19,6 @@ from pipeline.predictions import (
     batch_table,
     publish,
 )
-from pipeline.storage import Location
 
 CLASSES = ["a", "b", "c"]
 

@@ -18,7 +18,7 @@ from conftest import (
     wait_for,
 )
 
-from pipeline import faults
+from pipeline.core import faults
 
 pytestmark = pytest.mark.slow
 

@@ -12,31 +12,31 @@ import ray
 from conftest import CLASSES, make_image_folder
 from PIL import Image
 
-from pipeline import preprocess
-from pipeline.config import (
+from pipeline.core.config import (
     FolderSourceConfig,
     HuggingFaceSourceConfig,
     PreprocessConfig,
     load_config,
 )
-from pipeline.dataset import SCHEMA, read_manifest
-from pipeline.errors import InputError
-from pipeline.preprocess import in_flight_limit, run
-from pipeline.sources import (
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
+from pipeline.data import preprocess
+from pipeline.data.dataset import SCHEMA, read_manifest
+from pipeline.data.preprocess import in_flight_limit
+from pipeline.data.sources import (
     FolderSource,
     HuggingFaceSource,
     Item,
     SyntheticSource,
     assign_split,
 )
-from pipeline.storage import Location
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def build(cfg: PreprocessConfig):
     """The preprocess run, as the job calls it."""
-    return run(cfg, output=Location.parse(cfg.output))
+    return preprocess.preprocess(cfg, output=Location.parse(cfg.output))
 
 
 def config(output, *overrides) -> PreprocessConfig:
@@ -75,9 +75,9 @@ def test_folder_to_parquet(tmp_path):
     rows = read_rows(out, manifest)
     assert len(rows) == 3 * 20
     assert sorted(p.name for p in out.iterdir()) == ["data", "manifest.json"]
-    run = out / "data" / manifest.run
-    assert [p.name for p in (out / "data").iterdir()] == [manifest.run]
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "train", "val"]
+    version = out / "data" / manifest.version
+    assert [p.name for p in (out / "data").iterdir()] == [manifest.version]
+    assert sorted(p.name for p in version.iterdir()) == ["config.yaml", "train", "val"]
     for r in rows:
         assert Image.open(io.BytesIO(r["image"])).size == (32, 32)
         assert manifest.classes[r["label"]] == r["label_name"] == r["source_id"].split("/")[0]
@@ -91,7 +91,7 @@ def test_folder_to_parquet(tmp_path):
     for f in manifest.splits["train"].files:
         meta = pq.ParquetFile(out / f.path).metadata
         assert all(meta.row_group(i).num_rows <= 8 for i in range(meta.num_row_groups))
-    assert load_config(PreprocessConfig, run / "config.yaml") == cfg
+    assert load_config(PreprocessConfig, version / "config.yaml") == cfg
 
 
 def test_rerun_skips_overwrite_replaces(tmp_path):
@@ -112,7 +112,7 @@ def test_rerun_skips_overwrite_replaces(tmp_path):
     bigger = build(folder_config(tmp_path / "src", out, "shard_size=100"))
     assert len(read_rows(out, bigger)) == 30
     assert len(list(out.rglob("*.parquet"))) == 2
-    assert not (out / "_staging").exists()
+    assert [p.name for p in (out / "data").iterdir()] == [bigger.version]
 
 
 def test_unreadable_manifest_says_so_and_overwrite_replaces_it(tmp_path):
@@ -137,7 +137,7 @@ def test_failed_run_keeps_previous_dataset(tmp_path):
         build(folder_config(tmp_path / "src", out, "overwrite=true"))
     assert read_manifest(Location.parse(str(out))) == good
     assert len(read_rows(out, good)) == 15
-    assert not (out / "_staging").exists()
+    assert [p.name for p in (out / "data").iterdir()] == [good.version]
 
 
 def test_refuses_to_replace_foreign_directory(tmp_path):
@@ -149,14 +149,14 @@ def test_refuses_to_replace_foreign_directory(tmp_path):
         build(folder_config(tmp_path / "src", out))
     assert (out / "train" / "cats" / "1.jpg").read_bytes() == b"precious"
 
-    # Leftovers of an interrupted run are ours: no need to force.
-    (tmp_path / "out2" / "_staging" / "abc").mkdir(parents=True)
+    # Leftovers of a first job that crashed before its commit are ours: no need to force.
+    (tmp_path / "out2" / "data" / "20240101T000000000000Z-0badc0de").mkdir(parents=True)
     assert build(folder_config(tmp_path / "src", tmp_path / "out2")).splits["train"].rows > 0
 
-    # Asked for explicitly: train/ and val/ are replaced, anything else stays.
+    # Asked for explicitly: the dataset is written beside what the directory holds.
     (out / "notes.txt").write_text("keep me")
     build(folder_config(tmp_path / "src", out, "overwrite=true"))
-    assert not (out / "train" / "cats").exists()
+    assert (out / "train" / "cats" / "1.jpg").read_bytes() == b"precious"
     assert (out / "notes.txt").read_text() == "keep me"
 
 

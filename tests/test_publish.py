@@ -1,6 +1,6 @@
 """A dataset survives its writer crashing at either side of the commit, and two writers at once,
 on local disk and on S3 (moto on loopback): preprocess jobs sent with `ray job submit`, their
-drivers held at fault points (pipeline.faults) and killed or released there."""
+drivers held at fault points (pipeline.core.faults) and killed or released there."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import pytest
 from conftest import armed_runtime_env, in_background, wait_for
 
 from harness.cluster import LocalCluster
+from harness.faults import release
 from harness.s3 import S3Server
-from pipeline import faults
-from pipeline.dataset import DATA, Manifest, read_manifest
-from pipeline.storage import Location
+from pipeline.core import faults
+from pipeline.core.storage import Location
+from pipeline.data.dataset import DATA, Manifest, read_manifest
 
 pytestmark = pytest.mark.slow
 BUCKET = "publish-test"
@@ -84,7 +85,7 @@ def committed(s3, uri: str) -> Manifest:
         return manifest
 
 
-def runs_on_storage(s3, uri: str) -> list[str]:
+def versions_on_storage(s3, uri: str) -> list[str]:
     with s3.client_env():
         return [i.base_name for i in Location.parse(uri).child(DATA).list_dirs()]
 
@@ -99,7 +100,7 @@ def test_a_writer_killed_at_the_commit_leaves_one_whole_dataset(
     before = committed(s3, output)
 
     job, marker = held(cluster, output, 40, tmp_path / "fault", point)
-    new_run = next(r for r in runs_on_storage(s3, output) if r != before.run)
+    new_version = next(r for r in versions_on_storage(s3, output) if r != before.version)
     os.kill(int(marker.read_text()), signal.SIGKILL)
     assert job.result().returncode != 0
 
@@ -107,15 +108,15 @@ def test_a_writer_killed_at_the_commit_leaves_one_whole_dataset(
     if point == faults.DATASET_WRITTEN:  # killed before its manifest: the old dataset stands
         assert after == before
     else:  # killed after it: the new one does, the old one's files not yet removed
-        assert (after.run, after.image_size) == (new_run, 40)
-    assert sorted(runs_on_storage(s3, output)) == sorted([before.run, new_run])
+        assert (after.version, after.image_size) == (new_version, 40)
+    assert sorted(versions_on_storage(s3, output)) == sorted([before.version, new_version])
 
-    # Submitted again, the job finishes the work: the new dataset, and no run's files left over.
+    # Submitted again, the job finishes the work: the new dataset, and no older version left.
     again = preprocess(cluster, output, 40)
     assert again.returncode == 0, again.stdout
     final = committed(s3, output)
     assert final.image_size == 40
-    assert runs_on_storage(s3, output) == [final.run]
+    assert versions_on_storage(s3, output) == [final.version]
 
 
 @pytest.mark.parametrize("first", ["older", "newer"])
@@ -124,20 +125,20 @@ def test_two_writers_at_once_leave_the_newer_dataset(s3_cluster, s3, output, fir
     older, older_marker = held(cluster, output, 32, tmp_path / "older", faults.DATASET_WRITTEN)
     newer, newer_marker = held(cluster, output, 40, tmp_path / "newer", faults.DATASET_WRITTEN)
     if first == "older":
-        # The older run commits; the newer one, still writing, keeps its files and then wins.
-        faults.release(older_marker)
+        # The older job commits; the newer one, still writing, keeps its files and then wins.
+        release(older_marker)
         assert older.result().returncode == 0, older.result().stdout
         assert committed(s3, output).image_size == 32
-        faults.release(newer_marker)
+        release(newer_marker)
         assert newer.result().returncode == 0, newer.result().stdout
     else:
-        # The newer run commits; the older one then finds it and does not replace it.
-        faults.release(newer_marker)
+        # The newer job commits; the older one then finds it and does not replace it.
+        release(newer_marker)
         assert newer.result().returncode == 0, newer.result().stdout
-        faults.release(older_marker)
+        release(older_marker)
         proc = older.result()
         assert proc.returncode == 1, proc.stdout
-        assert "was replaced while this run was writing" in proc.stdout
+        assert "was replaced while this job was writing" in proc.stdout
     final = committed(s3, output)
     assert final.image_size == 40
-    assert runs_on_storage(s3, output) == [final.run]
+    assert versions_on_storage(s3, output) == [final.version]

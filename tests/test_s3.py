@@ -16,11 +16,11 @@ from conftest import CLASSES, make_image_folder, start_task, wait_for
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.s3 import S3Server
-from pipeline.dataset import read_manifest
-from pipeline.predictions import PREDICTIONS, SUMMARY
-from pipeline.runs import HISTORY_CSV, RUN_SUMMARY, SNAPSHOT
-from pipeline.storage import Location
-from pipeline.submit import STEPS, step_command
+from jobs.submit import STEPS, step_command
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.infer.predictions import PREDICTIONS, SUMMARY
+from pipeline.model.runs import HISTORY_CSV, RUN_SUMMARY, SNAPSHOT
 
 pytestmark = pytest.mark.slow
 BUCKET = "bundle-test"
@@ -117,7 +117,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     )
     assert rows == 120
     keys = [i.path for i in dataset.list_files()]
-    written = f"{dataset.path}/data/{manifest.run}"
+    written = f"{dataset.path}/data/{manifest.version}"
     assert f"{written}/config.yaml" in keys
     assert all(k.startswith(written) for k in keys if k != f"{dataset.path}/manifest.json"), keys
     val_rows = manifest.splits["val"].rows

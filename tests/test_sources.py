@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 from conftest import CLASSES, make_image_folder, png_bytes
 
-from pipeline.config import FolderSourceConfig, HuggingFaceSourceConfig, SyntheticSourceConfig
-from pipeline.errors import InputError
-from pipeline.sources import (
+from pipeline.core.config import FolderSourceConfig, HuggingFaceSourceConfig, SyntheticSourceConfig
+from pipeline.core.errors import InputError
+from pipeline.data.images import decode_image
+from pipeline.data.sources import (
     FolderSource,
     HuggingFaceSource,
     Item,
@@ -14,7 +15,6 @@ from pipeline.sources import (
     assign_split,
     render_synthetic,
 )
-from pipeline.transforms import decode_image
 
 
 def test_split_is_deterministic_and_order_free():

@@ -11,12 +11,12 @@ from conftest import make_image_folder
 
 from harness.counting import FlakyHandler
 from harness.s3 import S3Server
-from pipeline import storage
-from pipeline.config import FolderSourceConfig, PreprocessConfig, load_config
-from pipeline.errors import ClusterError, InputError
-from pipeline.preprocess import process_items
-from pipeline.sources import FolderSource
-from pipeline.storage import Location, is_transient
+from pipeline.core import storage
+from pipeline.core.config import FolderSourceConfig, PreprocessConfig, load_config
+from pipeline.core.errors import ClusterError, InputError
+from pipeline.core.storage import Location, is_transient
+from pipeline.data.preprocess import process_items
+from pipeline.data.sources import FolderSource
 
 # What pyarrow raised when the S3 endpoint went away (taken from a real run against moto).
 DROPPED = OSError(
@@ -39,7 +39,7 @@ def flaky(tmp_path, **kwargs) -> tuple[pafs.FileSystem, FlakyHandler]:
 def test_an_error_that_passes_is_retried_with_backoff_and_logged(tmp_path, caplog):
     (tmp_path / "f").write_bytes(b"data")
     fs, handler = flaky(tmp_path, error=DROPPED, failures=2)
-    with caplog.at_level(logging.WARNING, logger="pipeline.storage"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.core.storage"):
         assert Location(fs, str(tmp_path / "f"), "f").read_bytes() == b"data"
     assert handler.opened == 3
     retries = [r.getMessage() for r in caplog.records]

@@ -28,14 +28,15 @@ from conftest import (
 from torch.utils.data import DataLoader
 
 from harness.cluster import LocalCluster
-from pipeline import faults, train
-from pipeline.checkpoint import read_meta
-from pipeline.config import TrainConfig, load_config
-from pipeline.dataset import MANIFEST, read_manifest
-from pipeline.errors import ConfigError, InputError
-from pipeline.loader import RowGroupStream
-from pipeline.model import build_model, check_pretrained, load_model
-from pipeline.runs import (
+from pipeline.core import faults
+from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.storage import Location
+from pipeline.data.dataset import MANIFEST, read_manifest
+from pipeline.model.checkpoint import read_meta
+from pipeline.model.device import DevicePolicy, pick_precision
+from pipeline.model.networks import build_model, check_pretrained, load_model
+from pipeline.model.runs import (
     CURVES_PNG,
     RUN_SUMMARY,
     SNAPSHOT,
@@ -43,21 +44,16 @@ from pipeline.runs import (
     checkpoint_dir_name,
     resume_changes,
 )
-from pipeline.step import Step, pick_precision
-from pipeline.storage import Location
-from pipeline.train import (
+from pipeline.train import driver
+from pipeline.train.driver import (
     STARTUP_ATTEMPTS_UNLIMITED,
     check_dataset,
     failure_config,
     startup_attempts,
 )
-from pipeline.train_loop import (
-    Progress,
-    build_optimizer,
-    evaluate,
-    restore_optimizer,
-    train_one_epoch,
-)
+from pipeline.train.optim import build_optimizer, restore_optimizer
+from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.worker import Progress, evaluate, train_one_epoch
 
 
 def config(dataset, storage, *overrides) -> TrainConfig:
@@ -92,7 +88,7 @@ def test_auto_precision_follows_the_gpu_generation(monkeypatch, capability, expe
 def test_progress_lines_within_an_epoch(caplog):
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 2))
     data = [(torch.zeros(4, 3, 4, 4, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))] * 5
-    step = Step(torch.device("cpu"), "fp32", (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
+    policy = DevicePolicy(torch.device("cpu"), "fp32", (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     calls = []
     t = train_one_epoch(
@@ -100,11 +96,11 @@ def test_progress_lines_within_an_epoch(caplog):
         data,
         optimizer,
         torch.nn.CrossEntropyLoss(),
-        step=step,
+        policy=policy,
         progress=lambda *a: calls.append(a),
     )
     assert calls == [(1, 4), (2, 8), (3, 12), (4, 16), (5, 20)] and t["images"] == 20
-    caplog.set_level(logging.INFO, logger="pipeline.train_loop")
+    caplog.set_level(logging.INFO, logger="pipeline.train.worker")
     progress = Progress(epoch=2, epochs=10, batches=5, every_s=0)
     for batch in range(1, 6):
         progress(batch, 4 * batch)
@@ -119,8 +115,8 @@ def test_train_and_evaluate_steps_run_in_every_precision(tiny_dataset, precision
     # The GPU's mixed-precision path (autocast, grad scaler) runs here on the CPU.
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)
-    step = Step(torch.device("cpu"), precision, manifest.mean, manifest.std)
-    assert step.scaler.is_enabled() == (precision == "fp16")
+    policy = DevicePolicy(torch.device("cpu"), precision, manifest.mean, manifest.std)
+    assert policy.scaler.is_enabled() == (precision == "fp16")
     torch.manual_seed(0)
     model = build_model(len(manifest.classes))
     cfg = config(tiny_dataset, "/tmp/unused", "optimizer.name=adamw", "optimizer.lr=0.001")
@@ -128,12 +124,12 @@ def test_train_and_evaluate_steps_run_in_every_precision(tiny_dataset, precision
     # A few images: half precision on the CPU has slow kernels.
     loader = list(itertools.islice(RowGroupStream(root, manifest, "val", batch_size=4), 3))
     before = [p.detach().clone() for p in model.parameters()]
-    t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), step=step)
+    t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), policy=policy)
     assert t["images"] == 12 and torch.isfinite(torch.tensor(t["loss_sum"]))
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     # fp16: the scaler skips steps whose gradients overflowed, and lowers its scale instead.
-    assert changed or (precision == "fp16" and step.scaler.get_scale() < 2.0**16)
-    v = evaluate(model, loader, step=step, num_classes=len(manifest.classes))
+    assert changed or (precision == "fp16" and policy.scaler.get_scale() < 2.0**16)
+    v = evaluate(model, loader, policy=policy, num_classes=len(manifest.classes))
     assert v["val_images"] == 12 and 0 <= v["val_accuracy"] <= 1
 
 
@@ -142,21 +138,21 @@ def test_train_and_evaluate_steps_run_in_every_precision(tiny_dataset, precision
 def test_gpu_step_uses_mixed_precision_and_channels_last(tiny_dataset):
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)
-    step = Step(
+    policy = DevicePolicy(
         torch.device("cuda"),
         pick_precision("auto", torch.device("cuda")),
         manifest.mean,
         manifest.std,
     )
-    assert step.precision in ("bf16", "fp16") and step.channels_last
+    assert policy.precision in ("bf16", "fp16") and policy.channels_last
     model = build_model(len(manifest.classes)).cuda().to(memory_format=torch.channels_last)
     cfg = config(tiny_dataset, "/tmp/unused")
     optimizer, _ = build_optimizer(model, cfg)
     stream = RowGroupStream(root, manifest, "train", batch_size=64)
     loader = DataLoader(stream, batch_size=None, pin_memory=True)
-    t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), step=step)
+    t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), policy=policy)
     assert t["images"] == manifest.splits["train"].rows
-    v = evaluate(model, loader, step=step, num_classes=len(manifest.classes))
+    v = evaluate(model, loader, policy=policy, num_classes=len(manifest.classes))
     assert 0 <= v["val_accuracy"] <= 1
 
 
@@ -222,18 +218,18 @@ def test_placing_the_workers_is_tried_a_bounded_number_of_times():
 def test_an_elastic_run_waits_for_room_a_bounded_time(monkeypatch):
     # Ray Train waits with no limit for room for an elastic run's minimum: the driver's
     # callback on its controller ends that wait, timed from when the wait starts.
-    from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
+    from pipeline.core.ray_internals import RestartingState, RunningState
 
     clock = iter([0.0, 5.0, 6.0, 15.0, 17.0])
-    monkeypatch.setattr(train.time, "monotonic", lambda: next(clock))
-    limit = train.ElasticWaitLimit(10, min_workers=2)
+    monkeypatch.setattr(driver.time, "monotonic", lambda: next(clock))
+    limit = driver.ElasticWaitLimit(10, min_workers=2)
     waiting, running = RestartingState(training_failed_error=None), RunningState()
     limit.after_controller_state_update(running, waiting)  # t=0: a wait starts
     limit.after_controller_state_update(waiting, waiting)  # t=5
     limit.after_controller_state_update(waiting, running)  # placed: that wait is over
     limit.after_controller_state_update(running, waiting)  # t=6: a new wait
     limit.after_controller_state_update(waiting, waiting)  # t=15: 9 s of it
-    with pytest.raises(train.WorkersNotPlacedError, match=r"waited 10 s for room for 2 workers"):
+    with pytest.raises(driver.WorkersNotPlacedError, match=r"waited 10 s for room for 2 workers"):
         limit.after_controller_state_update(waiting, waiting)  # t=17: 11 s
 
 
@@ -315,7 +311,7 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
         model,
         DataLoader(val, batch_size=None),
         num_classes=4,
-        step=Step(torch.device("cpu"), "fp32", meta.mean, meta.std),
+        policy=DevicePolicy(torch.device("cpu"), "fp32", meta.mean, meta.std),
     )
     assert one["val_images"] == val.rows == 119
     last = history(run)[-1]
@@ -469,7 +465,7 @@ def test_deterministic_input_errors_fail_once_before_any_worker(
 def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):
     import pyarrow.parquet as pq
 
-    from pipeline.ingest import decode_batch
+    from pipeline.train.ray_data_input import decode_batch
 
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)

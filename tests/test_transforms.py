@@ -3,7 +3,7 @@ import io
 import pytest
 from PIL import Image
 
-from pipeline.transforms import BadImageError, decode_image, encode_image, resize_center_crop
+from pipeline.data.images import BadImageError, decode_image, encode_image, resize_center_crop
 
 
 def encoded(img: Image.Image, fmt: str) -> bytes:

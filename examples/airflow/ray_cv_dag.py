@@ -1,6 +1,6 @@
 """Airflow DAG: preprocess -> train -> infer on a Ray cluster, one task per job.
 
-Each task runs `python -m pipeline.submit ... <step>`: it submits the job with the bundle's
+Each task runs `python -m jobs.submit ... <step>`: it submits the job with the bundle's
 runtime_env.yaml, streams the job's log into the task's log, and fails the task unless the job
 SUCCEEDED (a job stopped with `ray job stop` fails it too, where a bare `ray job submit` would
 exit 0). Killing the task stops the job. Retrying a task is safe: preprocessing is a no-op when
@@ -11,7 +11,7 @@ Set-up on the Airflow workers (Airflow 3; BashOperator is in the standard provid
     for the `python` first on the tasks' PATH: Airflow's own environment or one beside it (to
     parse this file Airflow needs only pyyaml and pydantic, which it ships with);
   - RAY_CV_ADDRESS (the Ray dashboard, e.g. http://ray-head:8265) and RAY_CV_ROOT (s3://...);
-    optionally RAY_CV_PROFILE and RAY_CV_SET (see `python -m pipeline.submit --help`), and
+    optionally RAY_CV_PROFILE and RAY_CV_SET (see `python -m jobs.submit --help`), and
     RAY_CV_RETRIES (default 2: a task that fails is retried that many times, 5 minutes apart);
   - the cluster's token in the Airflow Variable `ray_auth_token` (Ray 2.60 clusters require
     token authentication). Nothing secret lives in this file.
@@ -35,7 +35,7 @@ SETTINGS = shlex.split(os.environ.get("RAY_CV_SET", ""))  # e.g. "train.epochs=2
 RETRIES = int(os.environ.get("RAY_CV_RETRIES", "2"))
 
 sys.path.insert(0, BUNDLE)
-from pipeline.submit import STEPS, step_command  # noqa: E402  (the bundle: on the path above)
+from jobs.submit import STEPS, step_command  # noqa: E402  (the bundle: on the path above)
 
 with DAG(
     dag_id="ray_cv",

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
 
-from pipeline.dataset import MANIFEST, read_manifest
-from pipeline.errors import InputError
-from pipeline.storage import Location, retry
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location, retry
+from pipeline.data.dataset import MANIFEST, read_manifest
 
 log = logging.getLogger(__name__)
 

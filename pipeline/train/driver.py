@@ -2,7 +2,7 @@
 
 `run` checks the config, the dataset and any run to resume before `fit()`: Ray retries failed
 workers `max_failures` times, and a deterministic error would only fail again. The workers run
-`pipeline.train_loop`; the run's record (best checkpoint, reports) is `pipeline.runs`.
+`pipeline.train.worker`; the run's record (best checkpoint, reports) is `pipeline.model.runs`.
 """
 
 from __future__ import annotations
@@ -15,20 +15,28 @@ import pyarrow.fs as pafs
 import ray
 import ray.train
 import ray.train.torch
-from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.controller.state import (
+
+from pipeline.core.config import TrainConfig
+from pipeline.core.errors import ClusterError, InputError
+from pipeline.core.logs import RAY_TRAIN_LOG_LEVEL
+from pipeline.core.ray_internals import (
+    WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
+    ControllerCallback,
     InitializingState,
     ReschedulingState,
     RestartingState,
+    WorkerGroupStartupTimeoutError,
 )
-
-from pipeline.checkpoint import read_meta
-from pipeline.config import TrainConfig
-from pipeline.dataset import MANIFEST, Manifest, read_manifest
-from pipeline.errors import ClusterError, InputError
-from pipeline.logs import RAY_TRAIN_LOG_LEVEL
-from pipeline.runs import SCORE, check_resumable, latest_checkpoint, resume_changes, write_reports
-from pipeline.storage import Location, retry
+from pipeline.core.storage import Location, retry
+from pipeline.data.dataset import MANIFEST, Manifest, read_manifest
+from pipeline.model.checkpoint import read_meta
+from pipeline.model.runs import (
+    SCORE,
+    check_resumable,
+    latest_checkpoint,
+    resume_changes,
+    write_reports,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,7 @@ def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
     return manifest
 
 
-def run(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
+def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
     """Train (or resume) the run `<runs>/<name>`; return its summary (Ray initialised)."""
     started = time.monotonic()
     manifest = check_dataset(cfg, dataset)
@@ -92,7 +100,9 @@ def run(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
     else:
         log.info("new run %s", run_dir.uri)
         if cfg.pretrained:
-            from pipeline.model import check_pretrained  # imports torchvision: only when used
+            from pipeline.model.networks import (
+                check_pretrained,  # imports torchvision: only when used
+            )
 
             check_pretrained(cfg.pretrained)
 
@@ -103,7 +113,7 @@ def run(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
 def train_loop_per_worker(config: dict) -> None:
     """Each worker's loop, imported there: the driver needs neither torchvision nor
     torchmetrics, which cost seconds to import."""
-    from pipeline.train_loop import train_loop_per_worker
+    from pipeline.train.worker import train_loop_per_worker
 
     train_loop_per_worker(config)
 
@@ -177,8 +187,6 @@ class ElasticWaitLimit(ControllerCallback):
 
 
 def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Location) -> None:
-    from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
-    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
     from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
     s = cfg.scaling
@@ -187,7 +195,7 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
     workers = f"{s.min_workers} to {s.max_workers}" if s.elastic else str(s.max_workers)
     data = {}
     if cfg.ingest == "ray_data":
-        from pipeline.ingest import ExactValConfig, datasets
+        from pipeline.train.ray_data_input import ExactValConfig, datasets
 
         data = {
             "datasets": datasets(manifest, dataset, augment=cfg.augment, seed=cfg.seed),

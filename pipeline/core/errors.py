@@ -14,6 +14,6 @@ class ClusterError(RuntimeError):
     outlasted the retries."""
 
 
-# A job's exit code: 0 done, then one per kind of error. `python -m pipeline.submit` passes a
+# A job's exit code: 0 done, then one per kind of error. `python -m jobs.submit` passes a
 # failed job's code on, so a scheduler sees which it was.
 EXIT_CODES: dict[type[Exception], int] = {InputError: 1, ConfigError: 2, ClusterError: 3}

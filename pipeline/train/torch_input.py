@@ -27,26 +27,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
-from pipeline.dataset import SCHEMA, Manifest
-from pipeline.errors import InputError
-from pipeline.storage import Location, retry
-from pipeline.transforms import decode_image
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location, retry
+from pipeline.data.dataset import SCHEMA, Manifest
+from pipeline.data.images import decode_image
 
 COLUMNS = ["image", "label"]
-
-
-def train_transform(kind: str, *, image_size: int) -> v2.Transform:
-    """Augmentation on uint8 (3, H, W); the images are already `image_size` squares."""
-    if kind == "random_resized_crop":
-        return v2.Compose(
-            [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
-        )
-    if kind == "crop_flip":
-        pad = max(1, image_size // 8)
-        return v2.Compose([v2.RandomCrop(image_size, padding=pad), v2.RandomHorizontalFlip()])
-    if kind == "none":
-        return v2.Identity()
-    raise ValueError(f"unknown augment {kind!r}: use random_resized_crop, crop_flip or none")
 
 
 @dataclass(frozen=True)

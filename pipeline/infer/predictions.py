@@ -13,7 +13,7 @@ The predictor actors hand each batch on as a table; write tasks append it to a s
 return a `Tally`: the part's path and rows, a confusion matrix of counts and the files skipped.
 The driver sums the tallies and moves the parts into place, so no prediction passes through it
 and its memory does not grow with the input. This module imports no torch: the write tasks take
-no CPU and must start in a moment, like the reads (pipeline.inputs).
+no CPU and must start in a moment, like the reads (pipeline.infer.inputs).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
-from pipeline.storage import Location, retry
+from pipeline.core.storage import Location, retry
 
 PREDICTIONS, SUMMARY, CONFUSION_PNG = "predictions.parquet", "summary.json", "confusion_matrix.png"
 STAGING = "_staging"

@@ -1,9 +1,9 @@
 """Fault points: where a fault test holds a process, to kill it at a state it checked.
 
 A test arms one point for one job with `RAY_CV_FAULT=<point>:<directory>` in the job's runtime
-env, which the job's driver and Ray Train's workers inherit. The first process to reach the
-armed point writes its pid to `<directory>/<point>` and blocks until it is killed, or until the
-test calls `release` (to let a held writer go on at a moment of the test's choosing). The file
+env (harness.faults.arm), which the job's driver and Ray Train's workers inherit. The first
+process to reach the armed point writes its pid to `<directory>/<point>` and blocks until it is
+killed, or until the test releases it (to let a held writer go on when it chooses). The file
 stays, so the workers that replace a killed one pass the point: a fresh directory per job. The
 checkpoint points are on rank 0's path only, as rank 0 alone attaches checkpoints; the dataset
 points are in the preprocess job's driver. Unarmed, a point is one environment lookup.
@@ -35,12 +35,8 @@ DATASET_WRITTEN = "dataset_written"
 # The new manifest is in place, the datasets it replaced not yet removed.
 DATASET_COMMITTED = "dataset_committed"
 POINTS = (CHECKPOINT_UPLOADED, CHECKPOINT_REPORTED, DATASET_WRITTEN, DATASET_COMMITTED)
-
-
-def arm(point: str, directory: str | Path) -> dict[str, str]:
-    """The environment that arms `point`, with its marker file in `directory`."""
-    assert point in POINTS, point
-    return {ENV: f"{point}:{directory}"}
+# A held process goes on once `<marker>` + RELEASE exists (harness.faults.release writes it).
+RELEASE = ".release"
 
 
 def armed() -> tuple[str, Path] | None:
@@ -57,11 +53,6 @@ def armed() -> tuple[str, Path] | None:
     return name, Path(directory)
 
 
-def release(marker: Path) -> None:
-    """Let the process held at `marker` (the file its point wrote) go on."""
-    marker.with_name(marker.name + ".release").touch()
-
-
 def point(name: str) -> None:
     """If `name` is armed and has not fired in this run yet: block here until killed or
     released."""
@@ -75,7 +66,7 @@ def point(name: str) -> None:
     partial.write_text(str(os.getpid()))
     partial.replace(marker)  # the test reads a whole pid or no file
     log.warning("fault point %s: holding this process (pid %d)", name, os.getpid())
-    released = marker.with_name(name + ".release")
+    released = marker.with_name(name + RELEASE)
     while not released.exists():
         time.sleep(0.1)
     log.warning("fault point %s: released", name)

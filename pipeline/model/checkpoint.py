@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.errors import InputError
-from pipeline.storage import Location
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
 
 MODEL_NAME = "resnet18"
 CHECKPOINT_FORMAT = 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torchvision
 
-from pipeline.checkpoint import CheckpointMeta, load_tensors, load_weights, read_meta
-from pipeline.errors import InputError
-from pipeline.storage import Location
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
+from pipeline.model.checkpoint import CheckpointMeta, load_tensors, load_weights, read_meta
 
 
 def build_model(num_classes: int, *, pretrained: str | None = None) -> torch.nn.Module:

@@ -14,7 +14,7 @@ import time
 import ray
 from ray.autoscaler.sdk import request_resources
 
-from pipeline.errors import ClusterError
+from pipeline.core.errors import ClusterError
 
 log = logging.getLogger(__name__)
 

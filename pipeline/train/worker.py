@@ -10,7 +10,6 @@ need torchvision or torchmetrics.
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -22,22 +21,24 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
-from pipeline import faults
-from pipeline.checkpoint import (
+from pipeline.core import faults
+from pipeline.core.config import TrainConfig, validate_config
+from pipeline.core.logs import quiet_train_reports, setup_logging
+from pipeline.core.storage import Location
+from pipeline.data.dataset import Manifest, read_manifest
+from pipeline.model.checkpoint import (
     CheckpointMeta,
     load_train_state,
     load_weights,
     read_meta,
     save_checkpoint,
 )
-from pipeline.config import TrainConfig, validate_config
-from pipeline.dataset import Manifest, read_manifest
-from pipeline.loader import RowGroupStream, train_transform
-from pipeline.logs import quiet_train_reports, setup_logging
-from pipeline.model import build_model, unwrap
-from pipeline.runs import SCORE, check_resumable, checkpoint_dir_name
-from pipeline.step import Step, pick_precision
-from pipeline.storage import Location
+from pipeline.model.device import DevicePolicy, pick_precision
+from pipeline.model.networks import build_model, unwrap
+from pipeline.model.runs import SCORE, check_resumable, checkpoint_dir_name
+from pipeline.train.augment import train_transform
+from pipeline.train.optim import build_optimizer, restore_optimizer
+from pipeline.train.torch_input import RowGroupStream
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +64,23 @@ class Progress:
             )
 
 
-def train_one_epoch(model, loader, optimizer, criterion, *, step: Step, progress=None) -> dict:
+def train_one_epoch(
+    model, loader, optimizer, criterion, *, policy: DevicePolicy, progress=None
+) -> dict:
     """One pass over this worker's shard; returns the summed loss, images and seconds.
     `progress(batches_done, images_done)` is called after each batch."""
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=step.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
     images = 0
     start = time.perf_counter()
     for i, (batch, labels) in enumerate(loader, start=1):
-        x, y = step.inputs(batch), labels.to(step.device, non_blocking=True)
-        with step.autocast():
+        x, y = policy.inputs(batch), labels.to(policy.device, non_blocking=True)
+        with policy.autocast():
             loss = criterion(model(x), y)
         optimizer.zero_grad(set_to_none=True)
-        step.scaler.scale(loss).backward()
-        step.scaler.step(optimizer)
-        step.scaler.update()
+        policy.scaler.scale(loss).backward()
+        policy.scaler.step(optimizer)
+        policy.scaler.update()
         loss_sum += loss.detach().double() * len(y)
         images += len(y)
         if progress is not None:
@@ -86,24 +89,24 @@ def train_one_epoch(model, loader, optimizer, criterion, *, step: Step, progress
 
 
 @torch.no_grad()
-def evaluate(model, loader, *, step: Step, num_classes: int) -> dict:
+def evaluate(model, loader, *, policy: DevicePolicy, num_classes: int) -> dict:
     """Loss and accuracy over the samples of every rank, each counted once.
 
     `model` must be the bare model: DDP's forward would sync buffers, and ranks may hold
     different numbers of val batches (no padding, so that the accuracy is exact)."""
     model.eval()
     accuracy = MulticlassAccuracy(num_classes, average="micro", sync_on_compute=True)
-    accuracy = accuracy.to(step.device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=step.device)
+    accuracy = accuracy.to(policy.device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
     count = 0
     for batch, labels in loader:
-        y = labels.to(step.device, non_blocking=True)
-        with step.autocast():
-            logits = model(step.inputs(batch)).float()
+        y = labels.to(policy.device, non_blocking=True)
+        with policy.autocast():
+            logits = model(policy.inputs(batch)).float()
         loss_sum += torch.nn.functional.cross_entropy(logits, y, reduction="sum").double()
         accuracy.update(logits.argmax(dim=1), y)
         count += len(y)
-    total_loss, total = all_reduce([loss_sum.item(), count], device=step.device)
+    total_loss, total = all_reduce([loss_sum.item(), count], device=policy.device)
     score = accuracy.compute().item()
     return {"val_loss": total_loss / max(total, 1), SCORE: score, "val_images": total}
 
@@ -126,47 +129,6 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
     if dist.is_available() and dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    """Optimizer and a per-epoch LR schedule (linear warm-up, then cosine or constant)."""
-    o = cfg.optimizer
-    if o.name == "sgd":
-        opt = torch.optim.SGD(
-            model.parameters(),
-            lr=o.lr,
-            momentum=o.momentum,
-            weight_decay=o.weight_decay,
-            nesterov=o.momentum > 0,
-        )
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-    warmup, rest = o.warmup_epochs, max(cfg.epochs - o.warmup_epochs, 1)
-
-    def factor(epoch: int) -> float:
-        if epoch < warmup:
-            return (epoch + 1) / (warmup + 1)
-        if o.schedule == "constant":
-            return 1.0
-        return 0.5 * (1 + math.cos(math.pi * (epoch - warmup) / rest))
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
-def restore_optimizer(optimizer, scheduler, train_state: dict, cfg: TrainConfig) -> None:
-    """The checkpoint's optimizer and schedule state (momentum, Adam moments, epochs done), with
-    this config's settings on top: a resume with a new learning rate, weight decay or momentum
-    trains with them. The schedule is a function of the epoch and `cfg.epochs`, so a resume
-    with more epochs continues from this epoch along the curve for the new length."""
-    optimizer.load_state_dict(train_state["optimizer"])
-    scheduler.load_state_dict(train_state["scheduler"])  # its lambda stays this config's
-    o = cfg.optimizer
-    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
-    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
-    for group in optimizer.param_groups:
-        group.update(initial_lr=o.lr, lr=o.lr * factor, weight_decay=o.weight_decay)
-        if "momentum" in group:
-            group["momentum"] = o.momentum
 
 
 # --- the loaders -------------------------------------------------------------------------------
@@ -270,24 +232,32 @@ def train_loop_per_worker(config: dict) -> None:
     manifest = read_manifest(dataset)
     assert manifest is not None, "the driver checked the dataset"
     device = ray.train.torch.get_device()
-    step = Step(device, pick_precision(cfg.precision, device), manifest.mean, manifest.std)
+    policy = DevicePolicy(
+        device, pick_precision(cfg.precision, device), manifest.mean, manifest.std
+    )
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     w = Worker(cfg, dataset, config["run_dir"], manifest, rank, world)
     if rank == 0:
         log.info(
             "%d workers on %s, precision %s (precision=%s), %d images per worker batch",
-            *(world, device.type, step.precision, cfg.precision, cfg.batch_size_per_worker(world)),
+            *(
+                world,
+                device.type,
+                policy.precision,
+                cfg.precision,
+                cfg.batch_size_per_worker(world),
+            ),
         )
 
     torch.manual_seed(cfg.seed)
     model = build_model(len(manifest.classes), pretrained=cfg.pretrained)
     train_state = restore(w, model)
-    model = ray.train.torch.prepare_model(step.prepare(model))  # to the device, then DDP
+    model = ray.train.torch.prepare_model(policy.prepare(model))  # to the device, then DDP
     # After the move: load_state_dict puts optimizer state on the parameters' device.
     optimizer, scheduler = build_optimizer(model, cfg)
     if train_state:
         restore_optimizer(optimizer, scheduler, train_state, cfg)
-        step.scaler.load_state_dict(train_state["scaler"])
+        policy.scaler.load_state_dict(train_state["scaler"])
 
     train_loader, val_loader = loaders(w, device)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
@@ -303,9 +273,11 @@ def train_loop_per_worker(config: dict) -> None:
         lr = optimizer.param_groups[0]["lr"]
         progress = Progress(epoch, cfg.epochs, len(train_loader), every_s=cfg.log_every_s)
         progress = progress if rank == 0 else None
-        t = train_one_epoch(model, train_loader, optimizer, criterion, step=step, progress=progress)
+        t = train_one_epoch(
+            model, train_loader, optimizer, criterion, policy=policy, progress=progress
+        )
         broadcast_buffers(unwrap(model))
-        v = evaluate(unwrap(model), val_loader, step=step, num_classes=len(manifest.classes))
+        v = evaluate(unwrap(model), val_loader, policy=policy, num_classes=len(manifest.classes))
         scheduler.step()
         loss_sum, images = all_reduce([t["loss_sum"], t["images"]], device=device)
         [slowest] = all_reduce([t["seconds"]], device=device, op=dist.ReduceOp.MAX)
@@ -325,7 +297,7 @@ def train_loop_per_worker(config: dict) -> None:
         train_state = {
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
-            "scaler": step.scaler.state_dict(),
+            "scaler": policy.scaler.state_dict(),
         }
         save_and_report(w, metrics, unwrap(model).state_dict(), train_state)
 
@@ -334,7 +306,7 @@ def loaders(w: Worker, device: torch.device):
     """This worker's train batches (with `set_epoch`) and val batches, by `ingest`."""
     cfg, batch = w.cfg, w.cfg.batch_size_per_worker(w.world)
     if cfg.ingest == "ray_data":
-        from pipeline.ingest import ShardBatches
+        from pipeline.train.ray_data_input import ShardBatches
 
         rows = w.manifest.splits["train"].rows
         train = ShardBatches(

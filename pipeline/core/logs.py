@@ -35,6 +35,6 @@ def quiet_ray_data() -> None:
 def quiet_train_reports() -> None:
     """On a Ray Train worker: "Reporting training result N: TrainingReport(...)", per rank and
     epoch, comes from a logger named by its file's path, outside `ray.train`'s level."""
-    from ray.train.v2._internal.execution import context
+    from pipeline.core.ray_internals import train_context
 
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    logging.getLogger(train_context.__file__).setLevel(logging.WARNING)

@@ -30,7 +30,7 @@ def normalize(
 
 
 @dataclass
-class Step:
+class DevicePolicy:
     """A batch on this device: precision, normalisation, memory layout, grad scaling."""
 
     device: torch.device
@@ -48,7 +48,7 @@ class Step:
         return self.device.type == "cuda"
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model in this step's memory layout."""
+        """The model in this policy's memory layout."""
         return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
     def inputs(self, images: torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,14 @@ from typing import Protocol
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pipeline.config import (
+from pipeline.core.config import (
     FolderSourceConfig,
     HuggingFaceSourceConfig,
     SourceConfig,
     SyntheticSourceConfig,
 )
-from pipeline.errors import InputError
-from pipeline.storage import Location
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
 
 log = logging.getLogger(__name__)
 

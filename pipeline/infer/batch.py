@@ -3,7 +3,7 @@
 read (Parquet rows or image files) -> prepare (decode, resize + center crop to the checkpoint's
 image size: the very functions preprocessing used) -> predict (an actor pool; each actor loads
 the model once, on its GPU with use_gpu) -> write (Parquet parts staged by Ray Data write tasks,
-pipeline.predictions) -> the driver publishes the parts and summary.json once all are written.
+pipeline.infer.predictions) -> the driver publishes the parts and summary.json once all are written.
 One image file instead goes through a single Ray task and is printed: the quick check.
 """
 
@@ -20,19 +20,26 @@ import ray
 import ray.data
 import torch
 
-from pipeline.capacity import wait_for_capacity
-from pipeline.checkpoint import METADATA, read_meta
-from pipeline.config import InferConfig
-from pipeline.errors import InputError
-from pipeline.inputs import read_input
-from pipeline.logs import quiet_ray_data
-from pipeline.model import load_model
-from pipeline.plots import plot_confusion
-from pipeline.predictions import STAGING, WRITE_TASKS, PredictionSink, Tally, batch_table, publish
-from pipeline.runs import RUN_SUMMARY, SCORE, SNAPSHOT, best_checkpoint, load_result
-from pipeline.step import Step, pick_precision
-from pipeline.storage import Location
-from pipeline.transforms import BadImageError, decode_image, resize_center_crop
+from pipeline.core.capacity import wait_for_capacity
+from pipeline.core.config import InferConfig
+from pipeline.core.errors import InputError
+from pipeline.core.logs import quiet_ray_data
+from pipeline.core.plots import plot_confusion
+from pipeline.core.storage import Location
+from pipeline.data.images import BadImageError, decode_image, resize_center_crop
+from pipeline.infer.inputs import read_input
+from pipeline.infer.predictions import (
+    STAGING,
+    WRITE_TASKS,
+    PredictionSink,
+    Tally,
+    batch_table,
+    publish,
+)
+from pipeline.model.checkpoint import METADATA, read_meta
+from pipeline.model.device import DevicePolicy, pick_precision
+from pipeline.model.networks import load_model
+from pipeline.model.runs import RUN_SUMMARY, SCORE, SNAPSHOT, best_checkpoint, load_result
 
 log = logging.getLogger(__name__)
 
@@ -96,23 +103,25 @@ def prepare_batch(batch: dict, *, image_size: int) -> dict:
 
 class Classifier:
     """A checkpoint's model on one device: uint8 pixels in, class probabilities out. Batches go
-    through the model as in training (`pipeline.step.Step`): same normalisation, precision
-    and memory layout."""
+    through the model as in training (`DevicePolicy`): same normalisation, precision and memory
+    layout."""
 
     def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str):
         device = torch.device("cuda" if use_gpu else "cpu")
         model, self.meta = load_model(checkpoint)
-        self.step = Step(device, pick_precision(precision, device), self.meta.mean, self.meta.std)
-        self.model = self.step.prepare(model).to(device).eval()
+        self.policy = DevicePolicy(
+            device, pick_precision(precision, device), self.meta.mean, self.meta.std
+        )
+        self.model = self.policy.prepare(model).to(device).eval()
 
     @property
     def precision(self) -> str:
-        return self.step.precision
+        return self.policy.precision
 
     @torch.inference_mode()
     def probabilities(self, pixels: np.ndarray) -> torch.Tensor:
-        with self.step.autocast():
-            logits = self.model(self.step.inputs(torch.from_numpy(pixels)))
+        with self.policy.autocast():
+            logits = self.model(self.policy.inputs(torch.from_numpy(pixels)))
         return logits.float().softmax(dim=1).cpu()
 
 
@@ -167,7 +176,7 @@ def wait_for_gpu(timeout_s: float) -> int:
 # --- batch -------------------------------------------------------------------------------------
 
 
-def run(cfg: InferConfig, *, model: Location, source: Location, output: Location) -> dict:
+def infer(cfg: InferConfig, *, model: Location, source: Location, output: Location) -> dict:
     """Classify `source` (a dataset or an image folder) with `model` (a run or a checkpoint)
     into `output`; return the summary (Ray initialised)."""
     checkpoint = resolve_checkpoint(model)

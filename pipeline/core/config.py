@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticUndefined
 
-from pipeline.errors import ConfigError
+from pipeline.core.errors import ConfigError
 
 # Food-101-Lite: ten classes of food101, by its label names; remapped to 0..9 in this order.
 FOOD101_LITE_CLASSES = (

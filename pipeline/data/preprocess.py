@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from pipeline.capacity import wait_for_capacity
-from pipeline.config import PreprocessConfig, dump_config, validate_config
-from pipeline.dataset import (
+from pipeline.core.capacity import wait_for_capacity
+from pipeline.core.config import PreprocessConfig, dump_config, validate_config
+from pipeline.data.dataset import (
     DATA,
     SPLITS,
     Manifest,
@@ -27,13 +27,13 @@ from pipeline.dataset import (
     SplitInfo,
     check_replaceable,
     commit,
-    new_run,
+    new_version,
     read_manifest,
-    remove_older_runs,
+    remove_older_versions,
     write_shard,
 )
-from pipeline.errors import ClusterError, InputError
-from pipeline.sources import (
+from pipeline.core.errors import ClusterError, InputError
+from pipeline.data.sources import (
     Item,
     Reader,
     Source,
@@ -41,8 +41,8 @@ from pipeline.sources import (
     build_source,
     stable_fraction,
 )
-from pipeline.storage import Location, is_transient
-from pipeline.transforms import (
+from pipeline.core.storage import Location, is_transient
+from pipeline.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     BadImageError,
@@ -90,7 +90,7 @@ def process_items(
 
 def read_source(reader: Reader, item: Item) -> bytes:
     """The item's bytes. A storage error is not the image's fault: it fails the job (after the
-    retries of pipeline.storage) rather than drop the image from the dataset for good."""
+    retries of pipeline.core.storage) rather than drop the image from the dataset for good."""
     try:
         return reader.read(item)
     except OSError as e:
@@ -114,20 +114,20 @@ def _process_shard(
     items: list[Item],
     reader: Reader,
     root: Location,
-    run: str,
+    version: str,
 ) -> ShardResult:
     cfg = validate_config(PreprocessConfig, cfg_dict)
     rows, skipped = process_items(cfg, classes, items, reader)
     result = ShardResult(skipped=skipped)
     for split, split_rows in rows.items():
-        rel = f"{DATA}/{run}/{split}/part-{shard:05d}.parquet"
+        rel = f"{DATA}/{version}/{split}/part-{shard:05d}.parquet"
         write_shard(root.child(rel), split_rows, row_group_size=cfg.row_group_size)
         result.files[split] = ShardFile(path=rel, rows=len(split_rows))
         result.counts[split] = Counter(r["label"] for r in split_rows)
     return result
 
 
-def run(cfg: PreprocessConfig, *, output: Location) -> Manifest:
+def preprocess(cfg: PreprocessConfig, *, output: Location) -> Manifest:
     """Build the dataset at `output` (Ray must be initialised); return its manifest."""
     # With overwrite the old manifest is not read: it may be the unreadable one to replace.
     existing = None if cfg.overwrite else read_manifest(output)
@@ -137,25 +137,25 @@ def run(cfg: PreprocessConfig, *, output: Location) -> Manifest:
             output.uri,
             existing.created_at,
         )
-        if existing.run:  # what a run that crashed after its commit left to remove
-            remove_older_runs(output, existing.run)
+        # What a job that crashed after its commit left to remove.
+        remove_older_versions(output, existing.version)
         return existing
     check_replaceable(output, overwrite=cfg.overwrite)
 
     source = build_source(cfg.source)
     # Shards in a stable hashed order, not class by class: every row group then mixes the
-    # classes, which lets training shuffle by row group (pipeline.loader) and still see them all.
+    # classes, which lets training shuffle by row group (pipeline.train.torch_input) and still see them all.
     items = sorted(source.list_items(), key=lambda it: stable_fraction("order/" + it.source_id))
     classes = source.classes
     log.info("source %s: %d images in %d classes", cfg.source.kind, len(items), len(classes))
 
-    # This run writes below data/<run>/ only; the manifest's rewrite commits it (pipeline.dataset).
-    run = new_run()
+    # This job writes below data/<version>/ only; the manifest's rewrite commits it.
+    version = new_version()
     try:
-        results = _run_shards(cfg, classes, items, source, output, run)
-        manifest = _build_manifest(cfg, classes, run, results, total=len(items))
+        results = _write_shards(cfg, classes, items, source, output, version)
+        manifest = _build_manifest(cfg, classes, version, results, total=len(items))
     except BaseException:
-        output.child(DATA, run).delete()
+        output.child(DATA, version).delete()
         raise
     return commit(output, manifest, dump_config(cfg))
 
@@ -170,7 +170,7 @@ def in_flight_limit(source: Source, cpus: int) -> int | float:
     return max(4, 2 * cpus) if source.reads_on_driver else math.inf
 
 
-def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[ShardResult]:
+def _write_shards(cfg, classes, items, source, root: Location, version: str) -> list[ShardResult]:
     shards = [items[i : i + cfg.shard_size] for i in range(0, len(items), cfg.shard_size)]
     cfg_dict = cfg.model_dump(mode="json")
     log.info(
@@ -192,7 +192,7 @@ def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[S
                 shard_items = shards[next_shard]
                 reader = source.reader(shard_items)
                 ref = _process_shard.remote(
-                    cfg_dict, classes, next_shard, shard_items, reader, root, run
+                    cfg_dict, classes, next_shard, shard_items, reader, root, version
                 )
                 pending[ref] = next_shard
                 next_shard += 1
@@ -231,7 +231,7 @@ def _run_shards(cfg, classes, items, source, root: Location, run: str) -> list[S
     return results
 
 
-def _build_manifest(cfg, classes, run, results: list[ShardResult], *, total: int) -> Manifest:
+def _build_manifest(cfg, classes, version, results: list[ShardResult], *, total: int) -> Manifest:
     skipped = sorted((s for r in results for s in r.skipped), key=lambda s: s.source_id)
     splits = {}
     per_class: Counter = Counter()
@@ -263,7 +263,7 @@ def _build_manifest(cfg, classes, run, results: list[ShardResult], *, total: int
     if skipped:
         log.warning("skipped %d of %d images (listed in the manifest)", len(skipped), total)
     return Manifest(
-        run=run,
+        version=version,
         created_at=Manifest.now(),
         fingerprint=cfg.fingerprint(),
         classes=classes,

@@ -2,15 +2,16 @@
 
 Layout of `<output>/`:
     manifest.json                  the commit point: the dataset is the files it lists
-    data/<run>/config.yaml         each run's resolved preprocessing config
-    data/<run>/train/part-00000.parquet, ...
-    data/<run>/val/part-00000.parquet, ...
+    data/<version>/config.yaml     the resolved preprocessing config of each version
+    data/<version>/train/part-00000.parquet, ...
+    data/<version>/val/part-00000.parquet, ...
 
-A run writes only below its own `data/<run>/` and commits by writing the manifest, one atomic
-write (a rename on local disk, a single PUT on object stores), so a reader sees the previous
-dataset or the new one, whole, whatever moment a run crashes at. After the commit the run
-removes the older runs' directories. Runs are named by their start time, and the newest start
-wins: a run that finds a newer run's manifest committed does not replace it.
+Each preprocess job writes a new version, only below its own `data/<version>/`, and commits it
+by writing the manifest, one atomic write (a rename on local disk, a single PUT on object
+stores), so a reader sees the previous dataset or the new one, whole, whatever moment a job
+crashes at. After the commit the job removes the older versions. Versions are named by their
+job's start time, and the newest start wins: a job that finds a newer version committed does
+not replace it.
 """
 
 from __future__ import annotations
@@ -24,19 +25,17 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline import faults
-from pipeline.errors import InputError
-from pipeline.storage import Location, retry
+from pipeline.core import faults
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location, retry
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"
 CONFIG_YAML = "config.yaml"
 DATA = "data"
-# What the layout before data/<run>/ kept at the top: replaced by the first commit over it.
-OLD_LAYOUT = ("train", "val", CONFIG_YAML, "_staging")
 
 SCHEMA = pa.schema(
     [
@@ -70,7 +69,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: int = SCHEMA_VERSION
-    run: str = ""  # the run that wrote it (new_run); "" in datasets of the older layout
+    version: str  # the directory below data/ that holds its files (new_version)
     created_at: str
     fingerprint: str
     classes: list[str]
@@ -128,67 +127,63 @@ def read_manifest(root: Location) -> Manifest | None:
     return manifest
 
 
-def new_run() -> str:
-    """A run's name: its start time first, so names sort by start."""
+def new_version() -> str:
+    """A version's name: its job's start time first, so names sort by start."""
     now = datetime.datetime.now(datetime.timezone.utc)
     return f"{now:%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
 
 
 def check_replaceable(root: Location, *, overwrite: bool) -> None:
-    """Refuse to publish over a directory that holds something other than our dataset.
-
-    A commit removes `train/` and `val/` of the older layout: in a folder of raw images laid
-    out that way, that would destroy the user's data. Only our own directories (`data/`, and
-    `_staging/` of older versions) are fine without a manifest."""
+    """Refuse to publish over a directory that holds something other than our dataset: only
+    our own `data/` is fine without a manifest (a first job that crashed before its commit)."""
     if overwrite or not root.exists() or root.child(MANIFEST).exists():
         return
     if not root.is_dir():
         raise InputError(f"output {root.uri} is a file: point output at a directory")
     selector = pafs.FileSelector(root.path)
     entries = retry(lambda: root.fs.get_file_info(selector), f"listing {root.uri}")
-    foreign = sorted(e.base_name for e in entries if e.base_name not in (DATA, "_staging"))
+    foreign = sorted(e.base_name for e in entries if e.base_name != DATA)
     if foreign:
         raise InputError(
             f"output {root.uri} is not empty and holds no {MANIFEST}, so it is not a dataset "
             f"this job wrote (it has: {', '.join(foreign[:5])}). Choose an empty or new "
-            "directory; or, if you mean to replace its train/ and val/, pass overwrite=true"
+            "directory, or pass overwrite=true to write the dataset beside what it holds"
         )
 
 
 def commit(root: Location, manifest: Manifest, config_yaml: str) -> Manifest:
-    """Commit the run that wrote `manifest`'s files (below `data/<manifest.run>/`), then remove
-    the older runs' files. Returns the manifest in place afterwards."""
-    run_dir = root.child(DATA, manifest.run)
-    run_dir.child(CONFIG_YAML).write_bytes(config_yaml.encode())
+    """Commit the version whose files `manifest` lists (below `data/<manifest.version>/`), then
+    remove the older versions. Returns the manifest in place afterwards."""
+    version_dir = root.child(DATA, manifest.version)
+    version_dir.child(CONFIG_YAML).write_bytes(config_yaml.encode())
     faults.point(faults.DATASET_WRITTEN)
     try:
         current = read_manifest(root)
-    except InputError:  # unreadable: this run was asked to replace it (overwrite=true)
+    except InputError:  # unreadable: this job was asked to replace it (overwrite=true)
         current = None
-    if current is not None and current.run > manifest.run:
-        # Another run started after this one and committed first; its dataset stands.
-        run_dir.delete()
+    if current is not None and current.version > manifest.version:
+        # A job started after this one and committed first; its version stands.
+        version_dir.delete()
         if current.fingerprint == manifest.fingerprint:
-            log.info("run %s committed the same dataset while this one ran", current.run)
+            log.info("version %s, the same dataset, was committed while this job ran", current.version)
             return current
         raise InputError(
-            f"{root.uri} was replaced while this run was writing: run {current.run}, started "
-            f"after this one ({manifest.run}), committed another config first and stays. "
-            "Run one preprocess job per output at a time, or submit this one again to replace it"
+            f"{root.uri} was replaced while this job was writing: version {current.version}, "
+            f"started after this one ({manifest.version}), committed another config first and "
+            "stays. Run one preprocess job per output at a time, or submit this one again to "
+            "replace it"
         )
     root.child(MANIFEST).write_bytes(manifest.model_dump_json(indent=2).encode())
     faults.point(faults.DATASET_COMMITTED)
-    remove_older_runs(root, manifest.run)
+    remove_older_versions(root, manifest.version)
     return manifest
 
 
-def remove_older_runs(root: Location, run: str) -> None:
-    """Delete the runs that started before `run`: the datasets its commit replaced and runs
-    that crashed. Newer ones may still be writing, so they stay."""
-    older = [d for d in root.child(DATA).list_dirs() if d.base_name < run]
+def remove_older_versions(root: Location, version: str) -> None:
+    """Delete the versions that started before `version`: the datasets its commit replaced and
+    jobs that crashed. Newer ones may still be writing, so they stay."""
+    older = [d for d in root.child(DATA).list_dirs() if d.base_name < version]
     for info in older:
         root.child(DATA, info.base_name).delete()
-    for name in OLD_LAYOUT:
-        root.child(name).delete()
     if older:
-        log.info("removed %d older run(s) below %s", len(older), root.child(DATA).uri)
+        log.info("removed %d older version(s) below %s", len(older), root.child(DATA).uri)

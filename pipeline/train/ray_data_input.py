@@ -3,7 +3,7 @@
 `ingest=ray_data`: the driver reads the manifest's Parquet files with Ray Data and decodes and
 augments them in `map_batches` tasks, which run on any node's spare CPUs (CPU-only nodes too);
 each worker iterates its share with `iter_torch_batches`, so its own CPUs only feed the model.
-The same transforms as the torch loader (`pipeline.loader.train_transform`), the same exact
+The same transforms as the torch loader (`pipeline.train.augment`), the same exact
 validation (val split with `equal=False`: every image to exactly one rank), the same resume
 (by epoch, from the checkpoint).
 
@@ -22,9 +22,9 @@ import ray.data
 import ray.train
 from ray.train import DataConfig
 
-from pipeline.dataset import Manifest
-from pipeline.logs import quiet_ray_data
-from pipeline.storage import Location
+from pipeline.core.logs import quiet_ray_data
+from pipeline.core.storage import Location
+from pipeline.data.dataset import Manifest
 
 SHUFFLE_BUFFER_BATCHES = 4
 DECODE_BATCH = 64  # images per map_batches call
@@ -55,8 +55,8 @@ def decode_batch(batch: dict, *, augment: str, image_size: int) -> dict:
     # Imported here: the stage's worker processes need torchvision, the driver does not.
     from torchvision.transforms import v2
 
-    from pipeline.loader import train_transform
-    from pipeline.transforms import decode_image
+    from pipeline.data.images import decode_image
+    from pipeline.train.augment import train_transform
 
     transform = train_transform(augment, image_size=image_size)
     images = np.stack(

@@ -1,7 +1,7 @@
 """Submit the bundle's jobs to a Ray cluster in order: the chain a scheduler runs.
 
-    python -m pipeline.submit --address http://127.0.0.1:8265 --root s3://bucket/ray-cv all
-    python -m pipeline.submit --address ... --root ... --set train.epochs=20 train
+    python -m jobs.submit --address http://127.0.0.1:8265 --root s3://bucket/ray-cv all
+    python -m jobs.submit --address ... --root ... --set train.epochs=20 train
 
 Every job goes to the cluster with runtime_env.yaml, as `ray job submit` sends it; its log is
 streamed here. Paths come from `--root`: the dataset at <root>/dataset, training runs under
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.config import InferConfig, PreprocessConfig, TrainConfig, keys_help, load_config
-from pipeline.errors import EXIT_CODES, ConfigError
-from pipeline.logs import setup_logging
+from pipeline.core.config import InferConfig, PreprocessConfig, TrainConfig, keys_help, load_config
+from pipeline.core.errors import EXIT_CODES, ConfigError
+from pipeline.core.logs import setup_logging
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
 CONFIGS = {"preprocess": PreprocessConfig, "train": TrainConfig, "infer": InferConfig}
@@ -102,7 +102,7 @@ def step_command(
     return [
         "python",
         "-m",
-        "pipeline.submit",
+        "jobs.submit",
         "--address",
         address,
         "--root",
@@ -194,7 +194,7 @@ def steps_help() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.submit",
+        prog="python -m jobs.submit",
         description=__doc__,
         epilog=steps_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

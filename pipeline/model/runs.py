@@ -1,6 +1,6 @@
 """A training run on storage, `<storage_path>/<name>`, and what it records.
 
-epoch_0007/                       a checkpoint (pipeline.checkpoint)
+epoch_0007/                       a checkpoint (pipeline.model.checkpoint)
 checkpoint_manager_snapshot.json  Ray Train's record of the run's checkpoints and their metrics
 summary.json                      written last: a run with it has finished
 history.csv, curves.png           one row per epoch; loss and accuracy curves
@@ -16,12 +16,13 @@ import posixpath
 
 import ray.train
 
-from pipeline.checkpoint import CheckpointMeta, read_meta
-from pipeline.config import TrainConfig
-from pipeline.dataset import Manifest
-from pipeline.errors import ConfigError, InputError
-from pipeline.plots import plot_curves
-from pipeline.storage import Location
+from pipeline.core.config import TrainConfig
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.plots import plot_curves
+from pipeline.core.ray_internals import CHECKPOINT_MANAGER_LOGGER
+from pipeline.core.storage import Location
+from pipeline.data.dataset import Manifest
+from pipeline.model.checkpoint import CheckpointMeta, read_meta
 
 SCORE = "val_accuracy"  # what "best checkpoint" means, for retention and for inference
 SNAPSHOT = "checkpoint_manager_snapshot.json"
@@ -37,7 +38,7 @@ def checkpoint_dir_name(epoch: int) -> str:
 def load_result(run_dir: Location) -> ray.train.Result:
     """Ray's record of a run's checkpoints and their metrics, read from storage."""
     # Quiet: reading the record makes Ray log a notice meant for runs about to resume.
-    quiet = logging.getLogger("ray.train.v2._internal.execution.checkpoint.checkpoint_manager")
+    quiet = logging.getLogger(CHECKPOINT_MANAGER_LOGGER)
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:

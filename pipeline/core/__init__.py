@@ -1,0 +1,1 @@
+"""What every wing shares: config, storage, errors, logs, capacity, figures, fault points."""

@@ -1,0 +1,1 @@
+"""Batch inference on Ray Data from a training run's best checkpoint."""
