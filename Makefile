@@ -4,14 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-deploy lint format bench bench-scale clean
+.PHONY: install demo test test-fast test-deploy lint format docs bench bench-scale clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,docs]'
 	touch $@
 
 ## Start a local Ray cluster, submit the jobs to it with `ray job submit`, stop it.
@@ -40,6 +40,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+## The docs site (mkdocs.yml, docs/) into site/; strict: a broken link or a page left out of nav fails.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 ## Benchmarks, each against its plain alternative in the same run; results in bench/results/.
 bench: $(STAMP)
 	$(PY) -m bench.preprocess_throughput
@@ -55,4 +59,4 @@ bench-scale: $(STAMP)
 	$(PY) -m bench.infer_scale
 
 clean:
-	rm -rf outputs bench/results .pytest_cache .ruff_cache
+	rm -rf outputs bench/results site .pytest_cache .ruff_cache

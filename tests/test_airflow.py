@@ -1,5 +1,5 @@
 """The example DAG run by a real Airflow 3 (`airflow dags test`, SQLite) against a local Ray
-cluster with S3 storage (moto, on loopback): the commands README's scheduler section shows.
+cluster with S3 storage (moto, on loopback): the commands docs/schedule.md shows.
 Airflow comes from its own virtualenv, built on first use (harness/airflow.py)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Every bad input the README's table lists: its exit code and the start of its message.
+"""Every bad input the table in docs/errors.md lists: its exit code and the start of its message.
 
 Each case either runs here (the library call the job makes, raising the error the job turns into
-its exit code) or names the test that runs it as a job on a cluster. The README's table is
+its exit code) or names the test that runs it as a job on a cluster. The docs' table is
 checked against this list, so the two cannot drift apart."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pipeline.train.driver import check_dataset
 
 @dataclass
 class Case:
-    what: str  # the bad input, as the README's table says it
+    what: str  # the bad input, as the docs' table says it
     exit_code: int
     message: str  # how the message starts; <...> stands for a path or a value
     run: Callable | None = None  # run(tmp_path, tiny_dataset) raises it ...
@@ -301,9 +301,9 @@ def test_a_bad_input_run_as_a_job_is_asserted_by_the_test_named(case):
         assert words.strip() in body, (case.test, words)
 
 
-def readme_table() -> list[tuple[str, int, str]]:
-    readme = (BUNDLE_ROOT / "README.md").read_text()
-    section = readme.split("### Bad input, exit codes and messages\n", 1)[1].split("\n#", 1)[0]
+def docs_table() -> list[tuple[str, int, str]]:
+    page = (BUNDLE_ROOT / "docs" / "errors.md").read_text()
+    section = page.split("## Bad input, exit codes and messages\n", 1)[1].split("\n#", 1)[0]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -312,9 +312,9 @@ def readme_table() -> list[tuple[str, int, str]]:
     return rows
 
 
-def test_the_readme_table_lists_every_case():
+def test_the_docs_table_lists_every_case():
     expected = [(c.what, c.exit_code, c.message.split("\n")[0]) for c in CASES]
-    assert readme_table() == expected
+    assert docs_table() == expected
     assert len(CASES) >= 15
 
 

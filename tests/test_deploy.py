@@ -1,5 +1,5 @@
 """cluster-onprem.yaml launched for real: `ray up` over SSH, the chain through the dashboard,
-`ray down`; the commands of the README's cluster section.
+`ray down`; the commands of docs/cluster.md.
 
 The machines are this one: each node is an sshd on its own loopback address (127.0.0.2 the
 head, 127.0.0.3 a worker), in its own PID namespace, so that one node's `ray stop` cannot see
