@@ -42,7 +42,7 @@ format: $(STAMP)
 
 ## The docs site (mkdocs.yml, docs/) into site/; strict: a broken link or a page left out of nav fails.
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 ## Benchmarks, each against its plain alternative in the same run; results in bench/results/.
 bench: $(STAMP)

@@ -188,7 +188,7 @@ CASES = [
         foreign_output,
     ),
     Case(
-        "an output another preprocess run replaced meanwhile",
+        "an output another preprocess job replaced meanwhile",
         1,
         "<path> was replaced while this job was writing",
         test="tests/test_publish.py::test_two_writers_at_once_leave_the_newer_dataset",
