@@ -24,7 +24,12 @@ log = logging.getLogger("jobs")
 
 
 def job_main(
-    doc: str, config_cls: type[C], default_config: str, body: Callable[[C], str | None]
+    doc: str,
+    config_cls: type[C],
+    default_config: str,
+    body: Callable[[C], str | None],
+    *,
+    docs_page: str,
 ) -> None:
     """Parse `--config FILE key=value ...`, set up logging, run `body(config)` and print what
     it returns as the job's last line (the output a script picks up: a path, or JSON).
@@ -33,7 +38,10 @@ def job_main(
     failed on the cluster (no room for the workers, or retries used up)."""
     parser = argparse.ArgumentParser(
         description=doc,
-        epilog=f"settings (key=value; sections with dots):\n{keys_help(config_cls)}",
+        epilog=(
+            f"settings (key=value; sections with dots):\n{keys_help(config_cls)}\n\n"
+            f"Each setting explained: {docs_page}"
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=default_config, help="YAML file (default: %(default)s)")

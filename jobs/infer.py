@@ -50,4 +50,4 @@ def main(cfg: InferConfig) -> str:
 
 
 if __name__ == "__main__":
-    job_main(__doc__, InferConfig, "configs/infer.yaml", main)
+    job_main(__doc__, InferConfig, "configs/infer.yaml", main, docs_page="docs/infer.md")

@@ -31,4 +31,6 @@ def main(cfg: PreprocessConfig) -> None:
 
 
 if __name__ == "__main__":
-    job_main(__doc__, PreprocessConfig, "configs/preprocess.yaml", main)
+    job_main(
+        __doc__, PreprocessConfig, "configs/preprocess.yaml", main, docs_page="docs/preprocess.md"
+    )

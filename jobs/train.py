@@ -40,4 +40,4 @@ def main(cfg: TrainConfig) -> str:
 
 
 if __name__ == "__main__":
-    job_main(__doc__, TrainConfig, "configs/train.yaml", main)
+    job_main(__doc__, TrainConfig, "configs/train.yaml", main, docs_page="docs/train.md")

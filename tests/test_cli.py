@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -24,8 +25,12 @@ def test_job_help_lists_every_key(job, cls):
     text = run("-m", f"jobs.{job}", "--help")
     assert text.startswith("usage: ")
     assert f"python -m jobs.{job} --config configs/{job}.yaml" in text  # the submit line
-    for key, kind, default, _ in describe_keys(cls):
+    for key, kind, default, description in describe_keys(cls):
         assert f"  {key} ({kind}, default {default})" in text
+        # One or two lines a key: the explanation lives on the job's docs page.
+        assert len(textwrap.wrap(description, width=90)) <= 2, key
+    assert text.rstrip().endswith(f"Each setting explained: docs/{job}.md")
+    assert (BUNDLE_ROOT / "docs" / f"{job}.md").exists()
 
 
 def test_chain_help_lists_steps_and_their_keys():

@@ -129,8 +129,10 @@ class PreprocessConfig(_Strict):
     capacity_timeout_s: float = Field(
         CAPACITY_TIMEOUT_S,
         gt=0,
-        description="How long to wait for the cluster to have a CPU for the first shard (an "
-        "autoscaler adding a node to a cluster idle at zero); then fail with exit code 3.",
+        description=(
+            "Seconds to wait for a CPU for the first shard (a cluster autoscaling from zero); "
+            "then exit 3."
+        ),
     )
 
     def fingerprint(self) -> str:
@@ -173,10 +175,10 @@ WorkerCount = Annotated[int | tuple[int, ...], BeforeValidator(_worker_range)]
 class TrainScalingConfig(_Strict):
     num_workers: WorkerCount = Field(
         2,
-        description="Training workers (one process each): a number, or [min, max] for elastic "
-        "training, which starts with as many as fit (at least min), goes on with fewer when a "
-        "node is lost and not replaced, and grows back when nodes return, each time from the "
-        "latest checkpoint. The global batch stays global_batch_size whatever the count.",
+        description=(
+            "Training workers: a number, or [min, max] for elastic training (fewer when nodes are"
+            " lost, back up when they return)."
+        ),
     )
     cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker (torch threads).")
     use_gpu: bool = Field(False, description="One GPU per worker; mixed precision on it.")
@@ -186,17 +188,15 @@ class TrainScalingConfig(_Strict):
     startup_timeout_s: float = Field(
         120,
         gt=0,
-        description="How long one attempt to place the workers waits (at start, or after a "
-        "failure) before it counts as a failure; after max_failures + 1 such attempts (4 with "
-        "max_failures=-1; one more for a [min, max] num_workers) the job fails (Ray would "
-        "otherwise wait forever). A [min, max] run also fails once it has waited that many "
-        "times this long for room for min workers.",
+        description="Seconds one attempt to place the workers waits before it counts as a failure.",
     )
     resize_interval_s: float = Field(
         60,
         gt=0,
-        description="With a [min, max] num_workers: how often a running group below max checks "
-        "for room to grow (growing restarts the workers from the latest checkpoint).",
+        description=(
+            "With [min, max] num_workers: seconds between checks for room to grow (a restart from"
+            " the latest checkpoint)."
+        ),
     )
 
     @property
@@ -226,24 +226,27 @@ class TrainConfig(_Strict):
     global_batch_size: int = Field(
         128,
         ge=1,
-        description="Images per optimizer step over all workers, split evenly over them; it "
-        "stays the same when an elastic run changes its worker count, so optimizer.lr stays "
-        "right.",
+        description=(
+            "Images per optimizer step over all workers, split evenly; the same at any worker "
+            "count."
+        ),
     )
     ingest: Literal["torch", "ray_data"] = Field(
         "torch",
-        description="How images reach the workers. torch: each worker reads its share and "
-        "decodes in scaling.loader_workers DataLoader processes on its own node. ray_data: "
-        "Ray Data reads and decodes on any node's spare CPUs (CPU-only nodes too) and streams "
-        "batches to the workers, for training nodes short of CPUs.",
+        description=(
+            "torch: each worker decodes its share on its own node; ray_data: Ray Data decodes on "
+            "the spare CPUs of any node."
+        ),
     )
     augment: Literal["random_resized_crop", "crop_flip", "none"] = Field(
         "random_resized_crop", description="Train-time augmentation; val is never augmented."
     )
     pretrained: str | None = Field(
         None,
-        description="Initial weights: a torchvision name (IMAGENET1K_V1, downloaded) or an "
-        "absolute path to a resnet18 state_dict file; the classifier is always new.",
+        description=(
+            "Initial weights: a torchvision name (IMAGENET1K_V1) or a resnet18 state_dict file; "
+            "the head is new."
+        ),
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
@@ -256,15 +259,15 @@ class TrainConfig(_Strict):
     max_failures: int = Field(
         3,
         ge=-1,
-        description="Worker failures to recover from; -1: always (placing the workers is still "
-        "tried at most 4 times, see scaling.startup_timeout_s).",
+        description="Worker failures to recover from; -1: always.",
     )
     max_preemptions: int = Field(
         -1,
         ge=-1,
-        description="Node preemptions to recover from, counted apart from max_failures: a node "
-        "drained as preempted (a spot instance reclaimed; `ray drain-node --reason "
-        "DRAIN_NODE_REASON_PREEMPTION`) costs none of max_failures. -1: always.",
+        description=(
+            "Node preemptions (spot instances reclaimed) to recover from, apart from "
+            "max_failures; -1: always."
+        ),
     )
     num_to_keep: int = Field(
         2, ge=1, description="Best checkpoints kept by val_accuracy (the latest is kept too)."
@@ -307,8 +310,8 @@ class InferConfig(_Strict):
         "one checkpoint directory."
     )
     input: AbsolutePathOrURI = Field(
-        description="A preprocessed dataset (its `split`), an image folder (<class>/<image> "
-        "gives true labels), or one image file (printed, not written)."
+        description="A preprocessed dataset (its `split`), an image folder (<class>/<image>), "
+        "or one image file."
     )
     split: Literal["train", "val"] = Field("val", description="Dataset split to classify.")
     output: AbsolutePathOrURI | None = Field(
@@ -330,9 +333,10 @@ class InferConfig(_Strict):
     num_actors: int = Field(
         2,
         ge=1,
-        description="Most predictor actors (each loads the model once): as many as the "
-        "cluster's GPUs with use_gpu (else CPUs // cpus_per_actor) at the start, more as nodes "
-        "join.",
+        description=(
+            "Most predictor actors; the pool starts with what the cluster holds and grows as "
+            "nodes join."
+        ),
     )
     cpus_per_actor: int = Field(
         1,
@@ -346,9 +350,10 @@ class InferConfig(_Strict):
     capacity_timeout_s: float = Field(
         CAPACITY_TIMEOUT_S,
         gt=0,
-        description="How long to wait for the cluster to hold one predictor actor (a GPU with "
-        "use_gpu, else cpus_per_actor CPUs), e.g. while an autoscaler adds a node; then fail "
-        "with exit code 3.",
+        description=(
+            "Seconds to wait for room for one predictor actor (a GPU, or cpus_per_actor CPUs); "
+            "then exit 3."
+        ),
     )
 
 
