@@ -1,17 +1,12 @@
-"""Shared fixtures: tiny image folders with corrupt files, and real Ray clusters."""
+"""Fixtures: tiny datasets, real Ray clusters, and the training run the train and infer tests
+share. Plain helpers live in helpers.py."""
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 # A throwaway token for the Ray instances this process starts, or Ray writes one into the user's
@@ -20,58 +15,23 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 
 import pytest
 import ray
-import yaml
+from helpers import (
+    CLASSES,
+    FAST_NODE_DEATH,
+    armed_runtime_env,
+    held_worker,
+    in_background,
+    kill_worker,
+    latest_recorded,
+    png_bytes,
+    train_job,
+    wait_for,
+)
 
-from harness.cluster import BUNDLE_ROOT, LocalCluster
-from harness.faults import arm
+from harness.cluster import LocalCluster
 from pipeline.core import faults
-from pipeline.data.sources import render_synthetic
-from pipeline.model.runs import HISTORY_CSV, SNAPSHOT
 
 EXIT_STATUS = pytest.StashKey[int]()
-
-CLASSES = ("red_circle", "green_square", "blue_triangle")
-
-# name -> bytes of files that are not usable images, and the reason the manifest must give.
-CORRUPT = {
-    "notes.txt": (b"not an image at all\n", "not an image"),
-    "empty.jpg": (b"", "empty file"),
-}
-
-
-def png_bytes(class_name: str, index: int, size: int = 40) -> bytes:
-    buf = io.BytesIO()
-    render_synthetic(class_name, size=size, seed=1, index=index).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def jpeg_bytes(class_name: str, index: int, size: int = 40) -> bytes:
-    buf = io.BytesIO()
-    render_synthetic(class_name, size=size, seed=1, index=index).save(buf, format="JPEG")
-    return buf.getvalue()
-
-
-def make_image_folder(root: Path, per_class: int = 20, corrupt: bool = True) -> dict[str, str]:
-    """`root/<class>/<n>.png|jpg`; with `corrupt`, a truncated JPEG, a text file and an empty
-    file in the first class. Returns {relative path of each corrupt file: expected reason}."""
-    for c in CLASSES:
-        (root / c).mkdir(parents=True)
-        for i in range(per_class):
-            # Mixed formats and non-square sizes, as real folders have.
-            if i % 2:
-                (root / c / f"{i:03d}.jpg").write_bytes(jpeg_bytes(c, i, size=48))
-            else:
-                (root / c / f"{i:03d}.png").write_bytes(png_bytes(c, i, size=40))
-    bad: dict[str, str] = {}
-    if corrupt:
-        first = root / CLASSES[0]
-        truncated = jpeg_bytes(CLASSES[0], 999, size=64)
-        (first / "truncated.jpg").write_bytes(truncated[: len(truncated) // 2])
-        bad[f"{CLASSES[0]}/truncated.jpg"] = "truncated or corrupt"
-        for name, (data, reason) in CORRUPT.items():
-            (first / name).write_bytes(data)
-            bad[f"{CLASSES[0]}/{name}"] = reason
-    return bad
 
 
 @pytest.hookimpl(trylast=True)
@@ -163,28 +123,6 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 # --- training runs, shared by test_train and test_infer --------------------------------------
 
-TRAIN = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml"]
-
-
-def train_job(cluster, dataset, storage, *overrides, **submit):
-    args = [*TRAIN, f"dataset={dataset}", f"storage_path={storage}", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600, **submit)
-
-
-def history(run: Path) -> list[dict]:
-    with open(run / HISTORY_CSV) as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
-# The GCS declares a killed node dead within about 5 s, not Ray's default of about 17 s
-# (measured here: 4.8 s and 17.1 s): with 5 s placement attempts the job would otherwise race
-# the detection, and could give up while the dead node still counts in the cluster's resources.
-FAST_NODE_DEATH = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "2",
-}
-
 
 @pytest.fixture(scope="module")
 def nodes():
@@ -193,82 +131,6 @@ def nodes():
         cluster.add_node(num_cpus=1)
         cluster.add_node(num_cpus=1)
         yield cluster
-
-
-def training_worker_nodes(cluster) -> list[str]:
-    return sorted(a["node_id"] for a in training_workers(cluster))
-
-
-def wait_for(predicate, what: str, timeout_s: float = 300):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"no {what} after {timeout_s} s")
-
-
-def training_workers(cluster) -> list[dict]:
-    """The live Ray Train worker actors, from Ray's state API."""
-    return cluster.state("actors", "class_name=RayTrainWorker", "state=ALIVE", detail=True)
-
-
-def kill_worker(cluster, pid: int) -> float:
-    """SIGKILL a Ray Train worker process, as a crash would; returns when (time.time())."""
-    assert pid in {a["pid"] for a in training_workers(cluster)}, pid
-    os.kill(pid, signal.SIGKILL)
-    return time.time()
-
-
-def armed_runtime_env(directory: Path, point: str) -> tuple[Path, Path]:
-    """runtime_env.yaml plus the variable that arms fault `point` for one job:
-    returns the file to submit the job with, and the marker the held worker will write."""
-    env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
-    env["env_vars"] = {**env.get("env_vars", {}), **arm(point, directory)}
-    path = directory / "runtime_env.yaml"  # its working_dir "." is the submitter's cwd: the bundle
-    path.write_text(yaml.safe_dump(env))
-    return path, directory / point
-
-
-def held_worker(marker: Path, job: Future) -> int:
-    """The pid of the worker blocked at the armed fault point, once it is there."""
-    wait_for(lambda: marker.exists() or job.done(), f"a worker held at {marker.name}")
-    assert not job.done(), f"the job ended without reaching {marker.name}:\n{job.result().stdout}"
-    return int(marker.read_text())
-
-
-def latest_recorded(run: Path) -> str | None:
-    """The directory name of the latest checkpoint in Ray Train's record of `run`, if any."""
-    try:
-        snapshot = json.loads((run / SNAPSHOT).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):  # none yet, or Ray is rewriting it
-        return None
-    latest = snapshot["latest_checkpoint_result"]
-    return latest["checkpoint_dir_name"] if latest else None
-
-
-def in_background(fn, *args, **kwargs) -> Future:
-    return ThreadPoolExecutor(max_workers=1).submit(fn, *args, **kwargs)
-
-
-def start_task(cmd: list[str], cluster: LocalCluster) -> tuple[subprocess.Popen, list[str], Future]:
-    """Run a step's command from the bundle root; its output lines collect in the list as they
-    come."""
-    proc = subprocess.Popen(
-        cmd,
-        cwd=BUNDLE_ROOT,
-        env=cluster.env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    lines: list[str] = []
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-
-    return proc, lines, in_background(read)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import in_background, wait_for
+from helpers import in_background, wait_for
 
 from harness.airflow import Airflow
 from harness.cluster import BUNDLE_ROOT, LocalCluster

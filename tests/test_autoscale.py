@@ -9,8 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import in_background, make_image_folder, start_task, wait_for
-from test_model import meta
+from helpers import checkpoint_meta, in_background, make_image_folder, start_task, wait_for
 
 from harness.cluster import LocalCluster
 from jobs.submit import STEPS, step_command
@@ -26,7 +25,12 @@ def model_and_images(tmp_path_factory):
     """An untrained checkpoint of the test classes, and an image folder of them."""
     checkpoint = tmp_path_factory.mktemp("checkpoint")
     torch.manual_seed(0)
-    save_checkpoint(checkpoint, build_model(len(meta().classes)).eval().state_dict(), meta(), {})
+    save_checkpoint(
+        checkpoint,
+        build_model(len(checkpoint_meta().classes)).eval().state_dict(),
+        checkpoint_meta(),
+        {},
+    )
     images = tmp_path_factory.mktemp("images")
     make_image_folder(images, per_class=4, corrupt=False)
     return checkpoint, images
@@ -172,7 +176,7 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(idle_cluster
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     # At 224 px a CPU classifies a few dozen images a second: the job lasts while nodes join.
-    slow = meta(image_size=224)
+    slow = checkpoint_meta(image_size=224)
     save_checkpoint(checkpoint, build_model(len(slow.classes)).eval().state_dict(), slow, {})
     images = tmp_path / "images"
     make_image_folder(images, per_class=600, corrupt=False)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import make_image_folder
+from helpers import make_image_folder
 
 from harness.cluster import BUNDLE_ROOT
 from harness.counting import FlakyHandler

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from conftest import (
+from helpers import (
     armed_runtime_env,
     held_worker,
     history,

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import wait_for
+from helpers import wait_for
 
 from harness.cluster import BUNDLE_ROOT
 from harness.faults import arm, release

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import make_image_folder
+from helpers import make_image_folder
 
 from jobs.infer import main as infer_main
 from pipeline.core.config import InferConfig, load_config
@@ -181,10 +181,10 @@ def test_bad_model_and_input_paths_are_clear_errors(trained, tiny_dataset, tmp_p
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_classifier_agrees_with_cpu(tmp_path):
-    from test_model import meta
+    from helpers import checkpoint_meta
 
     torch.manual_seed(0)
-    save_checkpoint(tmp_path, build_model(3).eval().state_dict(), meta(), {})
+    save_checkpoint(tmp_path, build_model(3).eval().state_dict(), checkpoint_meta(), {})
     pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)
     ckpt = Location.parse(str(tmp_path))
     cpu = Classifier(ckpt, use_gpu=False, precision="auto").probabilities(pixels)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import CLASSES, make_image_folder
+from helpers import CLASSES, make_image_folder
 from PIL import Image
 from ray._private.runtime_env.packaging import create_package
 

@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from helpers import checkpoint_meta
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import (
     METADATA,
-    CheckpointMeta,
     load_train_state,
     read_meta,
     save_checkpoint,
@@ -19,35 +19,22 @@ from pipeline.model.networks import build_model, load_model, unwrap
 CLASSES = ["a", "b", "c"]
 
 
-def meta(**changes) -> CheckpointMeta:
-    fields = dict(
-        epoch=4,
-        classes=CLASSES,
-        image_size=32,
-        mean=(0.5, 0.5, 0.5),
-        std=(0.2, 0.2, 0.2),
-        dataset_fingerprint="f",
-        metrics={"epoch": 4},
-        history=[{"epoch": 4, "val_accuracy": 0.5}],
-        config={"epochs": 5},
-    )
-    return CheckpointMeta(**(fields | changes))
-
-
 def test_checkpoint_round_trip_gives_the_same_predictions(tmp_path):
     torch.manual_seed(0)
     model = build_model(len(CLASSES)).eval()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
-    save_checkpoint(tmp_path, model.state_dict(), meta(), {"optimizer": optimizer.state_dict()})
+    save_checkpoint(
+        tmp_path, model.state_dict(), checkpoint_meta(), {"optimizer": optimizer.state_dict()}
+    )
 
     checkpoint = Location.parse(str(tmp_path))
     loaded, loaded_meta = load_model(checkpoint)  # torch.load(weights_only=True) inside
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
-    assert loaded_meta == meta()
+    assert loaded_meta == checkpoint_meta()
     assert json.loads((tmp_path / METADATA).read_text())["history"][0]["epoch"] == 4
     state = load_train_state(checkpoint)
     assert state["optimizer"]["state"][0]["momentum_buffer"].shape == model.conv1.weight.shape
@@ -67,7 +54,7 @@ def test_metadata_problems_are_clear_errors(tmp_path):
     (tmp_path / METADATA).write_text('{"epoch": 1}')
     with pytest.raises(InputError, match=r"not valid checkpoint metadata"):
         read_meta(checkpoint)
-    (tmp_path / METADATA).write_text(meta(model="vit_b_16").model_dump_json())
+    (tmp_path / METADATA).write_text(checkpoint_meta(model="vit_b_16").model_dump_json())
     with pytest.raises(InputError, match=r"holds a vit_b_16 checkpoint"):
         read_meta(checkpoint)
 

@@ -11,7 +11,7 @@ import re
 import time
 
 import pytest
-from conftest import (
+from helpers import (
     armed_runtime_env,
     held_worker,
     history,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import (
+from helpers import (
     armed_runtime_env,
     held_worker,
     history,

@@ -9,7 +9,7 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 import ray
-from conftest import CLASSES, make_image_folder
+from helpers import CLASSES, make_image_folder
 from PIL import Image
 
 from pipeline.core.config import (

@@ -9,7 +9,7 @@ import signal
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import armed_runtime_env, in_background, wait_for
+from helpers import armed_runtime_env, in_background, wait_for
 
 from harness.cluster import LocalCluster
 from harness.faults import release

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from conftest import CLASSES, make_image_folder, start_task, wait_for
+from helpers import CLASSES, make_image_folder, start_task, wait_for
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.s3 import S3Server

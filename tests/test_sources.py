@@ -2,7 +2,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import CLASSES, make_image_folder, png_bytes
+from helpers import CLASSES, make_image_folder, png_bytes
 
 from pipeline.core.config import FolderSourceConfig, HuggingFaceSourceConfig, SyntheticSourceConfig
 from pipeline.core.errors import InputError

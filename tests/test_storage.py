@@ -7,7 +7,7 @@ import logging
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import make_image_folder
+from helpers import make_image_folder
 
 from harness.counting import FlakyHandler
 from harness.s3 import S3Server

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     armed_runtime_env,
     held_worker,
     history,
@@ -253,11 +253,11 @@ def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):
 
 
 def test_resume_refuses_a_checkpoint_of_other_classes(tiny_dataset):
-    from test_model import meta
+    from helpers import checkpoint_meta
 
     manifest = read_manifest(Location.parse(str(tiny_dataset)))
     with pytest.raises(InputError, match=r"was trained on 3 classes .* has 4 .*pick a new name="):
-        check_resumable(meta(), manifest, checkpoint="/runs/x/epoch_0001", dataset="/d")
+        check_resumable(checkpoint_meta(), manifest, checkpoint="/runs/x/epoch_0001", dataset="/d")
 
 
 # --- the real job on a real cluster ------------------------------------------------------------
@@ -413,7 +413,7 @@ def test_a_resume_trains_with_the_new_optimizer_settings(tiny_dataset):
 
 
 def test_a_resume_refuses_what_it_cannot_change(tiny_dataset, tmp_path):
-    from test_model import meta
+    from helpers import checkpoint_meta
 
     old = config(tiny_dataset, "/s", "precision=bf16").model_dump(mode="json")
     new = config(tiny_dataset, "/s", "precision=fp32", "epochs=20", "optimizer.lr=0.01")
@@ -429,7 +429,7 @@ def test_a_resume_refuses_what_it_cannot_change(tiny_dataset, tmp_path):
     manifest = read_manifest(Location.parse(str(tiny_dataset)))
     with pytest.raises(InputError, match=r"trained on 64 px images, but dataset \S+ has 32 px"):
         check_resumable(
-            meta(image_size=64, classes=manifest.classes),
+            checkpoint_meta(image_size=64, classes=manifest.classes),
             manifest,
             checkpoint="/runs/x/epoch_0001",
             dataset=str(tiny_dataset),
