@@ -52,18 +52,11 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
+def ray_in_process():
     """An in-process Ray instance for library-level tests; stopped after the module."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A real single-node cluster (`ray start`), for jobs sent with `ray job submit`."""
-    with LocalCluster(num_cpus=2) as c:
-        yield c
 
 
 @pytest.fixture(scope="session")
@@ -125,7 +118,7 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def nodes():
+def head_and_two_nodes():
     """Head with no CPUs (it runs drivers, never training, as in cluster.yaml) + 2 one-CPU nodes."""
     with LocalCluster(num_cpus=0, env=FAST_NODE_DEATH) as cluster:
         cluster.add_node(num_cpus=1)
@@ -134,14 +127,15 @@ def nodes():
 
 
 @pytest.fixture(scope="session")
-def train_cluster():
-    """The cluster of the training and inference tests: shared, as they share `main_run`."""
+def cluster_2cpu():
+    """A real single-node cluster of 2 CPUs (`ray start`), for jobs sent with `ray job submit`:
+    one for the whole session, shared by the modules whose jobs leave it as they found it."""
     with LocalCluster(num_cpus=2) as c:
         yield c
 
 
 @pytest.fixture(scope="session")
-def main_run(train_cluster, tiny_dataset, tmp_path_factory):
+def main_run(cluster_2cpu, tiny_dataset, tmp_path_factory):
     """One 2-worker training run of 4 epochs, num_to_keep=1, with a training worker SIGKILLed
     once Ray has recorded the checkpoint of epoch 0 and before epoch 1's: what a real fault
     looks like, at a defined point. test_train checks one claim about it per test; test_infer
@@ -152,13 +146,13 @@ def main_run(train_cluster, tiny_dataset, tmp_path_factory):
     runtime_env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
     args = ("name=main", "epochs=4", "num_to_keep=1")
     submit = {"submission_id": "train-main", "runtime_env": runtime_env}
-    job = in_background(train_job, train_cluster, tiny_dataset, storage, *args, **submit)
+    job = in_background(train_job, cluster_2cpu, tiny_dataset, storage, *args, **submit)
     pid = held_worker(marker, job)
     # Rank 0 is held right after reporting epoch 0: Ray records that checkpoint without it, and
     # no later one can come.
     wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
     assert not (run / "epoch_0001").exists()
-    killed_at = kill_worker(train_cluster, pid)
+    killed_at = kill_worker(cluster_2cpu, pid)
     wait_for(lambda: latest_recorded(run) != "epoch_0000" or job.done(), "a checkpoint after it")
     recovered_s = time.time() - killed_at
     proc = job.result()

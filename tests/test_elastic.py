@@ -29,17 +29,23 @@ ELASTIC = ("scaling.num_workers=[1,2]", "scaling.resize_interval_s=5", "max_fail
 STARTUP = "scaling.startup_timeout_s=15"
 
 
-def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(nodes, tiny_dataset, tmp_path):
+def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(
+    head_and_two_nodes, tiny_dataset, tmp_path
+):
     # 1. Two workers, one per node; the node of one dies for good once Ray has recorded epoch
     # 0. The run goes on with one worker from epoch 0's checkpoint and finishes.
     run = tmp_path / "elastic"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
     args = ("name=elastic", "epochs=2", *ELASTIC, STARTUP)
-    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
+    job = in_background(
+        train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
+    )
     held_worker(marker, job)
     wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
-    assert len(set(training_worker_nodes(nodes))) == 2, "the two workers are not on two nodes"
-    nodes.nodes[-1].kill()
+    assert len(set(training_worker_nodes(head_and_two_nodes))) == 2, (
+        "the two workers are not on two nodes"
+    )
+    head_and_two_nodes.nodes[-1].kill()
     killed_at = time.monotonic()
     wait_for(lambda: latest_recorded(run) == "epoch_0001" or job.done(), "epoch 1 in the record")
     recovered_s = time.monotonic() - killed_at
@@ -60,12 +66,17 @@ def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(nodes, tiny_dataset, 
     fault.mkdir()
     env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
     args = ("name=elastic", "epochs=4", *ELASTIC, STARTUP)
-    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
+    job = in_background(
+        train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
+    )
     held_worker(marker, job)
     wait_for(lambda: latest_recorded(run) == "epoch_0002", "epoch 2 in Ray's record", 60)
-    nodes.add_node(num_cpus=1)
+    head_and_two_nodes.add_node(num_cpus=1)
     joined_at = time.monotonic()
-    wait_for(lambda: len(training_worker_nodes(nodes)) == 2 or job.done(), "two workers again")
+    wait_for(
+        lambda: len(training_worker_nodes(head_and_two_nodes)) == 2 or job.done(),
+        "two workers again",
+    )
     grew_s = time.monotonic() - joined_at
     proc = job.result()
     assert proc.returncode == 0, proc.stdout
@@ -80,7 +91,12 @@ def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(nodes, tiny_dataset, 
     args = ("name=starved", "scaling.num_workers=[3,4]", "global_batch_size=12")
     started = time.monotonic()
     proc = train_job(
-        nodes, tiny_dataset, tmp_path, *args, *ELASTIC[1:], "scaling.startup_timeout_s=5"
+        head_and_two_nodes,
+        tiny_dataset,
+        tmp_path,
+        *args,
+        *ELASTIC[1:],
+        "scaling.startup_timeout_s=5",
     )
     waited = time.monotonic() - started
     assert "failed with exit code 3" in proc.stdout, proc.stdout  # the job's: cluster error

@@ -36,11 +36,11 @@ def trained(main_run):
 
 
 @pytest.fixture(scope="module")
-def val_predictions(train_cluster, trained, tiny_dataset, tmp_path_factory):
+def val_predictions(cluster_2cpu, trained, tiny_dataset, tmp_path_factory):
     out = tmp_path_factory.mktemp("preds")
     # Files of 50 rows: the 119 images make three or more, as a million would by default.
     proc = infer_job(
-        train_cluster,
+        cluster_2cpu,
         f"model={trained}",
         f"input={tiny_dataset}",
         f"output={out}",
@@ -79,7 +79,7 @@ def test_val_split_predictions_match_the_summary_and_training(val_predictions, t
 
 
 def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
-    train_cluster, trained, tiny_dataset, val_predictions, tmp_path
+    cluster_2cpu, trained, tiny_dataset, val_predictions, tmp_path
 ):
     # A complete output from before, and a dataset whose last val shard is not Parquet: the
     # run fails partway, with predictions of other shards perhaps staged already.
@@ -91,7 +91,7 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
     shards = sorted(broken.glob("data/*/val/*.parquet"))
     shards[-1].write_bytes(b"not parquet")
     proc = infer_job(
-        train_cluster, f"model={trained}", f"input={broken}", f"output={out}", "rows_per_file=10"
+        cluster_2cpu, f"model={trained}", f"input={broken}", f"output={out}", "rows_per_file=10"
     )
     assert proc.returncode != 0
     assert "Parquet magic bytes not found" in proc.stdout, proc.stdout
@@ -103,12 +103,12 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
 
 
 def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
-    train_cluster, trained, tmp_path
+    cluster_2cpu, trained, tmp_path
 ):
     bad = make_image_folder(tmp_path / "images", per_class=4)
     out = tmp_path / "out"
     proc = infer_job(
-        train_cluster, f"model={trained}", f"input={tmp_path / 'images'}", f"output={out}"
+        cluster_2cpu, f"model={trained}", f"input={tmp_path / 'images'}", f"output={out}"
     )
     assert proc.returncode == 0, proc.stdout
     summary = json.loads((out / SUMMARY).read_text())
@@ -121,16 +121,16 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
     # One image on its own, through a single Ray task: the same top-1 as the batch path.
     one = rows[0]
     image = tmp_path / "images" / one["source_id"]
-    proc = infer_job(train_cluster, f"model={trained}", f"input={image}")
+    proc = infer_job(cluster_2cpu, f"model={trained}", f"input={image}")
     assert proc.returncode == 0, proc.stdout
     printed = json.loads(proc.stdout[proc.stdout.index("{\n") : proc.stdout.index("\n}") + 2])
     assert printed["top_k"][0]["index"] == one["pred"]
     assert printed["top_k"][0]["probability"] == pytest.approx(one["top_k_prob"][0], rel=1e-4)
 
 
-def test_resources_the_cluster_lacks_fail_fast(train_cluster, trained, tiny_dataset, tmp_path):
+def test_resources_the_cluster_lacks_fail_fast(cluster_2cpu, trained, tiny_dataset, tmp_path):
     proc = infer_job(
-        train_cluster,
+        cluster_2cpu,
         f"model={trained}",
         f"input={tiny_dataset}",
         f"output={tmp_path}",
@@ -140,7 +140,7 @@ def test_resources_the_cluster_lacks_fail_fast(train_cluster, trained, tiny_data
     assert proc.returncode != 0
     assert "use_gpu=true, but the cluster has 0 GPUs (waited 2 s" in proc.stdout
     proc = infer_job(
-        train_cluster,
+        cluster_2cpu,
         f"model={trained}",
         f"input={tiny_dataset}",
         f"output={tmp_path}",

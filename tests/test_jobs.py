@@ -25,11 +25,11 @@ def preprocess(cluster, *overrides):
     return cluster.submit([*args, *overrides], capture=True, timeout_s=300)
 
 
-def test_preprocess_job_on_folder_with_corrupt_files(cluster, tmp_path):
+def test_preprocess_job_on_folder_with_corrupt_files(cluster_2cpu, tmp_path):
     bad = make_image_folder(tmp_path / "src", per_class=30)
     out = tmp_path / "out"
     proc = preprocess(
-        cluster,
+        cluster_2cpu,
         "source.kind=folder",
         f"source.folder.path={tmp_path / 'src'}",
         f"output={out}",
@@ -54,9 +54,9 @@ def test_preprocess_job_on_folder_with_corrupt_files(cluster, tmp_path):
     assert total == 90 == sum(sum(s.counts.values()) for s in manifest.splits.values())
 
 
-def test_failing_job_exits_nonzero_with_reason(cluster, tmp_path):
+def test_failing_job_exits_nonzero_with_reason(cluster_2cpu, tmp_path):
     proc = preprocess(
-        cluster,
+        cluster_2cpu,
         "source.kind=folder",
         f"source.folder.path={tmp_path / 'nope'}",
         f"output={tmp_path / 'out'}",
@@ -66,8 +66,8 @@ def test_failing_job_exits_nonzero_with_reason(cluster, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_config_exits_nonzero_naming_key(cluster, tmp_path):
-    proc = preprocess(cluster, f"output={tmp_path}", "image_sise=64")
+def test_bad_config_exits_nonzero_naming_key(cluster_2cpu, tmp_path):
+    proc = preprocess(cluster_2cpu, f"output={tmp_path}", "image_sise=64")
     assert proc.returncode != 0
     assert "image_sise: unknown key" in proc.stdout
 
@@ -98,7 +98,7 @@ def test_runtime_env_uploads_code_not_data(tmp_path):
     names = set(package(copy, tmp_path).namelist())
     assert {"jobs/preprocess.py", "pipeline/data/preprocess.py", "configs/preprocess.yaml"} <= names
     assert not [n for n in names if any(n.startswith(d) for d in decoys)]
-    # The cluster runs the library and the jobs; the harness, tests and benchmarks stay here.
+    # The cluster_2cpu runs the library and the jobs; the harness, tests and benchmarks stay here.
     assert not [n for n in names if n.startswith(("harness/", "tests/", "bench/"))]
 
 

@@ -27,22 +27,26 @@ from pipeline.core import faults
 pytestmark = pytest.mark.slow
 
 
-def test_node_lost_mid_training(nodes, tiny_dataset, tmp_path):
+def test_node_lost_mid_training(head_and_two_nodes, tiny_dataset, tmp_path):
     # 1. A node dies after the first checkpoint; a node rejoins 5 s later, as an autoscaler
     # would bring one: the run recovers and finishes with every epoch once.
     run = tmp_path / "multi"
     args = ("name=multi", "scaling.startup_timeout_s=60", "epochs=2")
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
+    job = in_background(
+        train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
+    )
     # Rank 0 is held once Ray records epoch 0, so the loss lands after it, before epoch 1.
     held_worker(marker, job)
     wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
-    workers = training_worker_nodes(nodes)
+    workers = training_worker_nodes(head_and_two_nodes)
     assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
-    nodes.nodes[-1].kill()  # the machine dies: raylet, object store, the training worker on it
+    head_and_two_nodes.nodes[
+        -1
+    ].kill()  # the machine dies: raylet, object store, the training worker on it
     killed_at = time.monotonic()
     time.sleep(5)
-    nodes.add_node(num_cpus=1)
+    head_and_two_nodes.add_node(num_cpus=1)
     wait_for(lambda: (run / "epoch_0001").exists() or job.done(), "a checkpoint after the loss")
     recovered_s = time.monotonic() - killed_at
     proc = job.result()
@@ -56,9 +60,12 @@ def test_node_lost_mid_training(nodes, tiny_dataset, tmp_path):
     # Train's endless retry (even when the node is lost while the workers start). Its
     # checkpoints stay, for a resubmit once the cluster has room.
     args = ("name=multi", "scaling.startup_timeout_s=5", "max_failures=2", "epochs=3")
-    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args)
-    wait_for(lambda: len(training_worker_nodes(nodes)) == 2 or job.done(), "training workers")
-    nodes.nodes[-1].kill()
+    job = in_background(train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args)
+    wait_for(
+        lambda: len(training_worker_nodes(head_and_two_nodes)) == 2 or job.done(),
+        "training workers",
+    )
+    head_and_two_nodes.nodes[-1].kill()
     killed_at = time.monotonic()
     proc = job.result()
     waited = time.monotonic() - killed_at

@@ -34,7 +34,9 @@ NO_FAILURES = (
 DEADLINE_S = 10
 
 
-def lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, name: str, *args, preempted: bool):
+def lose_a_node_after_epoch_0(
+    head_and_two_nodes, tiny_dataset, tmp_path, name: str, *args, preempted: bool
+):
     """Train `name`, hold rank 0 once Ray has recorded epoch 0, then lose the last node: drained
     as preempted and killed at the drain's deadline, or killed with no warning. Returns the
     job's output and the seconds from the loss to the job's end."""
@@ -43,14 +45,18 @@ def lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, name: str, *args, p
     fault.mkdir()
     env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
     args = (f"name={name}", *NO_FAILURES, *args)
-    job = in_background(train_job, nodes, tiny_dataset, tmp_path, *args, runtime_env=env)
+    job = in_background(
+        train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
+    )
     held_worker(marker, job)
     wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
-    assert len(set(training_worker_nodes(nodes))) == 2, "the two workers are not on two nodes"
-    node = nodes.nodes[-1]
+    assert len(set(training_worker_nodes(head_and_two_nodes))) == 2, (
+        "the two workers are not on two nodes"
+    )
+    node = head_and_two_nodes.nodes[-1]
     if preempted:
         reason, message = "DRAIN_NODE_REASON_PREEMPTION", "spot instance reclaimed (test)"
-        node.drain(nodes, reason=reason, message=message, deadline_s=DEADLINE_S)
+        node.drain(head_and_two_nodes, reason=reason, message=message, deadline_s=DEADLINE_S)
         time.sleep(DEADLINE_S)  # the cloud takes the machine at the deadline
     node.kill()
     lost_at = time.monotonic()
@@ -58,8 +64,10 @@ def lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, name: str, *args, p
     return proc, time.monotonic() - lost_at
 
 
-def test_a_preempted_node_costs_no_failure(nodes, tiny_dataset, tmp_path):
-    proc, took_s = lose_a_node_after_epoch_0(nodes, tiny_dataset, tmp_path, "spot", preempted=True)
+def test_a_preempted_node_costs_no_failure(head_and_two_nodes, tiny_dataset, tmp_path):
+    proc, took_s = lose_a_node_after_epoch_0(
+        head_and_two_nodes, tiny_dataset, tmp_path, "spot", preempted=True
+    )
     assert proc.returncode == 0, proc.stdout
     assert "resumed with fewer workers: 1, was 2" in proc.stdout, proc.stdout
     assert [(r["epoch"], r["workers"]) for r in history(tmp_path / "spot")] == [(0, 2), (1, 1)]
@@ -67,9 +75,14 @@ def test_a_preempted_node_costs_no_failure(nodes, tiny_dataset, tmp_path):
 
     # The same loss with no drain is a failure, and max_failures=0 allows none. A fixed count
     # of two: an elastic run could start on one worker, before Ray Train counts the new node.
-    nodes.add_node(num_cpus=1)
+    head_and_two_nodes.add_node(num_cpus=1)
     proc, took_s = lose_a_node_after_epoch_0(
-        nodes, tiny_dataset, tmp_path, "plain", "scaling.num_workers=2", preempted=False
+        head_and_two_nodes,
+        tiny_dataset,
+        tmp_path,
+        "plain",
+        "scaling.num_workers=2",
+        preempted=False,
     )
     assert "failed with exit code 3" in proc.stdout, proc.stdout  # the job's: cluster error
     assert "training failed and max_failures=0 retries are used up" in proc.stdout, proc.stdout

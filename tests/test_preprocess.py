@@ -31,7 +31,7 @@ from pipeline.data.sources import (
     assign_split,
 )
 
-pytestmark = pytest.mark.usefixtures("ray_session")
+pytestmark = pytest.mark.usefixtures("ray_in_process")
 
 
 def build(cfg: PreprocessConfig):

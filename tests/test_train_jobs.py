@@ -1,0 +1,183 @@
+"""The training job on a real local Ray cluster, sent with `ray job submit`: learning,
+retention, exact distributed accuracy, worker kills at Ray's commit points, both input paths.
+(Stop and resubmit: test_s3, with the run on S3. Nodes lost: test_multinode, test_elastic.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    armed_runtime_env,
+    held_worker,
+    history,
+    in_background,
+    kill_worker,
+    latest_recorded,
+    train_job,
+    wait_for,
+)
+from torch.utils.data import DataLoader
+
+from harness.cluster import LocalCluster
+from pipeline.core import faults
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.model.checkpoint import read_meta
+from pipeline.model.device import DevicePolicy
+from pipeline.model.networks import load_model
+from pipeline.model.runs import (
+    CURVES_PNG,
+    RUN_SUMMARY,
+    SNAPSHOT,
+    checkpoint_dir_name,
+)
+from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.worker import evaluate
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_workers_learn(main_run):
+    proc, run = main_run
+    assert "2 workers on cpu, precision fp32" in proc.stdout
+    h = history(run)
+    assert h[-1]["train_loss"] < h[0]["train_loss"]
+    assert h[-1]["val_accuracy"] > 0.4  # 4 classes: chance is 0.25
+
+
+def test_killed_worker_is_replaced_and_every_epoch_runs_once(main_run):
+    # Killed once epoch 0's checkpoint was in Ray's record (see conftest.main_run): the new
+    # workers resume from it, and train epochs 1 to 3 only.
+    proc, run = main_run
+    resumed = r"resumed from checkpoint \S+/main/epoch_0000 \(epoch 0 done\)"
+    assert re.search(resumed, proc.stdout), proc.stdout
+    assert proc.stdout.count("training epochs 0 to 3") == 1
+    assert proc.stdout.count("training epochs 1 to 3") == 1
+    assert [r["epoch"] for r in history(run)] == [0, 1, 2, 3]
+
+
+def test_reports_and_retention(cluster_2cpu, main_run):
+    _, run = main_run
+    summary = json.loads((run / RUN_SUMMARY).read_text())
+    h = history(run)
+    assert summary["final_accuracy"] == h[-1]["val_accuracy"] and summary["epochs"] == 4
+    assert (run / CURVES_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last = cluster_2cpu.ray("job", "logs", "train-main").rstrip().splitlines()[-1]
+    assert last == f"best checkpoint: {summary['best_checkpoint']}"
+    # Retention: the best by val accuracy (num_to_keep=1) plus the latest, nothing else.
+    assert summary["best_metrics"]["val_accuracy"] == max(r["val_accuracy"] for r in h)
+    kept = {p.name for p in run.glob("epoch_*")}
+    assert kept == {Path(summary["best_checkpoint"]).name, checkpoint_dir_name(3)}
+
+
+def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
+    # What two workers computed is exactly what one process computes over all of val (119
+    # images: an uneven split, where a DistributedSampler would count one image twice).
+    _, run = main_run
+    model, meta = load_model(Location.parse(str(run / checkpoint_dir_name(3))))
+    root = Location.parse(str(tiny_dataset))
+    val = RowGroupStream(root, read_manifest(root), "val", batch_size=50)
+    one = evaluate(
+        model,
+        DataLoader(val, batch_size=None),
+        num_classes=4,
+        policy=DevicePolicy(torch.device("cpu"), "fp32", meta.mean, meta.std),
+    )
+    assert one["val_images"] == val.rows == 119
+    last = history(run)[-1]
+    assert one["val_accuracy"] == pytest.approx(last["val_accuracy"], abs=1e-6)
+    assert one["val_loss"] == pytest.approx(last["val_loss"], rel=1e-4)
+
+
+def test_submitting_a_finished_run_again_trains_nothing(cluster_2cpu, main_run, tiny_dataset):
+    _, run = main_run
+    proc = train_job(cluster_2cpu, tiny_dataset, run.parent, "name=main", "epochs=4")
+    assert proc.returncode == 0, proc.stdout
+    assert "is complete (4 epochs, epochs=4): nothing to train" in proc.stdout
+    assert "RayTrainWorker" not in proc.stdout
+
+
+def test_a_kill_between_upload_and_record_trains_the_epoch_again(
+    cluster_2cpu, tiny_dataset, tmp_path
+):
+    run = tmp_path / "orphan"
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
+    args = ("name=orphan", "epochs=2", "num_to_keep=2")  # keeps epoch_0000 to look at
+    job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
+    pid = held_worker(marker, job)
+    # Held inside report: epoch 0's checkpoint is whole on storage, and Ray has no record of
+    # it (it writes its snapshot with the first checkpoint it records).
+    orphan = run / "epoch_0000"
+    assert read_meta(Location.parse(str(orphan))).epoch == 0
+    assert not (run / SNAPSHOT).exists()
+    files = sorted(p.name for p in orphan.iterdir())
+    killed_at = kill_worker(cluster_2cpu, pid)
+    wait_for(lambda: latest_recorded(run) is not None or job.done(), "a checkpoint after it")
+    recovered_s = time.time() - killed_at
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    done_s = time.time() - killed_at
+    print(f"orphan: kill -> next checkpoint {recovered_s:.0f} s, -> job done {done_s:.0f} s")
+    # Nothing recorded, nothing to resume from: the new workers start from scratch...
+    assert "resumed from checkpoint" not in proc.stdout
+    assert proc.stdout.count("training epochs 0 to 1") == 2
+    assert [r["epoch"] for r in history(run)] == [0, 1]
+    # ...and report epoch 0 under the same name: Ray's upload writes the new checkpoint over the
+    # orphan, file by file, into the existing directory, and records it.
+    assert sorted(p.name for p in orphan.iterdir()) == files
+    assert all(p.stat().st_mtime > killed_at for p in orphan.iterdir())
+    assert read_meta(Location.parse(str(orphan))).metrics == history(run)[0]
+    assert latest_recorded(run) == "epoch_0001"
+
+
+def test_a_kill_with_max_failures_0_fails_the_job(cluster_2cpu, tiny_dataset, tmp_path):
+    run = tmp_path / "fragile"
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
+    args = ("name=fragile", "epochs=2", "max_failures=0")
+    job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
+    pid = held_worker(marker, job)
+    # The point main_run kills at: epoch 0 in Ray's record, nothing later.
+    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
+    kill_worker(cluster_2cpu, pid)
+    proc = job.result()
+    assert proc.returncode != 0, proc.stdout
+    assert "training failed and max_failures=0 retries are used up" in proc.stdout
+    assert str(pid) in proc.stdout  # the last error names the worker that died
+    # What was recorded stays, for a resubmission to resume from.
+    assert latest_recorded(run) == "epoch_0000"
+
+
+def test_deterministic_input_errors_fail_once_before_any_worker(
+    cluster_2cpu, tiny_dataset, tmp_path
+):
+    # Every worker would fail the same way, max_failures times: the driver checks first.
+    missing = tmp_path / "missing.pt"
+    proc = train_job(cluster_2cpu, tiny_dataset, tmp_path, "name=bad", f"pretrained={missing}")
+    assert proc.returncode != 0
+    assert f"error: pretrained weights {missing} do not exist" in proc.stdout, proc.stdout
+    assert "RayTrainWorker" not in proc.stdout and not (tmp_path / "bad").exists()
+
+
+def test_ray_data_ingest_evaluates_exactly_and_resumes_after_a_kill(tiny_dataset, tmp_path):
+    run = tmp_path / "rd"
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
+    # Two 1-CPU training workers, and a CPU beside them for Ray Data to decode on.
+    with LocalCluster(num_cpus=3) as cluster:
+        args = ("name=rd", "epochs=3", "ingest=ray_data")
+        job = in_background(train_job, cluster, tiny_dataset, tmp_path, *args, runtime_env=env)
+        pid = held_worker(marker, job)
+        wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
+        kill_worker(cluster, pid)
+        proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    assert "training epochs 0 to 2: 481 train images, 119 val (ingest=ray_data)" in proc.stdout
+    assert re.search(r"resumed from checkpoint \S+/rd/epoch_0000 \(epoch 0 done\)", proc.stdout)
+    h = history(run)
+    assert [r["epoch"] for r in h] == [0, 1, 2]
+    # Every val image counted once in every epoch: val is split over the ranks with equal=False.
+    assert [r["val_images"] for r in h] == [119, 119, 119]
