@@ -91,6 +91,7 @@ def test_runtime_env_uploads_code_not_data(tmp_path):
         "pipeline/__pycache__/x.pyc",
         "model.pt",
         "bench/results/r.json",
+        "site/index.html",
     ]
     for d in decoys:
         (copy / d).parent.mkdir(parents=True, exist_ok=True)
@@ -98,8 +99,8 @@ def test_runtime_env_uploads_code_not_data(tmp_path):
     names = set(package(copy, tmp_path).namelist())
     assert {"jobs/preprocess.py", "pipeline/data/preprocess.py", "configs/preprocess.yaml"} <= names
     assert not [n for n in names if any(n.startswith(d) for d in decoys)]
-    # The cluster_2cpu runs the library and the jobs; the harness, tests and benchmarks stay here.
-    assert not [n for n in names if n.startswith(("harness/", "tests/", "bench/"))]
+    # The cluster runs the library and the jobs; the harness, tests and benchmarks stay here.
+    assert not [n for n in names if n.startswith(("harness/", "tests/", "bench/", "docs/"))]
 
 
 def test_runtime_env_upload_of_this_checkout_is_small(tmp_path):

@@ -1,0 +1,1 @@
+"""The stored dataset and what makes it: image sources, decoding, resize + crop, preprocessing."""
