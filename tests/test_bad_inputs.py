@@ -259,7 +259,7 @@ CASES = [
         "a training failure that outlasts `max_failures`",
         3,
         "training failed and max_failures=0 retries are used up",
-        test="tests/test_train.py::test_a_kill_with_max_failures_0_fails_the_job",
+        test="tests/test_train_jobs.py::test_a_kill_with_max_failures_0_fails_the_job",
     ),
     Case(
         "`use_gpu=true` on a cluster without a GPU, for `capacity_timeout_s`",
