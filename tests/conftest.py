@@ -29,6 +29,7 @@ from helpers import (
 )
 
 from harness.cluster import LocalCluster
+from harness.s3 import S3Server
 from pipeline.core import faults
 
 EXIT_STATUS = pytest.StashKey[int]()
@@ -127,10 +128,19 @@ def head_and_two_nodes():
 
 
 @pytest.fixture(scope="session")
-def cluster_2cpu():
+def s3_server():
+    """An S3-compatible server (moto) on loopback for the whole session; each module that
+    claims S3 makes a bucket of its own on it."""
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def cluster_2cpu(s3_server):
     """A real single-node cluster of 2 CPUs (`ray start`), for jobs sent with `ray job submit`:
-    one for the whole session, shared by the modules whose jobs leave it as they found it."""
-    with LocalCluster(num_cpus=2) as c:
+    one for the whole session, shared by the modules whose jobs leave it as they found it. Its
+    nodes reach `s3_server` as a real cluster's reach S3: through the nodes' environment."""
+    with LocalCluster(num_cpus=2, env=s3_server.env) as c:
         yield c
 
 

@@ -15,8 +15,7 @@ import pytest
 from helpers import in_background, wait_for
 
 from harness.airflow import Airflow
-from harness.cluster import BUNDLE_ROOT, LocalCluster
-from harness.s3 import S3Server
+from harness.cluster import BUNDLE_ROOT
 from jobs.submit import STEPS, step_command
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
@@ -44,17 +43,15 @@ LOGICAL_DATE = "2026-01-05T00:00:00+00:00"
 
 
 @pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        server.create_bucket(BUCKET)
-        with server.client_env():  # this process reads the outputs
-            yield server
+def s3(s3_server):
+    s3_server.create_bucket(BUCKET)
+    with s3_server.client_env():  # this process reads the outputs
+        yield s3_server
 
 
 @pytest.fixture(scope="module")
-def cluster(s3):
-    with LocalCluster(num_cpus=2, env=s3.env) as c:
-        yield c
+def cluster(s3, cluster_2cpu):
+    return cluster_2cpu
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import armed_runtime_env, in_background, wait_for
 
-from harness.cluster import LocalCluster
 from harness.faults import release
-from harness.s3 import S3Server
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.data.dataset import DATA, Manifest, read_manifest
@@ -23,16 +21,14 @@ BUCKET = "publish-test"
 
 
 @pytest.fixture(scope="module")
-def s3():
-    with S3Server() as server:
-        server.create_bucket(BUCKET)
-        yield server
+def s3(s3_server):
+    s3_server.create_bucket(BUCKET)
+    return s3_server
 
 
 @pytest.fixture(scope="module")
-def s3_cluster(s3):
-    with LocalCluster(num_cpus=2, env=s3.env) as c:
-        yield c
+def s3_cluster(s3, cluster_2cpu):
+    return cluster_2cpu
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -15,7 +15,6 @@ import pytest
 from helpers import CLASSES, make_image_folder, start_task, wait_for
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from harness.s3 import S3Server
 from jobs.submit import STEPS, step_command
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
@@ -27,10 +26,9 @@ BUCKET = "bundle-test"
 
 
 @pytest.fixture(scope="module")
-def s3_env():
-    """A moto S3 server on loopback and the environment that points AWS clients at it."""
-    with S3Server() as server:
-        yield server.env
+def s3_env(s3_server):
+    """The environment that points AWS clients at the session's S3 server."""
+    return s3_server.env
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +47,9 @@ def monkeypatch_module():
 
 
 @pytest.fixture(scope="module")
-def s3_cluster(s3_env):
+def s3_cluster(s3, cluster_2cpu):
     # Credentials reach the workers as they would on a real cluster: in the nodes' environment.
-    with LocalCluster(num_cpus=2, env=s3_env) as c:
-        yield c
+    return cluster_2cpu
 
 
 def upload(fs, local_root, prefix):

@@ -165,7 +165,7 @@ def commit(root: Location, manifest: Manifest, config_yaml: str) -> Manifest:
         # A job started after this one and committed first; its version stands.
         version_dir.delete()
         if current.fingerprint == manifest.fingerprint:
-            log.info("version %s, the same dataset, was committed while this job ran", current.version)
+            log.info("version %s of the same dataset was committed meanwhile", current.version)
             return current
         raise InputError(
             f"{root.uri} was replaced while this job was writing: version {current.version}, "

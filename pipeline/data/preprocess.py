@@ -18,6 +18,8 @@ import ray
 
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.config import PreprocessConfig, dump_config, validate_config
+from pipeline.core.errors import ClusterError, InputError
+from pipeline.core.storage import Location, is_transient
 from pipeline.data.dataset import (
     DATA,
     SPLITS,
@@ -32,16 +34,6 @@ from pipeline.data.dataset import (
     remove_older_versions,
     write_shard,
 )
-from pipeline.core.errors import ClusterError, InputError
-from pipeline.data.sources import (
-    Item,
-    Reader,
-    Source,
-    assign_split,
-    build_source,
-    stable_fraction,
-)
-from pipeline.core.storage import Location, is_transient
 from pipeline.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -49,6 +41,14 @@ from pipeline.data.images import (
     decode_image,
     encode_image,
     resize_center_crop,
+)
+from pipeline.data.sources import (
+    Item,
+    Reader,
+    Source,
+    assign_split,
+    build_source,
+    stable_fraction,
 )
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,8 @@ def preprocess(cfg: PreprocessConfig, *, output: Location) -> Manifest:
 
     source = build_source(cfg.source)
     # Shards in a stable hashed order, not class by class: every row group then mixes the
-    # classes, which lets training shuffle by row group (pipeline.train.torch_input) and still see them all.
+    # classes, which lets training shuffle by row group (train/torch_input.py) and still see
+    # them all.
     items = sorted(source.list_items(), key=lambda it: stable_fraction("order/" + it.source_id))
     classes = source.classes
     log.info("source %s: %d images in %d classes", cfg.source.kind, len(items), len(classes))
