@@ -55,13 +55,22 @@ def preprocess(cluster, output: str, image_size: int, runtime_env=None):
     return cluster.submit(args, capture=True, timeout_s=300, runtime_env=runtime_env)
 
 
-def held(cluster, output, image_size, fault_dir, point):
-    """A preprocess job held at `point`: (the job, the marker holding its driver's pid)."""
+def start_held(cluster, output, image_size, fault_dir, point=faults.DATASET_WRITTEN):
+    """A preprocess job armed to hold at `point`: (the job, the marker its driver will write)."""
     fault_dir.mkdir()
     runtime_env, marker = armed_runtime_env(fault_dir, point)
-    job = in_background(preprocess, cluster, output, image_size, runtime_env)
-    wait_for(lambda: marker.exists() or job.done(), f"a driver held at {point}", 120)
+    return in_background(preprocess, cluster, output, image_size, runtime_env), marker
+
+
+def wait_held(job, marker) -> None:
+    wait_for(lambda: marker.exists() or job.done(), f"a driver held at {marker.name}", 120)
     assert not job.done(), job.result().stdout
+
+
+def held(cluster, output, image_size, fault_dir, point):
+    """A preprocess job held at `point`: (the job, the marker holding its driver's pid)."""
+    job, marker = start_held(cluster, output, image_size, fault_dir, point)
+    wait_held(job, marker)
     return job, marker
 
 
@@ -86,55 +95,69 @@ def versions_on_storage(s3, uri: str) -> list[str]:
         return [i.base_name for i in Location.parse(uri).child(DATA).list_dirs()]
 
 
-@pytest.mark.parametrize("point", [faults.DATASET_WRITTEN, faults.DATASET_COMMITTED])
-def test_a_writer_killed_at_the_commit_leaves_one_whole_dataset(
-    s3_cluster, s3, output, point, tmp_path
+def test_a_writer_killed_at_either_side_of_the_commit_leaves_one_whole_dataset(
+    s3_cluster, s3, output, tmp_path
 ):
     cluster = s3_cluster
     old = preprocess(cluster, output, 32)
     assert old.returncode == 0, old.stdout
     before = committed(s3, output)
 
-    job, marker = held(cluster, output, 40, tmp_path / "fault", point)
-    new_version = next(r for r in versions_on_storage(s3, output) if r != before.version)
+    # Killed before its manifest: the old dataset stands, the new files beside it.
+    job, marker = held(cluster, output, 40, tmp_path / "written", faults.DATASET_WRITTEN)
+    (crashed,) = set(versions_on_storage(s3, output)) - {before.version}
     os.kill(int(marker.read_text()), signal.SIGKILL)
     assert job.result().returncode != 0
+    assert committed(s3, output) == before
+    assert sorted(versions_on_storage(s3, output)) == sorted([before.version, crashed])
 
+    # Killed after it: the new dataset stands, the older versions' files not yet removed.
+    job, marker = held(cluster, output, 40, tmp_path / "committed", faults.DATASET_COMMITTED)
+    (new_version,) = set(versions_on_storage(s3, output)) - {before.version, crashed}
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    assert job.result().returncode != 0
     after = committed(s3, output)
-    if point == faults.DATASET_WRITTEN:  # killed before its manifest: the old dataset stands
-        assert after == before
-    else:  # killed after it: the new one does, the old one's files not yet removed
-        assert (after.version, after.image_size) == (new_version, 40)
-    assert sorted(versions_on_storage(s3, output)) == sorted([before.version, new_version])
+    assert (after.version, after.image_size) == (new_version, 40)
+    assert sorted(versions_on_storage(s3, output)) == sorted([before.version, crashed, new_version])
 
     # Submitted again, the job finishes the work: the new dataset, and no older version left.
     again = preprocess(cluster, output, 40)
     assert again.returncode == 0, again.stdout
     final = committed(s3, output)
-    assert final.image_size == 40
+    assert final == after
     assert versions_on_storage(s3, output) == [final.version]
 
 
-@pytest.mark.parametrize("first", ["older", "newer"])
-def test_two_writers_at_once_leave_the_newer_dataset(s3_cluster, s3, output, first, tmp_path):
+def test_two_writers_at_once_leave_the_newer_dataset(s3_cluster, s3, output, tmp_path):
+    # Both orders of commit at once, each on an output of its own: four jobs held at the commit
+    # point, the older pair started (and named) before the newer pair.
     cluster = s3_cluster
-    older, older_marker = held(cluster, output, 32, tmp_path / "older", faults.DATASET_WRITTEN)
-    newer, newer_marker = held(cluster, output, 40, tmp_path / "newer", faults.DATASET_WRITTEN)
-    if first == "older":
-        # The older job commits; the newer one, still writing, keeps its files and then wins.
-        release(older_marker)
-        assert older.result().returncode == 0, older.result().stdout
-        assert committed(s3, output).image_size == 32
-        release(newer_marker)
-        assert newer.result().returncode == 0, newer.result().stdout
-    else:
-        # The newer job commits; the older one then finds it and does not replace it.
-        release(newer_marker)
-        assert newer.result().returncode == 0, newer.result().stdout
-        release(older_marker)
-        proc = older.result()
-        assert proc.returncode == 1, proc.stdout
-        assert "was replaced while this job was writing" in proc.stdout
-    final = committed(s3, output)
-    assert final.image_size == 40
-    assert versions_on_storage(s3, output) == [final.version]
+    outputs = {first: f"{output}-{first}-first" for first in ("older", "newer")}
+    jobs = {}
+    for age, size in (("older", 32), ("newer", 40)):
+        for first, out in outputs.items():
+            jobs[first, age] = start_held(cluster, out, size, tmp_path / f"{first}-{age}")
+        for first in outputs:
+            wait_held(*jobs[first, age])
+
+    # The older job commits; the newer one, still writing, keeps its files and then wins.
+    (older, older_marker), (newer, newer_marker) = jobs["older", "older"], jobs["older", "newer"]
+    release(older_marker)
+    assert older.result().returncode == 0, older.result().stdout
+    assert committed(s3, outputs["older"]).image_size == 32
+    release(newer_marker)
+    assert newer.result().returncode == 0, newer.result().stdout
+
+    # The newer job commits; the older one then finds it and does not replace it.
+    (older, older_marker), (newer, newer_marker) = jobs["newer", "older"], jobs["newer", "newer"]
+    release(newer_marker)
+    assert newer.result().returncode == 0, newer.result().stdout
+    release(older_marker)
+    proc = older.result()
+    assert proc.returncode == 1, proc.stdout
+    assert "was replaced while this job was writing" in proc.stdout
+
+    for out in outputs.values():
+        final = committed(s3, out)
+        assert final.image_size == 40
+        assert versions_on_storage(s3, out) == [final.version]

@@ -59,3 +59,14 @@ def test_encode_round_trip(fmt):
 def test_encode_rejects_unknown_format():
     with pytest.raises(ValueError, match="'jpeg' or 'png'"):
         encode_image(Image.new("RGB", (4, 4)), image_format="gif")
+
+
+@pytest.mark.parametrize("size", [(300, 200), (200, 300), (64, 64), (65, 64), (20, 90), (97, 31)])
+def test_resize_center_crop_is_torchvisions_pixel_for_pixel(size):
+    # Preprocessing resizes in PIL alone (no torch in its tasks): the very pixels torchvision's
+    # resize + center_crop give, which inference on raw images and users' own code may use.
+    from torchvision.transforms.v2 import functional as F
+
+    img = Image.effect_noise(size, 64).convert("RGB")
+    expected = F.center_crop(F.resize(img, [64], antialias=True), [64, 64])
+    assert resize_center_crop(img, size=64).tobytes() == expected.tobytes()

@@ -6,7 +6,6 @@ import io
 import warnings
 
 from PIL import Image, UnidentifiedImageError
-from torchvision.transforms.v2 import functional as F
 
 # ImageNet statistics: ResNet-18's pretrained weights expect them, and training normalises with
 # the pair the manifest records.
@@ -39,9 +38,17 @@ def decode_image(data: bytes) -> Image.Image:
 
 
 def resize_center_crop(img: Image.Image, *, size: int) -> Image.Image:
-    """Resize the short side to `size`, then center crop to `size` x `size`."""
-    img = F.resize(img, [size], antialias=True)
-    return F.center_crop(img, [size, size])
+    """Resize the short side to `size` (bilinear, antialiased), then center crop to `size` x
+    `size`: torchvision's `resize(img, [size])` and `center_crop` on PIL images, pixel for
+    pixel, in PIL alone, so that preprocessing tasks never import torch (seconds per process)."""
+    w, h = img.size
+    short, long = (w, h) if w <= h else (h, w)
+    new_long = int(size * long / short)
+    new_w, new_h = (size, new_long) if w <= h else (new_long, size)
+    if (new_w, new_h) != (w, h):
+        img = img.resize((new_w, new_h), Image.Resampling.BILINEAR)
+    left, top = round((new_w - size) / 2), round((new_h - size) / 2)
+    return img.crop((left, top, left + size, top + size))
 
 
 def encode_image(img: Image.Image, *, image_format: str, jpeg_quality: int = 95) -> bytes:
