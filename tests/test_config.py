@@ -82,6 +82,19 @@ def test_range_and_cross_field_checks():
         load_config(PreprocessConfig, overrides=["output=/o", "source.huggingface.classes=[a, a]"])
 
 
+def test_values_that_would_crash_in_a_worker_are_refused_up_front():
+    train = ["dataset=/d", "storage_path=/s"]
+    # Ray Data's shuffle takes seeds of 0 or more: a negative one crashed every worker.
+    with pytest.raises(ConfigError, match=r"seed: .*greater than or equal to 0"):
+        load_config(TrainConfig, overrides=[*train, "seed=-1", "ingest=ray_data"])
+    # BatchNorm fails on one image per worker ("Expected more than 1 value per channel").
+    with pytest.raises(ConfigError, match=r"fewer than 2 images per step with 2 workers"):
+        load_config(TrainConfig, overrides=[*train, "global_batch_size=2"])
+    with pytest.raises(ConfigError, match=r"with 4 workers: use at least 8"):
+        load_config(TrainConfig, overrides=[*train, "scaling.num_workers=4", "global_batch_size=4"])
+    load_config(TrainConfig, overrides=[*train, "global_batch_size=4"])
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(PreprocessConfig, tmp_path / "nope.yaml")

@@ -228,7 +228,7 @@ def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):
     with pytest.raises(InputError, match=r"not a manifest this code can read"):
         checked(config(broken, tmp_path))
     with pytest.raises(InputError, match=r"too few for 300 workers"):
-        checked(config(tiny_dataset, tmp_path, "scaling.num_workers=300", "global_batch_size=300"))
+        checked(config(tiny_dataset, tmp_path, "scaling.num_workers=300", "global_batch_size=600"))
 
 
 def test_resume_refuses_a_checkpoint_of_other_classes(tiny_dataset):

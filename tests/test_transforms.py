@@ -70,3 +70,18 @@ def test_resize_center_crop_is_torchvisions_pixel_for_pixel(size):
     img = Image.effect_noise(size, 64).convert("RGB")
     expected = F.center_crop(F.resize(img, [64], antialias=True), [64, 64])
     assert resize_center_crop(img, size=64).tobytes() == expected.tobytes()
+
+
+def test_a_photo_is_turned_upright_as_its_exif_orientation_says():
+    # Stored 40 x 20, red on the left; EXIF orientation 6: shown turned 90 degrees clockwise,
+    # 20 x 40 with red on top, as every photo viewer shows it.
+    img = Image.new("RGB", (40, 20), (0, 0, 255))
+    img.paste((255, 0, 0), (0, 0, 20, 20))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif.tobytes())
+    upright = decode_image(buf.getvalue())
+    assert upright.size == (20, 40)
+    red, blue = upright.getpixel((10, 5)), upright.getpixel((10, 35))
+    assert red[0] > 200 > red[2] and blue[2] > 200 > blue[0]

@@ -253,7 +253,7 @@ class TrainConfig(_Strict):
         description="auto: on GPU bf16 from Ampere (compute capability 8.0) on, else fp16 with "
         "a grad scaler; fp32 on CPU.",
     )
-    seed: int = Field(0, description="Seed for weights init and data order.")
+    seed: int = Field(0, ge=0, description="Seed for weights init and data order.")
     optimizer: OptimizerConfig = OptimizerConfig()
     scaling: TrainScalingConfig = TrainScalingConfig()
     max_failures: int = Field(
@@ -289,6 +289,12 @@ class TrainConfig(_Strict):
                 f"scaling.num_workers={shown}"
                 + (" (every count in the range)" if s.elastic else "")
                 + f": use a multiple of {multiple}"
+            )
+        if self.global_batch_size < 2 * s.max_workers:
+            # BatchNorm normalises over the batch: one image a worker fails (or is noise).
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} gives a worker fewer than 2 images "
+                f"per step with {s.max_workers} workers: use at least {2 * s.max_workers}"
             )
         return self
 

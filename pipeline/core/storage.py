@@ -29,6 +29,10 @@ FIRST_WAIT_S = 0.5
 # Errors that retrying cannot fix: the request itself is wrong.
 PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 PERMANENT_MARKS = (
+    # pyarrow names S3's errors by its own enum ("AWS Error NO_SUCH_KEY during CopyObject"),
+    # S3 itself in CamelCase: both spellings.
+    "NO_SUCH_BUCKET",
+    "NO_SUCH_KEY",
     "NoSuchBucket",
     "NoSuchKey",
     "ACCESS_DENIED",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import warnings
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 # ImageNet statistics: ResNet-18's pretrained weights expect them, and training normalises with
 # the pair the manifest records.
@@ -18,7 +18,8 @@ class BadImageError(ValueError):
 
 
 def decode_image(data: bytes) -> Image.Image:
-    """Decode fully (so truncation shows here, not later) and convert to RGB."""
+    """Decode fully (so truncation shows here, not later), turn upright as the EXIF orientation
+    says (a phone stores a portrait photo sideways and records the turn), and convert to RGB."""
     if not data:
         raise BadImageError("empty file")
     try:
@@ -27,6 +28,7 @@ def decode_image(data: bytes) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
             img.load()
+            img = ImageOps.exif_transpose(img)
     except UnidentifiedImageError:
         raise BadImageError("not an image (unrecognised format)") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
