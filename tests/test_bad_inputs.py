@@ -150,6 +150,18 @@ CASES = [
         lambda t, d: train_config(t, d, "global_batch_size=32", "scaling.num_workers=3"),
     ),
     Case(
+        "a global batch of fewer than 2 images per worker",
+        2,
+        "invalid config (<where>): global_batch_size=2 gives a worker fewer than 2 images",
+        lambda t, d: train_config(t, d, "global_batch_size=2"),
+    ),
+    Case(
+        "a negative seed",
+        2,
+        "invalid config (<where>): seed: Input should be greater than or equal to 0",
+        lambda t, d: train_config(t, d, "seed=-1"),
+    ),
+    Case(
         "a chain `--set` that names no step",
         2,
         "--set 'epochs=3': must start with one of",
