@@ -65,3 +65,21 @@ def test_training_driver_imports_neither_torchvision_nor_torchmetrics():
     # The workers need them; the driver only starts the workers.
     loaded = imported_by("pipeline.train.driver")
     assert not {m for m in loaded if m.startswith(("torchvision", "torchmetrics", "matplotlib"))}
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        ("AWS Error NO_SUCH_BUCKET during ListObjectsV2 operation", 1),  # the user's to fix
+        ("AWS Error NETWORK_CONNECTION during GetObject operation", 3),  # outlived the retries
+    ],
+)
+def test_a_storage_error_ends_a_job_with_an_error_line_and_exit_code(error, code):
+    body = f"def body(cfg):\n    raise OSError({error!r})"
+    main = "job_main('', InferConfig, 'configs/infer.yaml', body, docs_page='docs/infer.md')"
+    imports = "from jobs.cli import job_main\nfrom pipeline.core.config import InferConfig"
+    script = f"{imports}\n{body}\n{main}"
+    args = [sys.executable, "-c", script, "model=/m", "input=/i"]
+    proc = subprocess.run(args, cwd=BUNDLE_ROOT, capture_output=True, text=True)
+    assert proc.returncode == code, proc.stderr
+    assert f"error: storage: {error}" in proc.stderr.splitlines()
