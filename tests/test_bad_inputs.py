@@ -150,6 +150,14 @@ CASES = [
         lambda t, d: train_config(t, d, "global_batch_size=32", "scaling.num_workers=3"),
     ),
     Case(
+        "a dataset with fewer train images than one step's global batch",
+        1,
+        "dataset <path> has <n> train images, fewer than one step of global_batch_size=<n>",
+        lambda t, d: check_dataset(
+            train_config(t, d, "global_batch_size=512"), Location.parse(str(d))
+        ),
+    ),
+    Case(
         "a global batch of fewer than 2 images per worker",
         2,
         "invalid config (<where>): global_batch_size=2 gives a worker fewer than 2 images",

@@ -229,6 +229,9 @@ def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):
         checked(config(broken, tmp_path))
     with pytest.raises(InputError, match=r"too few for 300 workers"):
         checked(config(tiny_dataset, tmp_path, "scaling.num_workers=300", "global_batch_size=600"))
+    # 481 train images: fewer than one step, and every rank would keep no whole batch.
+    with pytest.raises(InputError, match=r"481 train images, fewer than one step of global_b"):
+        checked(config(tiny_dataset, tmp_path, "global_batch_size=512"))
 
 
 def test_resume_refuses_a_checkpoint_of_other_classes(tiny_dataset):

@@ -67,6 +67,13 @@ def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
             f"dataset {dataset.uri} has {train} train images: too few for {workers} workers "
             "(each needs at least 2); preprocess more images or lower scaling.num_workers"
         )
+    if train < cfg.global_batch_size:
+        # Each rank keeps only whole batches: the epoch would train on nothing, and succeed.
+        raise InputError(
+            f"dataset {dataset.uri} has {train} train images, fewer than one step of "
+            f"global_batch_size={cfg.global_batch_size}: preprocess more images or lower "
+            "global_batch_size"
+        )
     if val == 0:
         raise InputError(
             f"dataset {dataset.uri} has no val images, and checkpoints are scored on val "
