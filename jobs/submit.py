@@ -113,14 +113,27 @@ def step_command(
     ]
 
 
-def runtime_env() -> dict:
-    """runtime_env.yaml, with the working dir made absolute: the bundle, wherever we run from."""
+def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
+    """runtime_env.yaml, with the working dir made absolute (the bundle, wherever we run from)
+    and `env_vars` on top of its own."""
     env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
     env["working_dir"] = str((BUNDLE_ROOT / env.get("working_dir", ".")).resolve())
+    env["env_vars"] = {**env.get("env_vars", {}), **(env_vars or {})}
     return env
 
 
-def submit_and_wait(address: str, job: Job) -> int:
+def parse_env(items: list[str]) -> dict[str, str]:
+    """`--env NAME=VALUE` items as a dict; a malformed one is a ConfigError."""
+    env = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.isidentifier():
+            raise ConfigError(f"--env {item!r}: expected NAME=VALUE, e.g. --env AWS_PROFILE=prod")
+        env[name] = value
+    return env
+
+
+def submit_and_wait(address: str, job: Job, env_vars: dict[str, str] | None = None) -> int:
     """Submit `job`, stream its log to stdout, return its exit code (0 only for SUCCEEDED)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
@@ -130,7 +143,7 @@ def submit_and_wait(address: str, job: Job) -> int:
     submission_id = f"ray-cv-{job.step}-{stamp}-{secrets.token_hex(3)}"
     client.submit_job(
         entrypoint=shlex.join(job.entrypoint),
-        runtime_env=runtime_env(),
+        runtime_env=runtime_env(env_vars),
         submission_id=submission_id,
     )
     print(f"[{job.step}] submitted {submission_id}: {shlex.join(job.entrypoint)}", flush=True)
@@ -210,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STEP.KEY=VALUE",
         help="override a job's config, e.g. --set train.epochs=20 (repeatable)",
     )
+    add(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the jobs, over runtime_env.yaml's (repeatable)",
+    )
     parser.add_argument("step", choices=[*STEPS, "all"])
     args = parser.parse_args(argv)
     setup_logging()
@@ -218,12 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ray._private.runtime_env").setLevel(logging.ERROR)
     try:
         jobs = plan(args.root, profile=args.profile, sets=args.set)
+        env_vars = parse_env(args.env)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CODES[ConfigError]
     for job in jobs:
         if args.step in (job.step, "all"):
-            code = submit_and_wait(args.address, job)
+            code = submit_and_wait(args.address, job, env_vars)
             if code != 0:
                 return code
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.submit import main, plan
+from jobs.submit import main, parse_env, plan, runtime_env
 from pipeline.core.errors import ConfigError
 
 
@@ -52,3 +52,11 @@ def test_bad_settings_fail_before_anything_is_submitted(sets, message, capsys):
     assert message in capsys.readouterr().err
     with pytest.raises(ConfigError):
         plan("s3://b/x", profile="demo", sets=sets)
+
+
+def test_env_vars_reach_every_job_over_the_runtime_envs(capsys):
+    env = runtime_env(parse_env(["AWS_PROFILE=prod", "EMPTY="]))
+    assert env["env_vars"] == {"PYTHONUNBUFFERED": "1", "AWS_PROFILE": "prod", "EMPTY": ""}
+    args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
+    assert main([*args, "--env", "NO_VALUE", "all"]) == 2
+    assert "--env 'NO_VALUE': expected NAME=VALUE" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from helpers import CLASSES, make_image_folder, start_task, wait_for
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from jobs.submit import STEPS, step_command
+from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.infer.predictions import PREDICTIONS, SUMMARY
@@ -120,19 +121,25 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     val_rows = manifest.splits["val"].rows
 
     # Training, stopped from outside with `ray job stop` after its first checkpoint on S3: the
-    # step fails (exit 4), where `ray job submit` would have exited 0.
+    # step fails (exit 4), where `ray job submit` would have exited 0. Rank 0 is held once it
+    # has reported epoch 0 (the fault point, through the chain's --env), so the stop lands
+    # after that checkpoint and before the run could finish.
     run = Location.parse(f"{CHAIN_ROOT}/runs/s3run")
-    proc, lines, reading = start_task(steps["train"], s3_cluster)
-    wait_for(lambda: any("[train] submitted" in line for line in lines), "submission")
+    marker = tmp_path / "fault" / faults.CHECKPOINT_REPORTED
+    marker.parent.mkdir()
+    held = [
+        *steps["train"][:-1],
+        f"--env={faults.ENV}={faults.CHECKPOINT_REPORTED}:{marker.parent}",
+    ]
+    proc, lines, reading = start_task([*held, "train"], s3_cluster)
+    wait_for(lambda: marker.exists() or proc.poll() is not None, "rank 0 held after epoch 0")
     (submission_id,) = [
         re.search(r"\[train\] submitted (\S+):", line)[1]
         for line in lines
         if "[train] submitted" in line
     ]
     # A checkpoint counts once Ray Train has recorded it in the run's snapshot.
-    wait_for(
-        lambda: run.child(SNAPSHOT).exists() or proc.poll() is not None, "first checkpoint on S3"
-    )
+    wait_for(lambda: run.child(SNAPSHOT).exists(), "epoch 0 recorded on S3", 60)
     s3_cluster.ray("job", "stop", submission_id)
     reading.result(timeout=300)
     out = "".join(lines)
