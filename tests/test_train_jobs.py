@@ -168,16 +168,16 @@ def test_ray_data_ingest_evaluates_exactly_and_resumes_after_a_kill(tiny_dataset
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
     # Two 1-CPU training workers, and a CPU beside them for Ray Data to decode on.
     with LocalCluster(num_cpus=3) as cluster:
-        args = ("name=rd", "epochs=3", "ingest=ray_data")
+        args = ("name=rd", "epochs=2", "ingest=ray_data")
         job = in_background(train_job, cluster, tiny_dataset, tmp_path, *args, runtime_env=env)
         pid = held_worker(marker, job)
         wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
         kill_worker(cluster, pid)
         proc = job.result()
     assert proc.returncode == 0, proc.stdout
-    assert "training epochs 0 to 2: 481 train images, 119 val (ingest=ray_data)" in proc.stdout
+    assert "training epochs 0 to 1: 481 train images, 119 val (ingest=ray_data)" in proc.stdout
     assert re.search(r"resumed from checkpoint \S+/rd/epoch_0000 \(epoch 0 done\)", proc.stdout)
     h = history(run)
-    assert [r["epoch"] for r in h] == [0, 1, 2]
+    assert [r["epoch"] for r in h] == [0, 1]
     # Every val image counted once in every epoch: val is split over the ranks with equal=False.
-    assert [r["val_images"] for r in h] == [119, 119, 119]
+    assert [r["val_images"] for r in h] == [119, 119]
