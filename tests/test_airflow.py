@@ -50,20 +50,15 @@ def s3(s3_server):
 
 
 @pytest.fixture(scope="module")
-def cluster(s3, cluster_2cpu):
-    return cluster_2cpu
-
-
-@pytest.fixture(scope="module")
-def airflow(cluster, tmp_path_factory):
+def airflow(s3, cluster_2cpu, tmp_path_factory):
     """Airflow with a migrated database and the DAG's settings in its environment. The cluster's
     token reaches the tasks only as the Airflow Variable `ray_auth_token` (here from the
     environment, AIRFLOW_VAR_*): nothing else in Airflow's environment holds it."""
-    env = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH_")}
+    env = {k: v for k, v in cluster_2cpu.env.items() if not k.startswith("RAY_AUTH_")}
     env.update(
-        AIRFLOW_VAR_RAY_AUTH_TOKEN=cluster.token,
+        AIRFLOW_VAR_RAY_AUTH_TOKEN=cluster_2cpu.token,
         RAY_CV_BUNDLE=str(BUNDLE_ROOT),
-        RAY_CV_ADDRESS=cluster.address,
+        RAY_CV_ADDRESS=cluster_2cpu.address,
         RAY_CV_ROOT=ROOT,
         RAY_CV_PROFILE="demo",
         RAY_CV_SET=shlex.join(SETTINGS),
@@ -118,18 +113,20 @@ def chain(airflow):
     return dags_test(airflow, LOGICAL_DATE).result(timeout=900)
 
 
-def test_the_dag_runs_the_chain_on_a_ray_cluster_with_s3(chain, cluster):
+def test_the_dag_runs_the_chain_on_a_ray_cluster_with_s3(chain, cluster_2cpu):
     code, out, states = chain
     assert code == 0, out[-5000:]
     assert states == dict.fromkeys(STEPS, "success")
     # Each task ran its step's `python -m jobs.submit`, in the chain's order.
     assert commands_run(out) == {
-        step: shlex.join(step_command(cluster.address, ROOT, step, profile="demo", sets=SETTINGS))
+        step: shlex.join(
+            step_command(cluster_2cpu.address, ROOT, step, profile="demo", sets=SETTINGS)
+        )
         for step in STEPS
     }
     for step in STEPS:
         assert re.search(rf"\[{step}\] ray-cv-{step}-\S+ succeeded in", out), step
-    assert cluster.token not in out
+    assert cluster_2cpu.token not in out
 
     dataset = Location.parse(f"{ROOT}/dataset")
     manifest = read_manifest(dataset)
@@ -183,7 +180,7 @@ def test_a_failed_job_fails_its_task_with_the_jobs_exit_code(airflow):
     assert "Bash command failed. The command returned a non-zero exit code 1." in out
 
 
-def test_a_stopped_job_fails_its_task(chain, airflow, cluster):
+def test_a_stopped_job_fails_its_task(chain, airflow, cluster_2cpu):
     """`ray job stop` on the training job while it runs: its task fails (the chain's exit 4),
     where a bare `ray job submit` would have exited 0."""
     assert chain[0] == 0, "the first run failed"
@@ -198,8 +195,10 @@ def test_a_stopped_job_fails_its_task(chain, airflow, cluster):
     wait_for(lambda: submitted() or run.done(), "the training job's submission", 600)
     assert not run.done(), run.result()[1][-5000:]
     job = submitted()
-    wait_for(lambda: "RUNNING" in cluster.ray("job", "status", job) or run.done(), "job running")
-    cluster.ray("job", "stop", job)
+    wait_for(
+        lambda: "RUNNING" in cluster_2cpu.ray("job", "status", job) or run.done(), "job running"
+    )
+    cluster_2cpu.ray("job", "stop", job)
     code, out, states = run.result(timeout=300)
     assert code != 0, out[-5000:]
     assert states == {"preprocess": "success", "train": "failed", "infer": "upstream_failed"}

@@ -41,9 +41,8 @@ def test_node_lost_mid_training(head_and_two_nodes, tiny_dataset, tmp_path):
     wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
     workers = training_worker_nodes(head_and_two_nodes)
     assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
-    head_and_two_nodes.nodes[
-        -1
-    ].kill()  # the machine dies: raylet, object store, the training worker on it
+    # The machine dies: raylet, object store, the training worker on it.
+    head_and_two_nodes.nodes[-1].kill()
     killed_at = time.monotonic()
     time.sleep(5)
     head_and_two_nodes.add_node(num_cpus=1)

@@ -26,11 +26,6 @@ def s3(s3_server):
     return s3_server
 
 
-@pytest.fixture(scope="module")
-def s3_cluster(s3, cluster_2cpu):
-    return cluster_2cpu
-
-
 @pytest.fixture(params=["local", "s3"])
 def output(request, tmp_path, s3):
     """The dataset's URI: a fresh directory on local disk or a fresh prefix on S3."""
@@ -96,9 +91,9 @@ def versions_on_storage(s3, uri: str) -> list[str]:
 
 
 def test_a_writer_killed_at_either_side_of_the_commit_leaves_one_whole_dataset(
-    s3_cluster, s3, output, tmp_path
+    cluster_2cpu, s3, output, tmp_path
 ):
-    cluster = s3_cluster
+    cluster = cluster_2cpu
     old = preprocess(cluster, output, 32)
     assert old.returncode == 0, old.stdout
     before = committed(s3, output)
@@ -128,10 +123,10 @@ def test_a_writer_killed_at_either_side_of_the_commit_leaves_one_whole_dataset(
     assert versions_on_storage(s3, output) == [final.version]
 
 
-def test_two_writers_at_once_leave_the_newer_dataset(s3_cluster, s3, output, tmp_path):
+def test_two_writers_at_once_leave_the_newer_dataset(cluster_2cpu, s3, output, tmp_path):
     # Both orders of commit at once, each on an output of its own: four jobs held at the commit
     # point, the older pair started (and named) before the newer pair.
-    cluster = s3_cluster
+    cluster = cluster_2cpu
     outputs = {first: f"{output}-{first}-first" for first in ("older", "newer")}
     jobs = {}
     for age, size in (("older", 32), ("newer", 40)):

@@ -9,7 +9,6 @@ import re
 import subprocess
 
 import numpy as np
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 from helpers import CLASSES, make_image_folder, start_task, wait_for
@@ -27,30 +26,12 @@ BUCKET = "bundle-test"
 
 
 @pytest.fixture(scope="module")
-def s3_env(s3_server):
-    """The environment that points AWS clients at the session's S3 server."""
-    return s3_server.env
-
-
-@pytest.fixture(scope="module")
-def s3(s3_env, monkeypatch_module):
-    for k, v in s3_env.items():
-        monkeypatch_module.setenv(k, v)
-    fs, _ = pafs.FileSystem.from_uri(f"s3://{BUCKET}?allow_bucket_creation=true")
-    fs.create_dir(BUCKET)
-    return fs
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
-
-
-@pytest.fixture(scope="module")
-def s3_cluster(s3, cluster_2cpu):
-    # Credentials reach the workers as they would on a real cluster: in the nodes' environment.
-    return cluster_2cpu
+def s3(s3_server):
+    """The bucket's filesystem, with this process's AWS clients pointed at the session's S3
+    server while the module runs. (The cluster's nodes have the same in their environment, as
+    a real cluster's credentials reach its workers.)"""
+    with s3_server.client_env():
+        yield s3_server.create_bucket(BUCKET)
 
 
 def upload(fs, local_root, prefix):
@@ -82,11 +63,11 @@ CHAIN_SETTINGS = [
 
 
 @pytest.fixture(scope="module")
-def steps(s3_cluster) -> dict[str, list[str]]:
+def steps(cluster_2cpu) -> dict[str, list[str]]:
     """Each step's command line: what the Airflow example's task for it runs."""
     return {
         step: step_command(
-            s3_cluster.address, CHAIN_ROOT, step, profile="demo", sets=CHAIN_SETTINGS
+            cluster_2cpu.address, CHAIN_ROOT, step, profile="demo", sets=CHAIN_SETTINGS
         )
         for step in STEPS
     }
@@ -98,11 +79,11 @@ def run_task(cmd: list[str], cluster: LocalCluster) -> tuple[int, str]:
     return proc.wait(), "".join(lines)
 
 
-def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, steps, tmp_path):
+def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu, steps, tmp_path):
     # Preprocessing: an image folder on S3 (with files that are not images) -> Parquet on S3.
     bad = make_image_folder(tmp_path / "src", per_class=40)
     upload(s3, tmp_path / "src", f"{BUCKET}/raw")
-    code, out = run_task(steps["preprocess"], s3_cluster)
+    code, out = run_task(steps["preprocess"], cluster_2cpu)
     assert code == 0, out
     dataset = Location.parse(f"{CHAIN_ROOT}/dataset")
     manifest = read_manifest(dataset)
@@ -131,7 +112,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
         *steps["train"][:-1],
         f"--env={faults.ENV}={faults.CHECKPOINT_REPORTED}:{marker.parent}",
     ]
-    proc, lines, reading = start_task([*held, "train"], s3_cluster)
+    proc, lines, reading = start_task([*held, "train"], cluster_2cpu)
     wait_for(lambda: marker.exists() or proc.poll() is not None, "rank 0 held after epoch 0")
     (submission_id,) = [
         re.search(r"\[train\] submitted (\S+):", line)[1]
@@ -140,7 +121,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     ]
     # A checkpoint counts once Ray Train has recorded it in the run's snapshot.
     wait_for(lambda: run.child(SNAPSHOT).exists(), "epoch 0 recorded on S3", 60)
-    s3_cluster.ray("job", "stop", submission_id)
+    cluster_2cpu.ray("job", "stop", submission_id)
     reading.result(timeout=300)
     out = "".join(lines)
     proc.wait()
@@ -148,7 +129,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     assert f"[train] {submission_id} was stopped" in out
 
     # The scheduler's retry: the same command resumes from the checkpoint on S3.
-    code, out = run_task(steps["train"], s3_cluster)
+    code, out = run_task(steps["train"], cluster_2cpu)
     assert code == 0, out
     resumed = re.search(rf"resuming from {CHAIN_ROOT}/runs/s3run/epoch_(\d+)", out)
     assert resumed, out
@@ -162,7 +143,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     assert kept == {"epoch_0000", "epoch_0001"}
 
     # Inference reads the best checkpoint from S3 and writes its predictions there.
-    code, out = run_task(steps["infer"], s3_cluster)
+    code, out = run_task(steps["infer"], cluster_2cpu)
     assert code == 0, out
     predictions = Location.parse(f"{CHAIN_ROOT}/predictions/s3run")
     result = json.loads(predictions.child(SUMMARY).read_bytes())
@@ -179,7 +160,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     local = tmp_path / "predictions"
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
     args += [f"model={run.uri}", f"input={dataset.uri}", f"output={local}"]
-    proc = s3_cluster.submit(args, capture=True, timeout_s=600)
+    proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
     assert proc.returncode == 0, proc.stdout
     here, there = (t.sort_by("source_id") for t in (pq.read_table(local / PREDICTIONS), table))
     assert here.drop_columns("top_k_prob") == there.drop_columns("top_k_prob")
@@ -190,13 +171,14 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, s3_cluster, 
     )
 
 
-def test_chain_stops_at_the_first_failed_job_with_its_exit_code(s3_cluster):
+@pytest.mark.usefixtures("s3")
+def test_chain_stops_at_the_first_failed_job_with_its_exit_code(cluster_2cpu):
     missing = f"preprocess.source.folder.path=s3://{BUCKET}/no-such-folder"
     sets = ["preprocess.source.kind=folder", missing]
     root = f"s3://{BUCKET}/broken"
-    cmd = step_command(s3_cluster.address, root, "all", profile="demo", sets=sets)
+    cmd = step_command(cluster_2cpu.address, root, "all", profile="demo", sets=sets)
     proc = subprocess.run(
-        cmd, cwd=BUNDLE_ROOT, env=s3_cluster.env, text=True, capture_output=True, timeout=300
+        cmd, cwd=BUNDLE_ROOT, env=cluster_2cpu.env, text=True, capture_output=True, timeout=300
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the preprocess job's own code
     assert f"s3://{BUCKET}/no-such-folder does not exist" in proc.stdout

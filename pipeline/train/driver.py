@@ -1,6 +1,6 @@
 """Fault-tolerant distributed training of ResNet-18 with Ray Train's TorchTrainer: the driver.
 
-`run` checks the config, the dataset and any run to resume before `fit()`: Ray retries failed
+`train` checks the config, the dataset and any run to resume before `fit()`: Ray retries failed
 workers `max_failures` times, and a deterministic error would only fail again. The workers run
 `pipeline.train.worker`; the run's record (best checkpoint, reports) is `pipeline.model.runs`.
 """
@@ -107,9 +107,8 @@ def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
     else:
         log.info("new run %s", run_dir.uri)
         if cfg.pretrained:
-            from pipeline.model.networks import (
-                check_pretrained,  # imports torchvision: only when used
-            )
+            # Imports torchvision: only when pretrained weights are asked for.
+            from pipeline.model.networks import check_pretrained
 
             check_pretrained(cfg.pretrained)
 
