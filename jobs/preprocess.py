@@ -12,6 +12,7 @@ import ray
 from jobs.cli import job_main
 from pipeline.core.config import PreprocessConfig
 from pipeline.core.storage import Location
+from pipeline.data.dataset import CURRENT_LINE
 
 log = logging.getLogger("jobs.preprocess")
 
@@ -28,6 +29,7 @@ def main(cfg: PreprocessConfig) -> None:
         "dataset at %s: %d classes, train %d, val %d, skipped %d",
         *(output.uri, len(manifest.classes), train.rows, val.rows, len(manifest.skipped)),
     )
+    log.info("%s%s", CURRENT_LINE, manifest.version)
 
 
 if __name__ == "__main__":

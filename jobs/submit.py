@@ -7,7 +7,9 @@ Every job goes to the cluster with runtime_env.yaml, as `ray job submit` sends i
 streamed here. Paths come from `--root`: the dataset at <root>/dataset, training runs under
 <root>/runs (the run named by the train config), predictions at <root>/predictions/<run name>.
 So each step can be retried on its own: preprocessing is a no-op when its dataset is up to date,
-training resumes its run or says it is complete, and inference replaces its output.
+training resumes its run or says it is complete, and inference replaces its output. Run as
+`all`, training and inference read the dataset version the preprocess step left current; a step
+run alone reads the newest (`--set train.dataset_version=...` pins one).
 
 Only a job that SUCCEEDED counts: `ray job submit` itself exits 0 for a job that was stopped.
 Exit codes: 0 every step succeeded; the failed job's own exit code (1 unusable input, 2 invalid
@@ -37,6 +39,7 @@ import yaml
 from pipeline.core.config import InferConfig, PreprocessConfig, TrainConfig, keys_help, load_config
 from pipeline.core.errors import EXIT_CODES, ConfigError
 from pipeline.core.logs import setup_logging
+from pipeline.data.dataset import CURRENT_LINE
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
 CONFIGS = {"preprocess": PreprocessConfig, "train": TrainConfig, "infer": InferConfig}
@@ -133,8 +136,24 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def submit_and_wait(address: str, job: Job, env_vars: dict[str, str] | None = None) -> int:
-    """Submit `job`, stream its log to stdout, return its exit code (0 only for SUCCEEDED)."""
+def pin_dataset(job: Job, version: str) -> Job:
+    """`job` reading dataset `version`, unless its config is told which already."""
+    if any(arg.startswith("dataset_version=") for arg in job.entrypoint):
+        return job
+    return Job(job.step, [*job.entrypoint, f"dataset_version={version}"])
+
+
+def committed_version(log_text: str) -> str | None:
+    """The dataset version a preprocess job's log says it left current."""
+    found = [line.partition(CURRENT_LINE)[2].strip() for line in log_text.splitlines()]
+    return next((v for v in reversed(found) if v), None)
+
+
+def submit_and_wait(
+    address: str, job: Job, env_vars: dict[str, str] | None = None, log: list[str] | None = None
+) -> int:
+    """Submit `job`, stream its log to stdout (and into `log`), return its exit code (0 only
+    for SUCCEEDED)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     client = JobSubmissionClient(address)
@@ -149,7 +168,7 @@ def submit_and_wait(address: str, job: Job, env_vars: dict[str, str] | None = No
     print(f"[{job.step}] submitted {submission_id}: {shlex.join(job.entrypoint)}", flush=True)
     try:
         with _sigterm_as_interrupt():
-            asyncio.run(_stream_logs(client, submission_id))
+            asyncio.run(_stream_logs(client, submission_id, [] if log is None else log))
             info = client.get_job_info(submission_id)
             while not info.status.is_terminal():  # the log stream can end a moment early
                 time.sleep(0.5)
@@ -175,10 +194,11 @@ def submit_and_wait(address: str, job: Job, env_vars: dict[str, str] | None = No
     return code
 
 
-async def _stream_logs(client, submission_id: str) -> None:
+async def _stream_logs(client, submission_id: str, log: list[str]) -> None:
     async for lines in client.tail_job_logs(submission_id):
         sys.stdout.write(lines)
         sys.stdout.flush()
+        log.append(lines)
 
 
 @contextlib.contextmanager
@@ -242,11 +262,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CODES[ConfigError]
+    version = None
     for job in jobs:
         if args.step in (job.step, "all"):
-            code = submit_and_wait(args.address, job, env_vars)
+            if version is not None:
+                job = pin_dataset(job, version)
+            log: list[str] = []
+            code = submit_and_wait(args.address, job, env_vars, log)
             if code != 0:
                 return code
+            if job.step == "preprocess":
+                # Training and inference read the version this chain made, even if another
+                # preprocess job commits a newer one meanwhile.
+                version = committed_version("".join(log))
     return 0
 
 

@@ -49,7 +49,7 @@ def main() -> int:
     predictions = OUTPUT / "predictions" / "demo"
     summary = json.loads((run / RUN_SUMMARY).read_text())
     best = summary["best_metrics"]
-    print(f"\nParquet dataset: {dataset} (manifest.json, train/, val/)")
+    print(f"\nParquet dataset: {dataset} (versions/<version>.json, data/<version>/train/, val/)")
     print(f"Training run:    {summary['run']} ({RUN_SUMMARY}, {HISTORY_CSV}, {CURVES_PNG})")
     print(
         f"  final val accuracy {summary['final_accuracy']:.3f} after {summary['epochs']} epochs; "

@@ -74,8 +74,16 @@ def train_job(cluster, dataset, storage, *overrides, **submit):
 
 
 def history(run: Path) -> list[dict]:
+    """history.csv's rows, numbers as floats (the dataset version stays a name)."""
     with open(run / HISTORY_CSV) as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _number(value: str) -> float | str:
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 # The GCS declares a killed node dead within about 5 s, not Ray's default of about 17 s
@@ -173,6 +181,7 @@ def checkpoint_meta(**changes) -> CheckpointMeta:
         mean=(0.5, 0.5, 0.5),
         std=(0.2, 0.2, 0.2),
         dataset_fingerprint="f",
+        dataset_version="20260101T000000000000Z-00000000",
         metrics={"epoch": 4},
         history=[{"epoch": 4, "val_accuracy": 0.5}],
         config={"epochs": 5},

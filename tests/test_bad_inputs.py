@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 import pytest
-from helpers import make_image_folder
+from helpers import checkpoint_meta, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT
 from harness.counting import FlakyHandler
@@ -28,13 +28,14 @@ from pipeline.core.config import (
 )
 from pipeline.core.errors import EXIT_CODES
 from pipeline.core.storage import Location
-from pipeline.data.dataset import check_replaceable, read_manifest
+from pipeline.data.dataset import VERSIONS, check_replaceable, read_manifest
 from pipeline.data.preprocess import process_items
 from pipeline.data.sources import FolderSource
 from pipeline.infer.batch import resolve_checkpoint
+from pipeline.infer.inputs import read_input
 from pipeline.model.networks import check_pretrained
 from pipeline.model.runs import resume_changes
-from pipeline.train.driver import check_dataset
+from pipeline.train.driver import check_dataset, pick_dataset_version
 
 
 @dataclass
@@ -63,11 +64,21 @@ def config_file(text: str):
     return run
 
 
+def checked_dataset(tmp_path, dataset, *overrides):
+    cfg = train_config(tmp_path, dataset, *overrides)
+    root = Location.parse(cfg.dataset)
+    check_dataset(cfg, root, read_manifest(root).version)
+
+
 def damaged(tmp_path, dataset):
     shutil.copytree(dataset, tmp_path / "d")
     next((tmp_path / "d").glob("data/*/train/*.parquet")).unlink()
-    cfg = train_config(tmp_path, tmp_path / "d")
-    check_dataset(cfg, Location.parse(cfg.dataset))
+    checked_dataset(tmp_path, tmp_path / "d")
+
+
+def resumed_on_another_version(tmp_path, dataset):
+    cfg = train_config(tmp_path, dataset)
+    pick_dataset_version(cfg, Location.parse(str(dataset)), checkpoint_meta(), run="r")
 
 
 def changed_optimizer(tmp_path, dataset):
@@ -76,13 +87,13 @@ def changed_optimizer(tmp_path, dataset):
 
 
 def foreign_output(tmp_path, _):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "notes.txt").write_text("mine")
+    (tmp_path / "out" / "data" / "01_raw").mkdir(parents=True)
     check_replaceable(Location.parse(str(tmp_path / "out")), overwrite=False)
 
 
 def unreadable_manifest(tmp_path, _):
-    (tmp_path / "manifest.json").write_text('{"schema_version": 1}')
+    (tmp_path / VERSIONS).mkdir()
+    (tmp_path / VERSIONS / "20240101T000000000000Z-0badc0de.json").write_text("{}")
     read_manifest(Location.parse(str(tmp_path)))
 
 
@@ -153,9 +164,7 @@ CASES = [
         "a dataset with fewer train images than one step's global batch",
         1,
         "dataset <path> has <n> train images, fewer than one step of global_batch_size=<n>",
-        lambda t, d: check_dataset(
-            train_config(t, d, "global_batch_size=512"), Location.parse(str(d))
-        ),
+        lambda t, d: checked_dataset(t, d, "global_batch_size=512"),
     ),
     Case(
         "a global batch of fewer than 2 images per worker",
@@ -204,7 +213,7 @@ CASES = [
     Case(
         "an output directory that holds other data",
         1,
-        "output <path> is not empty and holds no manifest.json",
+        "output <path> holds files this bundle did not write",
         foreign_output,
     ),
     Case(
@@ -220,10 +229,30 @@ CASES = [
         unreadable_manifest,
     ),
     Case(
-        "a dataset path with no manifest",
+        "a dataset path with no committed version",
         1,
-        "no manifest.json at dataset=<path>",
-        lambda t, d: check_dataset(train_config(t, t / "no"), Location.parse(str(t / "no"))),
+        "no dataset at dataset=<path>",
+        lambda t, _: pick_dataset_version(
+            train_config(t, t / "no"), Location.parse(str(t / "no")), None, run="r"
+        ),
+    ),
+    Case(
+        "a `dataset_version` the dataset does not hold (never committed, or past retention)",
+        1,
+        "dataset <path> has no version <v>",
+        lambda t, d: read_manifest(Location.parse(str(d)), "20200101T000000000000Z-0badc0de"),
+    ),
+    Case(
+        "a resumed run whose dataset has another version now, without `switch_dataset`",
+        2,
+        "run <name> trained on version <v> of dataset <path>",
+        resumed_on_another_version,
+    ),
+    Case(
+        "inference `dataset_version` for an input that is no dataset",
+        1,
+        "dataset_version=<v>, but input=<path> is not a preprocessed dataset",
+        lambda t, _: read_input(Location.parse(str(t)), split="val", version="v1"),
     ),
     Case("a dataset whose shard files are missing", 1, "dataset <path> is damaged", damaged),
     Case(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.submit import main, parse_env, plan, runtime_env
+from jobs.submit import committed_version, main, parse_env, pin_dataset, plan, runtime_env
 from pipeline.core.errors import ConfigError
 
 
@@ -60,3 +60,18 @@ def test_env_vars_reach_every_job_over_the_runtime_envs(capsys):
     args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
     assert main([*args, "--env", "NO_VALUE", "all"]) == 2
     assert "--env 'NO_VALUE': expected NAME=VALUE" in capsys.readouterr().err
+
+
+def test_the_chain_pins_the_dataset_version_its_preprocess_step_committed():
+    log = (
+        "2026-11-23 10:00:01 INFO jobs.preprocess: current dataset version: 20261123T1-aa\n"
+        "2026-11-23 10:00:02 INFO jobs.preprocess: done\n"
+    )
+    assert committed_version(log) == "20261123T1-aa"
+    assert committed_version("no such line\n") is None
+    _, train, infer = plan("s3://b/x", profile="demo")
+    assert pin_dataset(train, "v1").entrypoint == [*train.entrypoint, "dataset_version=v1"]
+    assert pin_dataset(infer, "v1").entrypoint[-1] == "dataset_version=v1"
+    # A version the user set stays.
+    _, asked, _ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
+    assert pin_dataset(asked, "v1") == asked

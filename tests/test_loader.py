@@ -21,7 +21,7 @@ from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import (
-    MANIFEST,
+    VERSIONS,
     Manifest,
     ShardFile,
     SplitInfo,
@@ -95,7 +95,7 @@ def numbered(tmp_path_factory):
         skipped=[],
         config={},
     )
-    root.child(MANIFEST).write_bytes(manifest.model_dump_json().encode())
+    root.child(VERSIONS, "numbered.json").write_bytes(manifest.model_dump_json().encode())
     return root, manifest, ids
 
 

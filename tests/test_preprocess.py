@@ -21,7 +21,7 @@ from pipeline.core.config import (
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.data import preprocess
-from pipeline.data.dataset import SCHEMA, read_manifest
+from pipeline.data.dataset import SCHEMA, read_manifest, start_version
 from pipeline.data.preprocess import in_flight_limit
 from pipeline.data.sources import (
     FolderSource,
@@ -74,10 +74,16 @@ def test_folder_to_parquet(tmp_path):
 
     rows = read_rows(out, manifest)
     assert len(rows) == 3 * 20
-    assert sorted(p.name for p in out.iterdir()) == ["data", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["data", "versions"]
+    assert [p.name for p in (out / "versions").iterdir()] == [f"{manifest.version}.json"]
     version = out / "data" / manifest.version
     assert [p.name for p in (out / "data").iterdir()] == [manifest.version]
-    assert sorted(p.name for p in version.iterdir()) == ["config.yaml", "train", "val"]
+    assert sorted(p.name for p in version.iterdir()) == [
+        "_writer.json",
+        "config.yaml",
+        "train",
+        "val",
+    ]
     for r in rows:
         assert Image.open(io.BytesIO(r["image"])).size == (32, 32)
         assert manifest.classes[r["label"]] == r["label_name"] == r["source_id"].split("/")[0]
@@ -105,21 +111,25 @@ def test_rerun_skips_overwrite_replaces(tmp_path):
     assert [f.stat().st_mtime_ns for f in files] == mtimes
 
     again = build(folder_config(tmp_path / "src", out, "overwrite=true"))
-    assert again.created_at >= first.created_at
+    assert again.version > first.version
     assert len(read_rows(out, again)) == 30  # replaced, not appended
+    # The version it replaced stays readable for the jobs reading it, retention_hours long.
+    assert read_manifest(Location.parse(str(out)), first.version) == first
+    assert len(read_rows(out, first)) == 30
 
-    # A different layout replaces the old one: no stale shards left behind.
-    bigger = build(folder_config(tmp_path / "src", out, "shard_size=100"))
+    # Past its retention, what the newer commit replaced goes; the newest stays.
+    bigger = build(folder_config(tmp_path / "src", out, "shard_size=100", "retention_hours=0"))
     assert len(read_rows(out, bigger)) == 30
     assert len(list(out.rglob("*.parquet"))) == 2
     assert [p.name for p in (out / "data").iterdir()] == [bigger.version]
+    assert [p.name for p in (out / "versions").iterdir()] == [f"{bigger.version}.json"]
 
 
 def test_unreadable_manifest_says_so_and_overwrite_replaces_it(tmp_path):
     make_image_folder(tmp_path / "src", per_class=4, corrupt=False)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "manifest.json").write_text('{"schema_version": 1}')
+    (out / "versions").mkdir(parents=True)
+    (out / "versions" / "20240101T000000000000Z-0badc0de.json").write_text('{"schema_version": 1}')
     with pytest.raises(InputError, match=r"is not a manifest this code can read.*overwrite=true"):
         build(folder_config(tmp_path / "src", out))
     rebuilt = build(folder_config(tmp_path / "src", out, "overwrite=true"))
@@ -145,19 +155,34 @@ def test_refuses_to_replace_foreign_directory(tmp_path):
     out = tmp_path / "out"
     (out / "train" / "cats").mkdir(parents=True)  # the user's own images, laid out like ours
     (out / "train" / "cats" / "1.jpg").write_bytes(b"precious")
-    with pytest.raises(InputError, match=r"holds no manifest\.json.*\(it has: train\)"):
+    with pytest.raises(InputError, match=r"holds files this bundle did not write \(train\)"):
         build(folder_config(tmp_path / "src", out))
     assert (out / "train" / "cats" / "1.jpg").read_bytes() == b"precious"
 
-    # Leftovers of a first job that crashed before its commit are ours: no need to force.
-    (tmp_path / "out2" / "data" / "20240101T000000000000Z-0badc0de").mkdir(parents=True)
-    assert build(folder_config(tmp_path / "src", tmp_path / "out2")).splits["train"].rows > 0
+    # Folders below data/ are the user's unless they carry the bundle's marker, whatever their
+    # names: a name that sorts like a version proves nothing.
+    theirs = ["01_raw", "2024-photos", ".cache", "Photos", "20240101T000000000000Z-0badc0de"]
+    for name in theirs:
+        (out / "data" / name).mkdir(parents=True)
+        (out / "data" / name / "x.jpg").write_bytes(b"precious")
+    with pytest.raises(InputError, match=r"did not write \(data/.cache, data/01_raw, data/2"):
+        build(folder_config(tmp_path / "src", out))
 
-    # Asked for explicitly: the dataset is written beside what the directory holds.
+    # Leftovers of a first job that crashed before its commit are ours: no need to force.
+    out2 = Location.parse(str(tmp_path / "out2"))
+    start_version(out2, "20240101T000000000000Z-0badc0de")
+    assert build(folder_config(tmp_path / "src", out2.path)).splits["train"].rows > 0
+
+    # Asked for explicitly: the dataset is written beside what the directory holds, and even
+    # with no retention, nothing the bundle did not write is removed.
     (out / "notes.txt").write_text("keep me")
-    build(folder_config(tmp_path / "src", out, "overwrite=true"))
+    for _ in range(2):
+        build(folder_config(tmp_path / "src", out, "overwrite=true", "retention_hours=0"))
     assert (out / "train" / "cats" / "1.jpg").read_bytes() == b"precious"
     assert (out / "notes.txt").read_text() == "keep me"
+    for name in theirs:
+        assert (out / "data" / name / "x.jpg").read_bytes() == b"precious"
+    assert len(list((out / "versions").iterdir())) == 1
 
 
 def test_zero_usable_images_fails(tmp_path):
@@ -166,7 +191,7 @@ def test_zero_usable_images_fails(tmp_path):
         (tmp_path / "src" / c / "a.jpg").write_bytes(b"")
     with pytest.raises(InputError, match="no usable images: all 3 inputs were skipped"):
         build(folder_config(tmp_path / "src", tmp_path / "out"))
-    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not (tmp_path / "out" / "versions").exists()
 
 
 def test_in_flight_limit_shows_autoscaler_the_whole_job():

@@ -1,20 +1,31 @@
-"""A dataset survives its writer crashing at either side of the commit, and two writers at once,
-on local disk and on S3 (moto on loopback): preprocess jobs sent with `ray job submit`, their
-drivers held at fault points (pipeline.core.faults) and killed or released there."""
+"""A dataset survives its writer crashing at either side of the commit, two writers at once, and a
+new version committed while training reads the old one, on local disk and on S3 (moto on
+loopback): jobs sent with `ray job submit`, held at fault points (pipeline.core.faults) and
+killed or released there."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import armed_runtime_env, in_background, wait_for
+from helpers import (
+    armed_runtime_env,
+    held_worker,
+    in_background,
+    kill_worker,
+    train_job,
+    wait_for,
+)
 
 from harness.faults import release
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.data.dataset import DATA, Manifest, read_manifest
+from pipeline.model.checkpoint import read_meta
+from pipeline.model.runs import SNAPSHOT, checkpoint_dir_name
 
 pytestmark = pytest.mark.slow
 BUCKET = "publish-test"
@@ -34,7 +45,7 @@ def output(request, tmp_path, s3):
     return f"s3://{BUCKET}/{tmp_path.name}"
 
 
-def preprocess(cluster, output: str, image_size: int, runtime_env=None):
+def preprocess(cluster, output: str, image_size: int, *overrides, runtime_env=None):
     args = [
         "python",
         "-m",
@@ -46,6 +57,7 @@ def preprocess(cluster, output: str, image_size: int, runtime_env=None):
         "source.synthetic.raw_size=48",
         f"image_size={image_size}",
         "shard_size=10",
+        *overrides,
     ]
     return cluster.submit(args, capture=True, timeout_s=300, runtime_env=runtime_env)
 
@@ -54,7 +66,7 @@ def start_held(cluster, output, image_size, fault_dir, point=faults.DATASET_WRIT
     """A preprocess job armed to hold at `point`: (the job, the marker its driver will write)."""
     fault_dir.mkdir()
     runtime_env, marker = armed_runtime_env(fault_dir, point)
-    return in_background(preprocess, cluster, output, image_size, runtime_env), marker
+    return in_background(preprocess, cluster, output, image_size, runtime_env=runtime_env), marker
 
 
 def wait_held(job, marker) -> None:
@@ -115,8 +127,9 @@ def test_a_writer_killed_at_either_side_of_the_commit_leaves_one_whole_dataset(
     assert (after.version, after.image_size) == (new_version, 40)
     assert sorted(versions_on_storage(s3, output)) == sorted([before.version, crashed, new_version])
 
-    # Submitted again, the job finishes the work: the new dataset, and no older version left.
-    again = preprocess(cluster, output, 40)
+    # Submitted again, the job finishes the work; with no retention asked for, the versions
+    # before the newest go, the one killed before its commit too.
+    again = preprocess(cluster, output, 40, "retention_hours=0")
     assert again.returncode == 0, again.stdout
     final = committed(s3, output)
     assert final == after
@@ -152,7 +165,48 @@ def test_two_writers_at_once_leave_the_newer_dataset(cluster_2cpu, s3, output, t
     assert proc.returncode == 1, proc.stdout
     assert "was replaced while this job was writing" in proc.stdout
 
-    for out in outputs.values():
+    # The newer dataset stands; the older one, committed first, stays for retention_hours.
+    for first, out in outputs.items():
         final = committed(s3, out)
         assert final.image_size == 40
-        assert versions_on_storage(s3, out) == [final.version]
+        assert versions_on_storage(s3, out)[-1] == final.version
+        assert len(versions_on_storage(s3, out)) == (2 if first == "older" else 1)
+
+
+def test_training_reads_the_version_it_started_on_while_a_new_one_commits(
+    cluster_2cpu, s3, output, tmp_path
+):
+    cluster = cluster_2cpu
+    assert preprocess(cluster, output, 32).returncode == 0
+    started_on = committed(s3, output)
+    runs = f"{output}-runs"
+    # One worker, so that a CPU stays free for the preprocess job.
+    args = ("name=overlap", "epochs=2", "scaling.num_workers=1", "global_batch_size=8")
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
+    job = in_background(train_job, cluster, output, runs, *args, runtime_env=env)
+    pid = held_worker(marker, job)
+    with s3.client_env():
+        run = Location.parse(f"{runs}/overlap")
+        wait_for(lambda: run.child(SNAPSHOT).exists(), "epoch 0 in Ray's record", 60)
+
+    # A new version of other images is committed while the run holds epoch 0's checkpoint...
+    new = preprocess(cluster, output, 40)
+    assert new.returncode == 0, new.stdout
+    assert committed(s3, output).image_size == 40
+    # ...and the worker dies: its replacement reads the version the run started on.
+    kill_worker(cluster, pid)
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    assert re.search(r"resumed from checkpoint \S+/overlap/epoch_0000", proc.stdout), proc.stdout
+    with s3.client_env():
+        meta = read_meta(run.child(checkpoint_dir_name(1)))
+    assert (meta.dataset_version, meta.image_size) == (started_on.version, 32)
+    assert [(r["epoch"], r["dataset_version"]) for r in meta.history] == [
+        (0, started_on.version),
+        (1, started_on.version),
+    ]
+
+    # Submitted again to train on, the run will not mix the versions unless told to.
+    again = train_job(cluster, output, runs, *args[:1], "epochs=3", *args[2:])
+    assert again.returncode != 0, again.stdout  # `ray job submit` exits 1 for any failure
+    assert f"run {run.uri} trained on version {started_on.version}" in again.stdout

@@ -98,7 +98,8 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     keys = [i.path for i in dataset.list_files()]
     written = f"{dataset.path}/data/{manifest.version}"
     assert f"{written}/config.yaml" in keys
-    assert all(k.startswith(written) for k in keys if k != f"{dataset.path}/manifest.json"), keys
+    entry = f"{dataset.path}/versions/{manifest.version}.json"
+    assert all(k.startswith(written) for k in keys if k != entry), keys
     val_rows = manifest.splits["val"].rows
 
     # Training, stopped from outside with `ray job stop` after its first checkpoint on S3: the

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from pipeline.core.config import TrainConfig, load_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
-from pipeline.data.dataset import MANIFEST, read_manifest
+from pipeline.data.dataset import VERSIONS, read_manifest
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model, check_pretrained
 from pipeline.model.runs import (
@@ -28,6 +28,7 @@ from pipeline.train.driver import (
     STARTUP_ATTEMPTS_UNLIMITED,
     check_dataset,
     failure_config,
+    pick_dataset_version,
     startup_attempts,
 )
 from pipeline.train.optim import build_optimizer, restore_optimizer
@@ -42,7 +43,8 @@ def config(dataset, storage, *overrides) -> TrainConfig:
 
 
 def checked(cfg: TrainConfig):
-    return check_dataset(cfg, Location.parse(cfg.dataset))
+    root = Location.parse(cfg.dataset)
+    return check_dataset(cfg, root, pick_dataset_version(cfg, root, None, run="r"))
 
 
 def test_precision_is_fp32_on_cpu_unless_asked():
@@ -213,18 +215,19 @@ def test_an_elastic_run_waits_for_room_a_bounded_time(monkeypatch):
 
 
 def test_driver_rejects_unusable_datasets(tiny_dataset, tmp_path):
-    with pytest.raises(InputError, match=r"no manifest.json at dataset=.*Run the preprocess job"):
+    with pytest.raises(InputError, match=r"no dataset at dataset=.*Run the preprocess job"):
         checked(config(tmp_path / "nothing", tmp_path))
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dataset, broken)
-    manifest = json.loads((broken / MANIFEST).read_text())
+    (entry,) = (broken / VERSIONS).iterdir()
+    manifest = json.loads(entry.read_text())
     manifest["schema_version"] = 99
-    (broken / MANIFEST).write_text(json.dumps(manifest))
+    entry.write_text(json.dumps(manifest))
     with pytest.raises(InputError, match=r"schema version 99"):
         checked(config(broken, tmp_path))
     del manifest["classes"]
     manifest["schema_version"] = 1
-    (broken / MANIFEST).write_text(json.dumps(manifest))
+    entry.write_text(json.dumps(manifest))
     with pytest.raises(InputError, match=r"not a manifest this code can read"):
         checked(config(broken, tmp_path))
     with pytest.raises(InputError, match=r"too few for 300 workers"):

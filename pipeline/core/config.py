@@ -126,6 +126,12 @@ class PreprocessConfig(_Strict):
     shard_size: int = Field(1000, ge=1, description="Images per task and per Parquet file.")
     row_group_size: int = Field(128, ge=1, description="Rows per Parquet row group.")
     overwrite: bool = Field(False, description="Rebuild even if the output is already up to date.")
+    retention_hours: float = Field(
+        168,
+        ge=0,
+        description="Hours an older version stays readable after a newer one is committed, for "
+        "the jobs still reading it.",
+    )
     capacity_timeout_s: float = Field(
         CAPACITY_TIMEOUT_S,
         gt=0,
@@ -137,7 +143,9 @@ class PreprocessConfig(_Strict):
 
     def fingerprint(self) -> str:
         """Hash of everything that shapes the output, to tell an up-to-date dataset."""
-        data = self.model_dump(mode="json", exclude={"overwrite", "capacity_timeout_s"})
+        data = self.model_dump(
+            mode="json", exclude={"overwrite", "retention_hours", "capacity_timeout_s"}
+        )
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -221,6 +229,16 @@ class TrainConfig(_Strict):
     )
     name: RunName = Field(
         "resnet18", description="Run name: submitting again with the same name resumes it."
+    )
+    dataset_version: str | None = Field(
+        None,
+        description="The dataset version to train on (a name in <dataset>/versions/); default: "
+        "the newest when the run starts.",
+    )
+    switch_dataset: bool = Field(
+        False,
+        description="Resume a run on another dataset version than it started on (the history "
+        "records it); else exit 2.",
     )
     epochs: int = Field(10, ge=1, description="Total epochs of the run, resumed ones included.")
     global_batch_size: int = Field(
@@ -320,6 +338,10 @@ class InferConfig(_Strict):
         "or one image file."
     )
     split: Literal["train", "val"] = Field("val", description="Dataset split to classify.")
+    dataset_version: str | None = Field(
+        None,
+        description="The dataset version to read (a name in <input>/versions/); default: newest.",
+    )
     output: AbsolutePathOrURI | None = Field(
         None, description="Directory for predictions.parquet/ and summary.json (not for one image)."
     )

@@ -1,22 +1,31 @@
-"""The on-storage dataset: Parquet shards per split plus a manifest that commits them.
+"""The on-storage dataset: Parquet shards per split, in versions committed to an append-only log.
 
 Layout of `<output>/`:
-    manifest.json                  the commit point: the dataset is the files it lists
-    data/<version>/config.yaml     the resolved preprocessing config of each version
+    versions/<version>.json        a committed version's manifest, written once and never changed:
+                                   the dataset at <output> is the newest of them
+    data/<version>/_writer.json    written first: marks the directory as this bundle's
+    data/<version>/config.yaml     the resolved preprocessing config
     data/<version>/train/part-00000.parquet, ...
     data/<version>/val/part-00000.parquet, ...
 
-Each preprocess job writes a new version, only below its own `data/<version>/`, and commits it
-by writing the manifest, one atomic write (a rename on local disk, a single PUT on object
-stores), so a reader sees the previous dataset or the new one, whole, whatever moment a job
-crashes at. After the commit the job removes the older versions. Versions are named by their
-job's start time, and the newest start wins: a job that finds a newer version committed does
-not replace it.
+Each preprocess job writes a new version below its own `data/<version>/` and commits it by
+writing `versions/<version>.json`, one atomic write (a rename on local disk, a single PUT on
+object stores) of a name no other job writes. Versions are named by their job's start time, so
+the newest start wins: two jobs committing at once, in any interleaving, each add one entry to
+the log, and every reader takes the same newest one. No commit rewrites or deletes a file that
+another job wrote, so there is nothing to race on.
+
+A reader resolves a version once (the newest, or one it pinned) and reads exactly the files its
+manifest lists. Those files stay for `retention_hours` after a newer version is committed: only
+then does a later preprocess job remove them (`remove_expired`), as table formats vacuum. The
+newest version is never removed, and nothing is removed that lacks the bundle's marker.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
+import json
 import logging
 import uuid
 
@@ -31,11 +40,14 @@ from pipeline.core.storage import Location, retry
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SPLITS = ("train", "val")
-MANIFEST = "manifest.json"
-CONFIG_YAML = "config.yaml"
+VERSIONS = "versions"
 DATA = "data"
+WRITER = "_writer.json"
+CONFIG_YAML = "config.yaml"
+# Read by the chain (jobs.submit) in the preprocess job's log, to pin what it committed.
+CURRENT_LINE = "current dataset version: "
 
 SCHEMA = pa.schema(
     [
@@ -83,7 +95,7 @@ class Manifest(BaseModel):
 
     @staticmethod
     def now() -> str:
-        return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return _now()
 
 
 def write_shard(location: Location, rows: list[dict], *, row_group_size: int) -> None:
@@ -104,11 +116,32 @@ def write_shard(location: Location, rows: list[dict], *, row_group_size: int) ->
     )
 
 
-def read_manifest(root: Location) -> Manifest | None:
-    """The committed manifest, or None if there is no complete dataset at `root`."""
-    path = root.child(MANIFEST)
+def committed_versions(root: Location) -> list[str]:
+    """The versions committed at `root`, oldest first; none if it holds no dataset."""
+    log_dir = root.child(VERSIONS)
+    selector = pafs.FileSelector(log_dir.path, allow_not_found=True)
+    infos = retry(lambda: root.fs.get_file_info(selector), f"listing {log_dir.uri}")
+    names = (i.base_name for i in infos if i.type == pafs.FileType.File)
+    # Skips the temporary files of commits in progress on local disk (".<name>.tmp-<pid>").
+    return sorted(n.removesuffix(".json") for n in names if n.endswith(".json") and n[0] != ".")
+
+
+def read_manifest(root: Location, version: str | None = None) -> Manifest | None:
+    """The manifest of `version` at `root`, by default of the newest; None if `root` holds no
+    committed dataset. A version asked for by name must be there."""
+    if version is None:
+        versions = committed_versions(root)
+        if not versions:
+            return None
+        version = versions[-1]
+    path = root.child(VERSIONS, f"{version}.json")
     if not path.exists():
-        return None
+        raise InputError(
+            f"dataset {root.uri} has no version {version} (it has: "
+            f"{', '.join(committed_versions(root)[-3:]) or 'none'}): it was removed "
+            "retention_hours after a newer one was committed, or never committed. Train on the "
+            "newest version, or preprocess the data again"
+        )
     try:
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as e:  # not JSON, fields missing or of the wrong type
@@ -133,27 +166,46 @@ def new_version() -> str:
     return f"{now:%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
 
 
+def start_version(root: Location, version: str) -> None:
+    """Mark `data/<version>/` as the bundle's before anything else is written there: retention
+    removes only directories with this marker."""
+    marker = {"writer": "ray-cv-bundle preprocess", "version": version, "started_at": _now()}
+    root.child(DATA, version, WRITER).write_bytes(json.dumps(marker).encode())
+
+
+def _writer_marker(version_dir: Location) -> dict | None:
+    marker = version_dir.child(WRITER)
+    return json.loads(marker.read_bytes()) if marker.exists() else None
+
+
 def check_replaceable(root: Location, *, overwrite: bool) -> None:
-    """Refuse to publish over a directory that holds something other than our dataset: only
-    our own `data/` is fine without a manifest (a first job that crashed before its commit)."""
-    if overwrite or not root.exists() or root.child(MANIFEST).exists():
+    """Refuse to write into a directory that holds anything but this bundle's datasets; with
+    `overwrite` the new version goes beside what it holds, which stays untouched."""
+    if overwrite or not root.exists():
         return
     if not root.is_dir():
         raise InputError(f"output {root.uri} is a file: point output at a directory")
-    selector = pafs.FileSelector(root.path)
-    entries = retry(lambda: root.fs.get_file_info(selector), f"listing {root.uri}")
-    foreign = sorted(e.base_name for e in entries if e.base_name != DATA)
+    entries = retry(lambda: root.fs.get_file_info(pafs.FileSelector(root.path)), "listing")
+    foreign = [e.base_name for e in entries if e.base_name not in (VERSIONS, DATA)]
+    data = root.child(DATA)
+    if any(e.base_name == DATA for e in entries):
+        inside = retry(lambda: root.fs.get_file_info(pafs.FileSelector(data.path)), "listing")
+        foreign += [
+            f"{DATA}/{e.base_name}"
+            for e in inside
+            if e.type != pafs.FileType.Directory or _writer_marker(data.child(e.base_name)) is None
+        ]
     if foreign:
         raise InputError(
-            f"output {root.uri} is not empty and holds no {MANIFEST}, so it is not a dataset "
-            f"this job wrote (it has: {', '.join(foreign[:5])}). Choose an empty or new "
-            "directory, or pass overwrite=true to write the dataset beside what it holds"
+            f"output {root.uri} holds files this bundle did not write "
+            f"({', '.join(sorted(foreign)[:5])}), so it is not a dataset of its own. Choose an "
+            "empty or new directory, or pass overwrite=true to write the dataset beside them"
         )
 
 
 def commit(root: Location, manifest: Manifest, config_yaml: str) -> Manifest:
-    """Commit the version whose files `manifest` lists (below `data/<manifest.version>/`), then
-    remove the older versions. Returns the manifest in place afterwards."""
+    """Commit the version whose files `manifest` lists (below `data/<manifest.version>/`) by
+    adding it to the log. Returns the manifest of the dataset in place afterwards."""
     version_dir = root.child(DATA, manifest.version)
     version_dir.child(CONFIG_YAML).write_bytes(config_yaml.encode())
     faults.point(faults.DATASET_WRITTEN)
@@ -162,7 +214,8 @@ def commit(root: Location, manifest: Manifest, config_yaml: str) -> Manifest:
     except InputError:  # unreadable: this job was asked to replace it (overwrite=true)
         current = None
     if current is not None and current.version > manifest.version:
-        # A job started after this one and committed first; its version stands.
+        # A job started after this one and committed first; its version stands. This one was
+        # never committed, so no reader can have its files.
         version_dir.delete()
         if current.fingerprint == manifest.fingerprint:
             log.info("version %s of the same dataset was committed meanwhile", current.version)
@@ -173,17 +226,49 @@ def commit(root: Location, manifest: Manifest, config_yaml: str) -> Manifest:
             "stays. Run one preprocess job per output at a time, or submit this one again to "
             "replace it"
         )
-    root.child(MANIFEST).write_bytes(manifest.model_dump_json(indent=2).encode())
+    # A newer job may commit between the check above and this write: its entry then sorts
+    # after this one, and readers take it, as if it had committed a moment later.
+    entry = root.child(VERSIONS, f"{manifest.version}.json")
+    entry.write_bytes(manifest.model_dump_json(indent=2).encode())
     faults.point(faults.DATASET_COMMITTED)
-    remove_older_versions(root, manifest.version)
     return manifest
 
 
-def remove_older_versions(root: Location, version: str) -> None:
-    """Delete the versions that started before `version`: the datasets its commit replaced and
-    jobs that crashed. Newer ones may still be writing, so they stay."""
-    older = [d for d in root.child(DATA).list_dirs() if d.base_name < version]
-    for info in older:
-        root.child(DATA, info.base_name).delete()
-    if older:
-        log.info("removed %d older version(s) below %s", len(older), root.child(DATA).uri)
+def remove_expired(root: Location, retention_hours: float) -> list[str]:
+    """Remove the versions no reader may still need; return their names.
+
+    A committed version expires `retention_hours` after the next newer one was committed; a
+    version never committed (its job crashed, or lost the race to a newer one) expires
+    `retention_hours` after its job started, once a newer one is committed: until then it may
+    be a job still writing. The newest committed version never expires, and only directories
+    with the bundle's marker are touched."""
+    cutoff = _now(hours_ago=retention_hours)
+    versions = committed_versions(root)
+    removed = []
+    for older, newer in itertools.pairwise(versions):
+        if read_manifest(root, newer).created_at <= cutoff:
+            # The log entry first: no reader resolves this version any more.
+            root.child(VERSIONS, f"{older}.json").delete()
+            removed.append(older)
+    kept, newest = set(versions) - set(removed), versions[-1] if versions else ""
+    for info in root.child(DATA).list_dirs():
+        name = info.base_name
+        if name in kept or name > newest:  # read, or perhaps a job still writing
+            continue
+        version_dir = root.child(DATA, name)
+        marker = _writer_marker(version_dir)
+        if marker is not None and (name in removed or marker["started_at"] <= cutoff):
+            version_dir.delete()
+            removed.append(name)
+    removed = sorted(set(removed))
+    if removed:
+        log.info(
+            "removed %d version(s) older than retention_hours=%g: %s",
+            *(len(removed), retention_hours, ", ".join(removed)),
+        )
+    return removed
+
+
+def _now(hours_ago: float = 0) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=hours_ago)
+    return now.isoformat(timespec="microseconds")

@@ -31,7 +31,8 @@ from pipeline.data.dataset import (
     commit,
     new_version,
     read_manifest,
-    remove_older_versions,
+    remove_expired,
+    start_version,
     write_shard,
 )
 from pipeline.data.images import (
@@ -129,16 +130,14 @@ def _process_shard(
 
 def preprocess(cfg: PreprocessConfig, *, output: Location) -> Manifest:
     """Build the dataset at `output` (Ray must be initialised); return its manifest."""
-    # With overwrite the old manifest is not read: it may be the unreadable one to replace.
+    # With overwrite the newest manifest is not read: it may be the unreadable one to replace.
     existing = None if cfg.overwrite else read_manifest(output)
     if existing and existing.fingerprint == cfg.fingerprint():
         log.info(
-            "%s is up to date (same config, built %s): skipping. Pass overwrite=true to rebuild.",
-            output.uri,
-            existing.created_at,
+            "%s is up to date (same config, version %s): skipping. Pass overwrite=true to rebuild.",
+            *(output.uri, existing.version),
         )
-        # What a job that crashed after its commit left to remove.
-        remove_older_versions(output, existing.version)
+        remove_expired(output, cfg.retention_hours)
         return existing
     check_replaceable(output, overwrite=cfg.overwrite)
 
@@ -150,15 +149,18 @@ def preprocess(cfg: PreprocessConfig, *, output: Location) -> Manifest:
     classes = source.classes
     log.info("source %s: %d images in %d classes", cfg.source.kind, len(items), len(classes))
 
-    # This job writes below data/<version>/ only; the manifest's rewrite commits it.
+    # This job writes below data/<version>/ only; its entry in the versions log commits it.
     version = new_version()
+    start_version(output, version)
     try:
         results = _write_shards(cfg, classes, items, source, output, version)
         manifest = _build_manifest(cfg, classes, version, results, total=len(items))
     except BaseException:
         output.child(DATA, version).delete()
         raise
-    return commit(output, manifest, dump_config(cfg))
+    manifest = commit(output, manifest, dump_config(cfg))
+    remove_expired(output, cfg.retention_hours)
+    return manifest
 
 
 def in_flight_limit(source: Source, cpus: int) -> int | float:

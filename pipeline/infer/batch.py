@@ -182,7 +182,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
     quiet_ray_data()
-    ds = read_input(source, split=cfg.split)
+    ds = read_input(source, split=cfg.split, version=cfg.dataset_version)
     predictor = {
         "checkpoint": checkpoint,
         "use_gpu": cfg.use_gpu,

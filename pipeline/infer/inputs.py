@@ -18,7 +18,7 @@ import ray.data
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location, retry
-from pipeline.data.dataset import MANIFEST, read_manifest
+from pipeline.data.dataset import committed_versions, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -26,19 +26,25 @@ READ_TASKS = 2
 FILES_PER_READ = 64
 
 
-def read_input(root: Location, *, split: str) -> ray.data.Dataset:
+def read_input(root: Location, *, split: str, version: str | None = None) -> ray.data.Dataset:
     """Rows of (data: encoded image, source_id, label_name or ''): one read per Parquet shard
-    of a dataset's `split`, or per FILES_PER_READ image files of a folder."""
-    if root.child(MANIFEST).exists():
-        manifest = read_manifest(root)
+    of `split` of a dataset's `version` (by default its newest, resolved once here), or per
+    FILES_PER_READ image files of a folder."""
+    if committed_versions(root):
+        manifest = read_manifest(root, version)
         files = [root.child(f.path).path for f in manifest.splits[split].files]
         if not files:
             raise InputError(f"split {split!r} of dataset {root.uri} is empty")
         log.info(
-            "input: dataset %s, split %s, %d images", root.uri, split, manifest.splits[split].rows
+            "input: dataset %s, version %s, split %s, %d images",
+            *(root.uri, manifest.version, split, manifest.splits[split].rows),
         )
         reader, blocks = read_shard, len(files)
     else:
+        if version is not None:
+            raise InputError(
+                f"dataset_version={version}, but input={root.uri} is not a preprocessed dataset"
+            )
         files = [
             f.path for f in root.list_files() if not posixpath.basename(f.path).startswith(".")
         ]

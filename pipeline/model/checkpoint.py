@@ -36,8 +36,9 @@ class CheckpointMeta(BaseModel):
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     dataset_fingerprint: str
-    metrics: dict[str, int | float]  # this epoch's
-    history: list[dict[str, int | float]]  # every epoch up to and including this one
+    dataset_version: str  # the version of the dataset it was trained on (pipeline.data.dataset)
+    metrics: dict[str, int | float | str]  # this epoch's
+    history: list[dict[str, int | float | str]]  # every epoch up to and including this one
     config: dict[str, Any]
 
 

@@ -17,7 +17,7 @@ import ray.train
 import ray.train.torch
 
 from pipeline.core.config import TrainConfig
-from pipeline.core.errors import ClusterError, InputError
+from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.logs import RAY_TRAIN_LOG_LEVEL
 from pipeline.core.ray_internals import (
     WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
@@ -28,8 +28,8 @@ from pipeline.core.ray_internals import (
     WorkerGroupStartupTimeoutError,
 )
 from pipeline.core.storage import Location, retry
-from pipeline.data.dataset import MANIFEST, Manifest, read_manifest
-from pipeline.model.checkpoint import read_meta
+from pipeline.data.dataset import VERSIONS, Manifest, committed_versions, read_manifest
+from pipeline.model.checkpoint import CheckpointMeta, read_meta
 from pipeline.model.runs import (
     SCORE,
     check_resumable,
@@ -41,14 +41,42 @@ from pipeline.model.runs import (
 log = logging.getLogger(__name__)
 
 
-def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
-    """The dataset's manifest, if the dataset is complete and usable for this config."""
-    manifest = read_manifest(dataset)
-    if manifest is None:
+def pick_dataset_version(
+    cfg: TrainConfig, dataset: Location, meta: CheckpointMeta | None, *, run: str
+) -> str:
+    """The dataset version this job trains on: the one asked for, else the newest; a resumed
+    run only goes on with the version it trained on, unless told to switch."""
+    versions = committed_versions(dataset)
+    if not versions:
         raise InputError(
-            f"no {MANIFEST} at dataset={dataset.uri}: it is not a complete preprocessed "
-            "dataset. Run the preprocess job with output= this path first (or fix dataset=)"
+            f"no dataset at dataset={dataset.uri}: it has no committed version below "
+            f"{VERSIONS}/. Run the preprocess job with output= this path first (or fix dataset=)"
         )
+    wanted = cfg.dataset_version or versions[-1]
+    if meta is None or meta.dataset_version == wanted:
+        return wanted
+    if not cfg.switch_dataset:
+        pinned = meta.dataset_version
+        stored = pinned in versions
+        source = "dataset_version" if cfg.dataset_version else "the newest"
+        finish = f"Pass dataset_version={pinned} to finish on the data it started on, or pass"
+        raise ConfigError(
+            f"run {run} trained on version {pinned} of dataset {dataset.uri}, which "
+            f"{'is still stored' if stored else 'is no longer stored'}, and this job would "
+            f"train on version {wanted} ({source}). {finish if stored else 'Pass'} "
+            "switch_dataset=true to train on from that version (its history records the "
+            "switch), or pick a new name= for a new run"
+        )
+    log.warning(
+        "switch_dataset=true: the run trained on dataset version %s goes on with version %s",
+        *(meta.dataset_version, wanted),
+    )
+    return wanted
+
+
+def check_dataset(cfg: TrainConfig, dataset: Location, version: str) -> Manifest:
+    """The manifest of `version`, if that version is complete and usable for this config."""
+    manifest = read_manifest(dataset, version)
     listed = [dataset.child(f.path) for info in manifest.splits.values() for f in info.files]
     paths = [f.path for f in listed]  # looked up in one call, a HEAD each on S3
     found = retry(lambda: dataset.fs.get_file_info(paths), f"looking up {dataset.uri}")
@@ -57,8 +85,8 @@ def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
     ]
     if missing:
         raise InputError(
-            f"dataset {dataset.uri} is damaged: {len(missing)} files its {MANIFEST} lists are "
-            f"missing ({', '.join(missing[:3])}). Re-run preprocessing with overwrite=true"
+            f"dataset {dataset.uri} is damaged: {len(missing)} files its version {version} lists "
+            f"are missing ({', '.join(missing[:3])}). Re-run preprocessing with overwrite=true"
         )
     train, val = manifest.splits["train"].rows, manifest.splits["val"].rows
     workers = cfg.scaling.max_workers
@@ -85,12 +113,10 @@ def check_dataset(cfg: TrainConfig, dataset: Location) -> Manifest:
 def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
     """Train (or resume) the run `<runs>/<name>`; return its summary (Ray initialised)."""
     started = time.monotonic()
-    manifest = check_dataset(cfg, dataset)
     run_dir = runs.child(cfg.name)
     latest = latest_checkpoint(run_dir)
-    if latest is not None:
-        meta = read_meta(latest)
-        check_resumable(meta, manifest, checkpoint=latest.uri, dataset=dataset.uri)
+    meta = read_meta(latest) if latest is not None else None
+    if meta is not None:
         for change in resume_changes(meta.config, cfg):
             log.info("changed since the run's last epoch, applied from here on: %s", change)
         if meta.epoch + 1 >= cfg.epochs:
@@ -100,12 +126,16 @@ def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
                 *(run_dir.uri, meta.epoch + 1, cfg.epochs),
             )
             return write_reports(run_dir, wall_time_s=time.monotonic() - started)
+    version = pick_dataset_version(cfg, dataset, meta, run=run_dir.uri)
+    manifest = check_dataset(cfg, dataset, version)
+    if meta is not None:
+        check_resumable(meta, manifest, checkpoint=latest.uri, dataset=dataset.uri)
         log.info(
-            "run %s has %d of %d epochs: resuming from %s",
-            *(run_dir.uri, meta.epoch + 1, cfg.epochs, latest.uri),
+            "run %s has %d of %d epochs: resuming from %s, on dataset version %s",
+            *(run_dir.uri, meta.epoch + 1, cfg.epochs, latest.uri, version),
         )
     else:
-        log.info("new run %s", run_dir.uri)
+        log.info("new run %s on dataset version %s", run_dir.uri, version)
         if cfg.pretrained:
             # Imports torchvision: only when pretrained weights are asked for.
             from pipeline.model.networks import check_pretrained
@@ -219,6 +249,7 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
         train_loop_config={
             "config": cfg.model_dump(mode="json"),
             "dataset": dataset,
+            "dataset_version": manifest.version,
             "run_dir": runs.child(cfg.name),
         },
         scaling_config=ray.train.ScalingConfig(

@@ -222,15 +222,16 @@ class Worker:
 
 
 def train_loop_per_worker(config: dict) -> None:
-    """What each Ray Train worker runs. `config`: the TrainConfig as a plain dict, and the
-    dataset's and the run's Locations, parsed once on the driver."""
+    """What each Ray Train worker runs. `config`: the TrainConfig as a plain dict, the
+    dataset's and the run's Locations, parsed once on the driver, and the dataset version."""
     setup_logging()
     quiet_train_reports()
     cfg = validate_config(TrainConfig, config["config"])
     dataset: Location = config["dataset"]
     ctx = ray.train.get_context()
-    manifest = read_manifest(dataset)
-    assert manifest is not None, "the driver checked the dataset"
+    # The version the driver pinned, whatever was committed since: through worker restarts and
+    # resizes every rank reads the same data.
+    manifest = read_manifest(dataset, config["dataset_version"])
     device = ray.train.torch.get_device()
     policy = DevicePolicy(
         device, pick_precision(cfg.precision, device), manifest.mean, manifest.std
@@ -292,6 +293,7 @@ def train_loop_per_worker(config: dict) -> None:
             "images_per_s_per_worker": t["images"] / t["seconds"],  # this rank's (rank 0's)
             "train_s": slowest,
             "workers": w.world,  # an elastic run's count can change from epoch to epoch
+            "dataset_version": manifest.version,  # changes only where the run was told to switch
         }
         w.history.append(metrics)
         train_state = {
@@ -368,6 +370,7 @@ def save_and_report(w: Worker, metrics: dict, weights: dict, train_state: dict) 
         mean=w.manifest.mean,
         std=w.manifest.std,
         dataset_fingerprint=w.manifest.fingerprint,
+        dataset_version=w.manifest.version,
         metrics=metrics,
         history=w.history,
         config=w.cfg.model_dump(mode="json"),

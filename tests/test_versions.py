@@ -1,0 +1,176 @@
+"""Dataset versions: commits that cannot race, retention that keeps what readers may still read
+and touches only what the bundle wrote, and a run's pin on the version it trains on. In one
+process, on local disk and on S3 (moto on loopback), with the interleavings forced."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+from helpers import checkpoint_meta
+
+from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.storage import Location
+from pipeline.data import dataset
+from pipeline.data.dataset import (
+    DATA,
+    VERSIONS,
+    WRITER,
+    Manifest,
+    ShardFile,
+    SplitInfo,
+    commit,
+    committed_versions,
+    read_manifest,
+    remove_expired,
+    start_version,
+    write_shard,
+)
+from pipeline.train.driver import pick_dataset_version
+
+BUCKET = "versions-test"
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path):
+    """A fresh dataset location: a local directory or a prefix on the session's S3 server."""
+    if request.param == "local":
+        yield Location.parse(str(tmp_path / "dataset"))
+        return
+    s3_server = request.getfixturevalue("s3_server")
+    s3_server.create_bucket(BUCKET)
+    with s3_server.client_env():
+        yield Location.parse(f"s3://{BUCKET}/{tmp_path.name}")
+
+
+def hours_ago(hours: float) -> str:
+    when = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=hours)
+    return when.isoformat(timespec="microseconds")
+
+
+def written(root: Location, version: str, *, fingerprint: str = "f", age_h: float = 0) -> Manifest:
+    """A version's files, as a preprocess job leaves them before its commit; returns the
+    manifest that commits them, made `age_h` hours ago."""
+    start_version(root, version)
+    splits = {}
+    for split in ("train", "val"):
+        path = f"{DATA}/{version}/{split}/part-00000.parquet"
+        row = {"image": b"x", "label": 0, "label_name": "a", "source_id": f"{split}/1"}
+        write_shard(root.child(path), [row], row_group_size=10)
+        splits[split] = SplitInfo(rows=1, counts={"a": 1}, files=[ShardFile(path=path, rows=1)])
+    return Manifest(
+        version=version,
+        created_at=hours_ago(age_h),
+        fingerprint=fingerprint,
+        classes=["a"],
+        image_size=32,
+        image_format="jpeg",
+        mean=(0.5, 0.5, 0.5),
+        std=(0.2, 0.2, 0.2),
+        splits=splits,
+        skipped=[],
+        config={},
+    )
+
+
+def whole(root: Location, manifest: Manifest) -> bool:
+    """Every file `manifest` lists is on storage."""
+    return all(root.child(f.path).exists() for s in manifest.splits.values() for f in s.files)
+
+
+OLDER, NEWER = "20260101T000000000000Z-aaaaaaaa", "20260101T000001000000Z-bbbbbbbb"
+
+
+def test_a_commit_between_the_check_and_the_write_leaves_the_newer_version(root, monkeypatch):
+    # The older job checks the log and finds nothing newer; the newer job commits; the older
+    # job writes its entry. Readers take the newer version, and both stay whole.
+    older, newer = written(root, OLDER, fingerprint="old"), written(root, NEWER, fingerprint="new")
+    check = dataset.read_manifest
+
+    def newer_commits_after_the_check(*args, **kwargs):
+        found = check(*args, **kwargs)
+        monkeypatch.setattr(dataset, "read_manifest", check)
+        commit(root, newer, "new")
+        return found
+
+    monkeypatch.setattr(dataset, "read_manifest", newer_commits_after_the_check)
+    assert commit(root, older, "old") == older
+    assert committed_versions(root) == [OLDER, NEWER]
+    assert read_manifest(root) == newer
+    assert whole(root, newer) and whole(root, older)
+
+
+def test_a_writer_that_finds_a_newer_version_committed_does_not_commit(root):
+    older, newer = written(root, OLDER, fingerprint="old"), written(root, NEWER, fingerprint="new")
+    assert commit(root, newer, "new") == newer
+    with pytest.raises(InputError, match=r"was replaced while this job was writing"):
+        commit(root, older, "old")
+    assert committed_versions(root) == [NEWER]
+    assert read_manifest(root) == newer and whole(root, newer)
+    assert not root.child(DATA, OLDER).exists()  # never committed: no reader has its files
+
+    # The same dataset committed meanwhile is no error: the job's work is done.
+    same = written(root, "20260101T000000500000Z-cccccccc", fingerprint="new")
+    assert commit(root, same, "new") == newer
+
+
+def test_in_the_other_order_the_newer_version_replaces_the_older(root):
+    older, newer = written(root, OLDER, fingerprint="old"), written(root, NEWER, fingerprint="new")
+    assert commit(root, older, "old") == older
+    assert commit(root, newer, "new") == newer
+    assert read_manifest(root) == newer
+    # The older stays readable by name for the jobs that pinned it.
+    assert read_manifest(root, OLDER) == older and whole(root, older)
+
+
+def test_retention_keeps_what_readers_may_need_and_only_touches_the_bundles_own(root):
+    # Three committed versions: v1 replaced 5 h ago, v2 replaced 30 min ago, v3 the newest.
+    v1, v2, v3 = (f"2026010{i}T000000000000Z-0000000{i}" for i in (1, 2, 3))
+    for version, age_h in ((v1, 6), (v2, 5), (v3, 0.5)):
+        root.child(VERSIONS, f"{version}.json").write_bytes(
+            written(root, version, age_h=age_h).model_dump_json().encode()
+        )
+    # A job that crashed before its commit, 3 h ago; one that may still be writing (started
+    # after v3); a folder of the user's that sorts among the versions; a user's file.
+    crashed, writing = "20260102T120000000000Z-0000000c", "20260104T000000000000Z-0000000w"
+    for version, age_h in ((crashed, 3), (writing, 3)):
+        marker = {"writer": "ray-cv-bundle preprocess", "version": version}
+        marker["started_at"] = hours_ago(age_h)
+        root.child(DATA, version, WRITER).write_bytes(json.dumps(marker).encode())
+    theirs = [root.child(DATA, "01_raw", "x.jpg"), root.child(DATA, "notes.txt")]
+    for file in theirs:
+        file.write_bytes(b"precious")
+
+    assert remove_expired(root, retention_hours=1) == sorted([v1, crashed])
+    assert committed_versions(root) == [v2, v3]
+    assert not root.child(DATA, v1).exists() and not root.child(DATA, crashed).exists()
+    assert root.child(DATA, writing, WRITER).exists()
+    assert all(f.read_bytes() == b"precious" for f in theirs)
+
+    # With no retention, everything but the newest and what may still be written goes.
+    assert remove_expired(root, retention_hours=0) == [v2]
+    assert committed_versions(root) == [v3] and whole(root, read_manifest(root))
+    assert root.child(DATA, writing, WRITER).exists()
+    assert all(f.read_bytes() == b"precious" for f in theirs)
+
+
+def train_config(tmp_path, *overrides) -> TrainConfig:
+    args = [f"dataset={tmp_path}/d", f"storage_path={tmp_path}/runs", *overrides]
+    return load_config(TrainConfig, None, args)
+
+
+def test_a_run_trains_on_through_its_version_unless_told_to_switch(tmp_path):
+    root = Location.parse(str(tmp_path / "d"))
+    for version in (OLDER, NEWER):
+        commit(root, written(root, version), "")
+    cfg = train_config(tmp_path)
+    assert pick_dataset_version(cfg, root, None, run="r") == NEWER  # a new run: the newest
+    pinned = checkpoint_meta(dataset_version=OLDER)
+    with pytest.raises(ConfigError, match=rf"trained on version {OLDER} .* which is still stored"):
+        pick_dataset_version(cfg, root, pinned, run="r")
+    again = train_config(tmp_path, f"dataset_version={OLDER}")
+    assert pick_dataset_version(again, root, pinned, run="r") == OLDER
+    switch = train_config(tmp_path, "switch_dataset=true")
+    assert pick_dataset_version(switch, root, pinned, run="r") == NEWER
