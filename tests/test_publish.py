@@ -1,31 +1,21 @@
-"""A dataset survives its writer crashing at either side of the commit, two writers at once, and a
-new version committed while training reads the old one, on local disk and on S3 (moto on
-loopback): jobs sent with `ray job submit`, held at fault points (pipeline.core.faults) and
-killed or released there."""
+"""A dataset survives its writer crashing at either side of the commit, and two writers at once,
+on local disk and on S3 (moto on loopback): preprocess jobs sent with `ray job submit`, their
+drivers held at fault points (pipeline.core.faults) and killed or released there. (A new version
+committed while training reads the old one: test_s3 and test_train_jobs.)"""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import (
-    armed_runtime_env,
-    held_worker,
-    in_background,
-    kill_worker,
-    train_job,
-    wait_for,
-)
+from helpers import armed_runtime_env, in_background, wait_for
 
 from harness.faults import release
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.data.dataset import DATA, Manifest, read_manifest
-from pipeline.model.checkpoint import read_meta
-from pipeline.model.runs import SNAPSHOT, checkpoint_dir_name
 
 pytestmark = pytest.mark.slow
 BUCKET = "publish-test"
@@ -171,42 +161,3 @@ def test_two_writers_at_once_leave_the_newer_dataset(cluster_2cpu, s3, output, t
         assert final.image_size == 40
         assert versions_on_storage(s3, out)[-1] == final.version
         assert len(versions_on_storage(s3, out)) == (2 if first == "older" else 1)
-
-
-def test_training_reads_the_version_it_started_on_while_a_new_one_commits(
-    cluster_2cpu, s3, output, tmp_path
-):
-    cluster = cluster_2cpu
-    assert preprocess(cluster, output, 32).returncode == 0
-    started_on = committed(s3, output)
-    runs = f"{output}-runs"
-    # One worker, so that a CPU stays free for the preprocess job.
-    args = ("name=overlap", "epochs=2", "scaling.num_workers=1", "global_batch_size=8")
-    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    job = in_background(train_job, cluster, output, runs, *args, runtime_env=env)
-    pid = held_worker(marker, job)
-    with s3.client_env():
-        run = Location.parse(f"{runs}/overlap")
-        wait_for(lambda: run.child(SNAPSHOT).exists(), "epoch 0 in Ray's record", 60)
-
-    # A new version of other images is committed while the run holds epoch 0's checkpoint...
-    new = preprocess(cluster, output, 40)
-    assert new.returncode == 0, new.stdout
-    assert committed(s3, output).image_size == 40
-    # ...and the worker dies: its replacement reads the version the run started on.
-    kill_worker(cluster, pid)
-    proc = job.result()
-    assert proc.returncode == 0, proc.stdout
-    assert re.search(r"resumed from checkpoint \S+/overlap/epoch_0000", proc.stdout), proc.stdout
-    with s3.client_env():
-        meta = read_meta(run.child(checkpoint_dir_name(1)))
-    assert (meta.dataset_version, meta.image_size) == (started_on.version, 32)
-    assert [(r["epoch"], r["dataset_version"]) for r in meta.history] == [
-        (0, started_on.version),
-        (1, started_on.version),
-    ]
-
-    # Submitted again to train on, the run will not mix the versions unless told to.
-    again = train_job(cluster, output, runs, *args[:1], "epochs=3", *args[2:])
-    assert again.returncode != 0, again.stdout  # `ray job submit` exits 1 for any failure
-    assert f"run {run.uri} trained on version {started_on.version}" in again.stdout

@@ -54,6 +54,8 @@ CHAIN_SETTINGS = [
     "preprocess.row_group_size=10",
     "train.name=s3run",
     "train.epochs=2",
+    # One worker: a CPU stays free for the preprocess job that runs while it trains.
+    "train.scaling.num_workers=1",
     "train.global_batch_size=16",
     # Predictions in several files, each moved into place on S3: actors take batches of at least
     # batch_size rows, so small batches make several blocks of the ~24 val images.
@@ -71,6 +73,13 @@ def steps(cluster_2cpu) -> dict[str, list[str]]:
         )
         for step in STEPS
     }
+
+
+def command(cluster: LocalCluster, step: str, *sets: str) -> list[str]:
+    """A step's command line with settings over CHAIN_SETTINGS."""
+    return step_command(
+        cluster.address, CHAIN_ROOT, step, profile="demo", sets=[*CHAIN_SETTINGS, *sets]
+    )
 
 
 def run_task(cmd: list[str], cluster: LocalCluster) -> tuple[int, str]:
@@ -122,6 +131,14 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     ]
     # A checkpoint counts once Ray Train has recorded it in the run's snapshot.
     wait_for(lambda: run.child(SNAPSHOT).exists(), "epoch 0 recorded on S3", 60)
+    # Meanwhile the preprocess step runs again with other settings: a new version of the
+    # dataset, committed beside the one the run reads, which stays whole.
+    code, out = run_task(
+        command(cluster_2cpu, "preprocess", "preprocess.image_size=40"), cluster_2cpu
+    )
+    assert code == 0, out
+    newer = read_manifest(dataset)
+    assert newer.image_size == 40 and read_manifest(dataset, manifest.version) == manifest
     cluster_2cpu.ray("job", "stop", submission_id)
     reading.result(timeout=300)
     out = "".join(lines)
@@ -129,8 +146,13 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     assert proc.returncode == 4, out
     assert f"[train] {submission_id} was stopped" in out
 
-    # The scheduler's retry: the same command resumes from the checkpoint on S3.
+    # The scheduler's retry would resume the run on the newer version: refused, exit 2.
     code, out = run_task(steps["train"], cluster_2cpu)
+    assert code == 2, out
+    assert f"Pass dataset_version={manifest.version} to finish on the data it started on" in out
+    # Pinned to the run's version, the retry resumes from the checkpoint on S3.
+    pin = f"dataset_version={manifest.version}"
+    code, out = run_task(command(cluster_2cpu, "train", f"train.{pin}"), cluster_2cpu)
     assert code == 0, out
     resumed = re.search(rf"resuming from {CHAIN_ROOT}/runs/s3run/epoch_(\d+)", out)
     assert resumed, out
@@ -138,13 +160,16 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     assert trained_now == list(range(int(resumed[1]) + 1, 2))
     summary = json.loads(run.child(RUN_SUMMARY).read_bytes())
     rows = csv.DictReader(io.StringIO(run.child(HISTORY_CSV).read_bytes().decode()))
-    assert [int(r["epoch"]) for r in rows] == [0, 1]
+    assert [(int(r["epoch"]), r["dataset_version"]) for r in rows] == [
+        (0, manifest.version),
+        (1, manifest.version),
+    ]
     assert summary["best_checkpoint"].startswith(f"{CHAIN_ROOT}/runs/s3run/epoch_")
     kept = {i.path.rsplit("/", 2)[-2] for i in run.list_files() if i.path.endswith("/model.pt")}
     assert kept == {"epoch_0000", "epoch_0001"}
 
     # Inference reads the best checkpoint from S3 and writes its predictions there.
-    code, out = run_task(steps["infer"], cluster_2cpu)
+    code, out = run_task(command(cluster_2cpu, "infer", f"infer.{pin}"), cluster_2cpu)
     assert code == 0, out
     predictions = Location.parse(f"{CHAIN_ROOT}/predictions/s3run")
     result = json.loads(predictions.child(SUMMARY).read_bytes())
@@ -160,7 +185,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     # The same model on the same images, written to local disk: the same predictions.
     local = tmp_path / "predictions"
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
-    args += [f"model={run.uri}", f"input={dataset.uri}", f"output={local}"]
+    args += [f"model={run.uri}", f"input={dataset.uri}", f"output={local}", pin]
     proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
     assert proc.returncode == 0, proc.stdout
     here, there = (t.sort_by("source_id") for t in (pq.read_table(local / PREDICTIONS), table))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from torch.utils.data import DataLoader
 from harness.cluster import LocalCluster
 from pipeline.core import faults
 from pipeline.core.storage import Location
-from pipeline.data.dataset import read_manifest
+from pipeline.data.dataset import committed_versions, read_manifest
 from pipeline.model.checkpoint import read_meta
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import load_model
@@ -40,6 +41,18 @@ from pipeline.train.torch_input import RowGroupStream
 from pipeline.train.worker import evaluate
 
 pytestmark = pytest.mark.slow
+# A preprocess job of other images (3 classes, 40 px) for an output given by the caller.
+PREPROCESS_OTHER = [
+    "python",
+    "-m",
+    "jobs.preprocess",
+    "source.kind=synthetic",
+    "source.synthetic.num_classes=3",
+    "source.synthetic.images_per_class=10",
+    "source.synthetic.raw_size=48",
+    "image_size=40",
+    "shard_size=10",
+]
 
 
 def test_two_workers_learn(main_run):
@@ -163,21 +176,32 @@ def test_deterministic_input_errors_fail_once_before_any_worker(
     assert "RayTrainWorker" not in proc.stdout and not (tmp_path / "bad").exists()
 
 
-def test_ray_data_ingest_evaluates_exactly_and_resumes_after_a_kill(tiny_dataset, tmp_path):
+def test_ray_data_ingest_evaluates_exactly_and_resumes_after_a_kill_on_its_dataset_version(
+    tiny_dataset, tmp_path
+):
+    # While the run holds epoch 0's checkpoint, a preprocess job commits a new version of other
+    # images to the dataset it reads; then a worker dies. The restarted workers read the
+    # version the run started on: Ray Data's reads were planned from its manifest.
+    dataset = tmp_path / "dataset"
+    shutil.copytree(tiny_dataset, dataset)
+    (started_on,) = committed_versions(Location.parse(str(dataset)))
     run = tmp_path / "rd"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
     # Two 1-CPU training workers, and a CPU beside them for Ray Data to decode on.
     with LocalCluster(num_cpus=3) as cluster:
         args = ("name=rd", "epochs=2", "ingest=ray_data")
-        job = in_background(train_job, cluster, tiny_dataset, tmp_path, *args, runtime_env=env)
+        job = in_background(train_job, cluster, dataset, tmp_path, *args, runtime_env=env)
         pid = held_worker(marker, job)
         wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
+        new = cluster.submit([*PREPROCESS_OTHER, f"output={dataset}"], capture=True, timeout_s=300)
+        assert new.returncode == 0, new.stdout
+        assert read_manifest(Location.parse(str(dataset))).image_size == 40
         kill_worker(cluster, pid)
         proc = job.result()
     assert proc.returncode == 0, proc.stdout
     assert "training epochs 0 to 1: 481 train images, 119 val (ingest=ray_data)" in proc.stdout
     assert re.search(r"resumed from checkpoint \S+/rd/epoch_0000 \(epoch 0 done\)", proc.stdout)
     h = history(run)
-    assert [r["epoch"] for r in h] == [0, 1]
+    assert [(r["epoch"], r["dataset_version"]) for r in h] == [(0, started_on), (1, started_on)]
     # Every val image counted once in every epoch: val is split over the ranks with equal=False.
     assert [r["val_images"] for r in h] == [119, 119]
