@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 demo: $(STAMP)
 	$(PY) -m scripts.demo
 
-## The whole suite: unit tests, then jobs on real local Ray clusters.
+## The whole suite: unit tests and jobs on real local Ray clusters, two tests at a time (the
+## cluster tests mostly wait); tests/conftest.py keeps the tests of one cluster in one process.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 ## Unit tests only (no `ray start` clusters).
 test-fast: $(STAMP)

@@ -35,6 +35,20 @@ from pipeline.core import faults
 EXIT_STATUS = pytest.StashKey[int]()
 
 
+def pytest_collection_modifyitems(config, items):
+    """For `make test`'s two processes (pytest-xdist, `--dist loadgroup`): every test on the
+    session's shared cluster in one process, so that it starts once; each other module's slow
+    tests together, as they share a module's cluster; unit tests wherever there is room."""
+    for item in items:
+        if "cluster_2cpu" in item.fixturenames:
+            group = "cluster_2cpu"
+        elif item.get_closest_marker("slow") or item.get_closest_marker("deploy"):
+            group = item.module.__name__
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     session.config.stash[EXIT_STATUS] = int(exitstatus)
