@@ -293,6 +293,18 @@ CASES = [
         "cpus_per_actor=<n>, but the cluster has <n> CPUs",
         test="tests/test_infer.py::test_resources_the_cluster_lacks_fail_fast",
     ),
+    Case(
+        "inference actors larger than any node, for `capacity_timeout_s`",
+        3,
+        "cpus_per_actor=<n> asks for <n> CPU(s) on one node, but the largest node has <n> CPU(s)",
+        test="tests/test_autoscale.py::test_inference_refuses_actors_larger_than_any_node_with_exit_3",
+    ),
+    Case(
+        "a task or actor larger than any node type the autoscaler reports",
+        3,
+        "cpus_per_actor=<n> asks for <n> CPU(s) on one node, but the largest node the cluster has",
+        test="tests/test_capacity.py::test_a_bundle_no_node_type_holds_is_refused_at_once",
+    ),
 ]
 
 

@@ -164,13 +164,12 @@ class Predictor:
 
 def wait_for_gpu(timeout_s: float) -> int:
     """GPUs in the cluster, waiting up to `timeout_s` for an autoscaler to add one."""
-    have = wait_for_capacity(
+    return wait_for_capacity(
         {"GPU": 1},
         timeout_s,
         asked="use_gpu=true",
         fix="run on a cluster with GPU nodes or set use_gpu=false",
     )
-    return have["GPU"]
 
 
 # --- batch -------------------------------------------------------------------------------------
@@ -201,13 +200,13 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
         # (torch threads = cpus_per_actor): a separate decoding stage would need CPUs that the
         # actors hold, and decoding is a few percent of a CPU forward pass.
         cpus = cfg.cpus_per_actor
-        have = wait_for_capacity(
+        fits = wait_for_capacity(
             {"CPU": cpus},
             cfg.capacity_timeout_s,
             asked=f"cpus_per_actor={cpus}",
             fix="lower cpus_per_actor",
         )
-        actors = min(cfg.num_actors, have["CPU"] // cpus)
+        actors = min(cfg.num_actors, fits)
         per_actor = {"num_cpus": cpus}
         predictor |= {"decode_size": meta.image_size, "threads": cpus}
     # As many actors as the cluster holds now, growing up to num_actors as nodes join.
