@@ -33,7 +33,7 @@ from pipeline.data.preprocess import process_items
 from pipeline.data.sources import FolderSource
 from pipeline.infer.batch import resolve_checkpoint
 from pipeline.model.networks import check_pretrained
-from pipeline.model.runs import resume_changes
+from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
 from pipeline.train.driver import check_dataset
 
 
@@ -115,6 +115,13 @@ def checkpoint_of(name: str):
     return run
 
 
+def training_run(tmp_path, _):
+    run = Location.parse(str(tmp_path / "run"))
+    run.child(SNAPSHOT).write_bytes(b"{}")
+    mark_training(run)
+    resolve_checkpoint(run)
+
+
 DROPPED = OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28")
 
 CASES = [
@@ -180,6 +187,12 @@ CASES = [
         2,
         "this run cannot resume with these changes:",
         changed_optimizer,
+    ),
+    Case(
+        "an inference `model=` run that a train job trains again",
+        2,
+        "model=<path> is a run that a train job has been training again since",
+        training_run,
     ),
     # Input data: exit 1.
     Case(

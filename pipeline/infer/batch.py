@@ -22,7 +22,7 @@ import torch
 
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.config import InferConfig
-from pipeline.core.errors import InputError
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.plots import plot_confusion
 from pipeline.core.storage import Location
@@ -39,7 +39,14 @@ from pipeline.infer.predictions import (
 from pipeline.model.checkpoint import METADATA, read_meta
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import load_model
-from pipeline.model.runs import RUN_SUMMARY, SCORE, SNAPSHOT, best_checkpoint, load_result
+from pipeline.model.runs import (
+    RUN_SUMMARY,
+    SCORE,
+    SNAPSHOT,
+    best_checkpoint,
+    load_result,
+    training_since,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,15 @@ def resolve_checkpoint(model: Location) -> Location:
                 f"run {model.uri} has not finished training (no {RUN_SUMMARY}): let its train "
                 "job finish (submitting it again resumes it), or pass one checkpoint directory "
                 f"as model={model.uri}/epoch_NNNN"
+            )
+        since = training_since(model)
+        if since is not None:
+            # Retention may delete the best checkpoint of now while the run trains on.
+            raise ConfigError(
+                f"model={model.uri} is a run that a train job has been training again since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(since))}: its best "
+                "checkpoint is not settled yet. Run inference once that job has finished, or "
+                f"pass one checkpoint directory as model={model.uri}/epoch_NNNN"
             )
         result = load_result(model)
         if not result.best_checkpoints:
