@@ -43,12 +43,12 @@ def idle_cluster():
         yield c
 
 
-def infer(cluster, model_and_images, output, *overrides, submission_id: str):
+def infer(cluster, model_and_images, output, *overrides, submission_id: str, timeout_s=600):
     checkpoint, images = model_and_images
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
     args += [f"model={checkpoint}", f"input={images}", f"output={output}"]
     args += ["cpus_per_actor=1", "num_actors=2", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600, submission_id=submission_id)
+    return cluster.submit(args, capture=True, timeout_s=timeout_s, submission_id=submission_id)
 
 
 def test_inference_waits_for_a_node_to_join(idle_cluster, model_and_images, tmp_path):
@@ -79,6 +79,32 @@ def test_inference_fails_with_exit_3_when_no_capacity_comes(
     assert proc.returncode != 0
     assert "cpus_per_actor=1, but the cluster has 0 CPUs (waited 5 s" in proc.stdout
     assert "exit code 3" in idle_cluster.ray("job", "status", "never")
+    assert not (tmp_path / SUMMARY).exists()
+
+
+def test_inference_refuses_actors_larger_than_any_node_with_exit_3(
+    idle_cluster, model_and_images, tmp_path
+):
+    # Two nodes of 1 CPU: 2 CPUs in all, yet no node holds an actor of 2, and Ray would wait
+    # for one forever.
+    idle_cluster.add_node(num_cpus=1)
+    idle_cluster.add_node(num_cpus=1)
+    proc = infer(
+        idle_cluster,
+        model_and_images,
+        tmp_path,
+        "cpus_per_actor=2",
+        "capacity_timeout_s=2",
+        submission_id="split",
+        timeout_s=300,  # where the job would wait forever
+    )
+    assert proc.returncode != 0
+    assert (
+        "cpus_per_actor=2 asks for 2 CPU(s) on one node, but the largest node has 1 CPU(s) "
+        "(the cluster has 2 CPU(s) in all; waited 2 s, capacity_timeout_s): lower "
+        "cpus_per_actor, or add nodes with at least 2 CPU(s)"
+    ) in proc.stdout
+    assert "exit code 3" in idle_cluster.ray("job", "status", "split")
     assert not (tmp_path / SUMMARY).exists()
 
 

@@ -34,7 +34,7 @@ from pipeline.data.sources import FolderSource
 from pipeline.infer.batch import resolve_checkpoint
 from pipeline.infer.inputs import read_input
 from pipeline.model.networks import check_pretrained
-from pipeline.model.runs import resume_changes
+from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
 from pipeline.train.driver import check_dataset, pick_dataset_version
 
 
@@ -126,6 +126,13 @@ def checkpoint_of(name: str):
     return run
 
 
+def training_run(tmp_path, _):
+    run = Location.parse(str(tmp_path / "run"))
+    run.child(SNAPSHOT).write_bytes(b"{}")
+    mark_training(run)
+    resolve_checkpoint(run)
+
+
 DROPPED = OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28")
 
 CASES = [
@@ -189,6 +196,12 @@ CASES = [
         2,
         "this run cannot resume with these changes:",
         changed_optimizer,
+    ),
+    Case(
+        "an inference `model=` run that a train job trains again",
+        2,
+        "model=<path> is a run that a train job has been training again since",
+        training_run,
     ),
     # Input data: exit 1.
     Case(
@@ -321,6 +334,18 @@ CASES = [
         3,
         "cpus_per_actor=<n>, but the cluster has <n> CPUs",
         test="tests/test_infer.py::test_resources_the_cluster_lacks_fail_fast",
+    ),
+    Case(
+        "inference actors larger than any node, for `capacity_timeout_s`",
+        3,
+        "cpus_per_actor=<n> asks for <n> CPU(s) on one node, but the largest node has <n> CPU(s)",
+        test="tests/test_autoscale.py::test_inference_refuses_actors_larger_than_any_node_with_exit_3",
+    ),
+    Case(
+        "a task or actor larger than any node type the autoscaler reports",
+        3,
+        "cpus_per_actor=<n> asks for <n> CPU(s) on one node, but the largest node the cluster has",
+        test="tests/test_capacity.py::test_a_bundle_no_node_type_holds_is_refused_at_once",
     ),
 ]
 

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+import ray.data
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
@@ -30,6 +31,7 @@ from pipeline.data.dataset import (
 )
 from pipeline.data.images import IMAGENET_MEAN, IMAGENET_STD
 from pipeline.model.device import normalize
+from pipeline.train import ray_data_input
 from pipeline.train.augment import train_transform
 from pipeline.train.torch_input import RowGroupStream
 
@@ -305,3 +307,71 @@ def test_missing_shard_and_wrong_schema_are_clear_errors(dataset, tmp_path):
         pq.write_table(table.cast(pa.schema([*table.schema])), tmp_path / f.path)
     with pytest.raises(InputError, match="does not have the schema"):
         RowGroupStream(other, manifest, "train", batch_size=8)
+
+
+# --- augmentation and Ray Data's block order: different per rank, process and epoch ----------
+
+
+def drawn(image: torch.Tensor) -> torch.Tensor:
+    """Stands in for an augmentation: the image filled with the number it draws."""
+    return torch.full_like(image, int(torch.randint(0, 256, ())))
+
+
+def draws(stream: RowGroupStream, workers: int) -> list[list[int]]:
+    """The numbers each batch's augmentation drew, on a rank seeded as training seeds them."""
+    torch.manual_seed(0)  # as every rank does, for the model's initial weights
+    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    return [images[:, 0, 0, 0].tolist() for images, _ in loader]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_augmentation_differs_per_rank_process_and_epoch_and_repeats(numbered, workers):
+    root, manifest, _ = numbered
+    kwargs = dict(batch_size=8, shuffle=True, drop_last=True, transform=drawn)
+    first, second = streams(root, manifest, "train", 2, **kwargs)
+    epoch_0 = draws(first, workers)
+    assert epoch_0 != draws(second, workers)
+    if workers == 2:  # the loader takes batches from its processes in turn
+        assert epoch_0[0] != epoch_0[1]
+    assert draws(first, workers) == epoch_0
+    first.set_epoch(1)
+    assert draws(first, workers) != epoch_0
+
+
+def block_order(split) -> list[int]:
+    """The files of the numbered dataset in the order one pass over the split reads them."""
+    files = []
+    for batch in split.iter_batches(batch_format="numpy"):
+        images = batch["image"]
+        for row_id in images[:, 0, 0, 0].astype(int) + 256 * images[:, 1, 0, 0].astype(int):
+            if not files or files[-1] != row_id // 100:
+                files.append(int(row_id // 100))
+    return files
+
+
+def test_ray_data_reads_train_blocks_in_a_new_order_each_epoch(
+    numbered, ray_in_process, monkeypatch
+):
+    root, manifest, _ = numbered
+    # A block per file: Ray Data reads files this small as one block, which has no order.
+    table = pa.concat_tables(
+        pq.read_table(root.child(f.path).path, columns=["image", "label"])
+        for f in manifest.splits["train"].files
+    )
+    rows = table.to_pylist()
+    monkeypatch.setattr(
+        ray_data_input,
+        "read_split",
+        lambda *_: ray.data.from_items(rows, override_num_blocks=TRAIN_FILES),
+    )
+
+    def epochs(n: int) -> list[list[int]]:
+        train = ray_data_input.datasets(manifest, root, augment="none", seed=0)["train"]
+        train.context.execution_options.preserve_order = True  # rows leave in block order
+        (split,) = train.streaming_split(1, equal=True)  # as Ray Train splits it
+        return [block_order(split) for _epoch in range(n)]
+
+    first, second = epochs(2)
+    assert sorted(first) == list(range(TRAIN_FILES))
+    assert first != second
+    assert epochs(1) == [first]  # a run with the same seed reads the same orders

@@ -14,6 +14,7 @@ from pipeline.model.checkpoint import (
     read_meta,
     save_checkpoint,
 )
+from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import build_model, load_model, unwrap
 
 CLASSES = ["a", "b", "c"]
@@ -74,3 +75,30 @@ def test_pretrained_state_dict_file_sets_the_backbone_not_the_head(tmp_path):
         build_model(3, pretrained=str(tmp_path / "missing.pt"))
     with pytest.raises(InputError, match=r"IMAGENET1K_V1"):
         build_model(3, pretrained="IMAGENET")
+
+
+def policy(precision: str) -> DevicePolicy:
+    return DevicePolicy(torch.device("cpu"), precision, (0.5,) * 3, (0.2,) * 3)
+
+
+def test_a_resume_in_fp16_of_a_run_trained_without_it_starts_a_new_scaler(tmp_path):
+    # Trained where precision=auto picked fp32 (a CPU) or bf16 (an A100): its scaler was off.
+    model = build_model(len(CLASSES))
+    state = {"scaler": policy("bf16").scaler.state_dict()}
+    save_checkpoint(tmp_path, model.state_dict(), checkpoint_meta(), state)
+    # Resumed where auto picks fp16 (a GPU before Ampere); a CPU scaler stands in for its.
+    here = policy("fp16")
+    assert not here.load_scaler(load_train_state(Location.parse(str(tmp_path)))["scaler"])
+    assert here.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with here.autocast():
+        loss = model(torch.randn(2, 3, 32, 32)).float().sum()
+    here.scaler.scale(loss).backward()
+    here.scaler.step(optimizer)
+    here.scaler.update()
+    # An fp16 checkpoint's scaler comes back as it was; a bf16 resume of it ignores it.
+    trained_fp16 = here.scaler.state_dict()
+    again = policy("fp16")
+    assert again.load_scaler(trained_fp16)
+    assert again.scaler.get_scale() == here.scaler.get_scale()
+    assert policy("bf16").load_scaler(trained_fp16)

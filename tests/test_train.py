@@ -11,17 +11,23 @@ import shutil
 
 import pytest
 import torch
+from helpers import checkpoint_meta
 from torch.utils.data import DataLoader
 
 from pipeline.core.config import TrainConfig, load_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import VERSIONS, read_manifest
+from pipeline.infer.batch import resolve_checkpoint
+from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model, check_pretrained
 from pipeline.model.runs import (
+    RUN_SUMMARY,
+    SNAPSHOT,
     check_resumable,
     resume_changes,
+    training_since,
 )
 from pipeline.train import driver
 from pipeline.train.driver import (
@@ -334,3 +340,24 @@ def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):
     augmented = decode_batch(batch, augment="random_resized_crop", image_size=32)
     assert augmented["image"].shape == (5, 3, 32, 32)
     assert (augmented["image"] != plain["image"]).any()
+
+
+def test_a_run_trained_again_says_so_in_its_summary_while_it_trains(
+    tiny_dataset, tmp_path, monkeypatch
+):
+    cfg = config(tiny_dataset, tmp_path, "name=again")
+    run = Location.parse(str(tmp_path / "again"))
+    # What its training before left: a summary that inference reads as finished.
+    run.child(RUN_SUMMARY).write_bytes(json.dumps({"status": "finished"}).encode())
+    during = []
+    monkeypatch.setattr(driver, "fit", lambda *_, **__: during.append(training_since(run)))
+    monkeypatch.setattr(driver, "write_reports", lambda *_, **__: {})
+    driver.train(cfg, dataset=Location.parse(str(tiny_dataset)), runs=Location.parse(str(tmp_path)))
+    assert during and during[0] is not None
+    run.child(SNAPSHOT).write_bytes(b"{}")  # Ray's record of its checkpoints, as a run has
+    with pytest.raises(ConfigError, match=r"model=\S+again is a run that a train job has been"):
+        resolve_checkpoint(run)
+    # A checkpoint given directly is not refused.
+    (tmp_path / "again" / "epoch_0000").mkdir()
+    save_checkpoint(tmp_path / "again" / "epoch_0000", {}, checkpoint_meta(), {})
+    assert resolve_checkpoint(run.child("epoch_0000")).path == str(tmp_path / "again/epoch_0000")

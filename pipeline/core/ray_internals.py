@@ -7,8 +7,27 @@ Each import says what it is used for; nothing else in the bundle imports `ray.*.
 
 from __future__ import annotations
 
+# The capacity wait (pipeline.core.capacity) reads the autoscaler's standing resource requests,
+# which `ray.autoscaler.sdk.request_resources` replaces whole, so that a job adds its bundle
+# beside them and takes out only its own: the v1 autoscaler keeps them under this key in the
+# GCS's key-value store, the v2 autoscaler (`is_autoscaler_v2`) in the cluster resource state.
+# It reads the node types an autoscaler reports it can add (KubeRay does; Ray's own launcher
+# does not) from `gcs_state`, as Ray Train does to tell whether its workers can ever be placed.
+from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+from ray._private.state import state as gcs_state
+from ray.autoscaler.v2.sdk import get_cluster_resource_state
+from ray.autoscaler.v2.utils import is_autoscaler_v2
+
 # A Datasink's `write` argument (the prediction sink's tests call the sink directly).
 from ray.data._internal.execution.interfaces import TaskContext
+
+# The key-value store of those requests; its writer for the tests, which stand in for an
+# autoscaler that reports its node types.
+from ray.experimental.internal_kv import (
+    _internal_kv_get,
+    _internal_kv_put,
+    internal_kv_get_gcs_client,
+)
 
 # The training driver: the time Ray Train gives a worker group to start, and its error past it.
 from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
@@ -33,6 +52,7 @@ CHECKED_AGAINST = "2.60.0"
 CHECKPOINT_MANAGER_LOGGER = "ray.train.v2._internal.execution.checkpoint.checkpoint_manager"
 
 __all__ = [
+    "AUTOSCALER_RESOURCE_REQUEST_CHANNEL",
     "CHECKED_AGAINST",
     "CHECKPOINT_MANAGER_LOGGER",
     "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR",
@@ -43,5 +63,11 @@ __all__ = [
     "RunningState",
     "TaskContext",
     "WorkerGroupStartupTimeoutError",
+    "_internal_kv_get",
+    "_internal_kv_put",
+    "gcs_state",
+    "get_cluster_resource_state",
+    "internal_kv_get_gcs_client",
+    "is_autoscaler_v2",
     "train_context",
 ]

@@ -22,7 +22,7 @@ import torch
 
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.config import InferConfig
-from pipeline.core.errors import InputError
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.plots import plot_confusion
 from pipeline.core.storage import Location
@@ -39,7 +39,14 @@ from pipeline.infer.predictions import (
 from pipeline.model.checkpoint import METADATA, read_meta
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import load_model
-from pipeline.model.runs import RUN_SUMMARY, SCORE, SNAPSHOT, best_checkpoint, load_result
+from pipeline.model.runs import (
+    RUN_SUMMARY,
+    SCORE,
+    SNAPSHOT,
+    best_checkpoint,
+    load_result,
+    training_since,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,15 @@ def resolve_checkpoint(model: Location) -> Location:
                 f"run {model.uri} has not finished training (no {RUN_SUMMARY}): let its train "
                 "job finish (submitting it again resumes it), or pass one checkpoint directory "
                 f"as model={model.uri}/epoch_NNNN"
+            )
+        since = training_since(model)
+        if since is not None:
+            # Retention may delete the best checkpoint of now while the run trains on.
+            raise ConfigError(
+                f"model={model.uri} is a run that a train job has been training again since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(since))}: its best "
+                "checkpoint is not settled yet. Run inference once that job has finished, or "
+                f"pass one checkpoint directory as model={model.uri}/epoch_NNNN"
             )
         result = load_result(model)
         if not result.best_checkpoints:
@@ -164,13 +180,12 @@ class Predictor:
 
 def wait_for_gpu(timeout_s: float) -> int:
     """GPUs in the cluster, waiting up to `timeout_s` for an autoscaler to add one."""
-    have = wait_for_capacity(
+    return wait_for_capacity(
         {"GPU": 1},
         timeout_s,
         asked="use_gpu=true",
         fix="run on a cluster with GPU nodes or set use_gpu=false",
     )
-    return have["GPU"]
 
 
 # --- batch -------------------------------------------------------------------------------------
@@ -201,13 +216,13 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
         # (torch threads = cpus_per_actor): a separate decoding stage would need CPUs that the
         # actors hold, and decoding is a few percent of a CPU forward pass.
         cpus = cfg.cpus_per_actor
-        have = wait_for_capacity(
+        fits = wait_for_capacity(
             {"CPU": cpus},
             cfg.capacity_timeout_s,
             asked=f"cpus_per_actor={cpus}",
             fix="lower cpus_per_actor",
         )
-        actors = min(cfg.num_actors, have["CPU"] // cpus)
+        actors = min(cfg.num_actors, fits)
         per_actor = {"num_cpus": cpus}
         predictor |= {"decode_size": meta.image_size, "threads": cpus}
     # As many actors as the cluster holds now, growing up to num_actors as nodes join.

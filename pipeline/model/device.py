@@ -43,6 +43,21 @@ class DevicePolicy:
         # A disabled scaler passes losses and steps through: one code path for every precision.
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
 
+    def load_scaler(self, state: dict) -> bool:
+        """Restore the grad scaler from a checkpoint's `state`; False where that has none to
+        give and fp16 trains here with a new scaler.
+
+        `precision=auto` picks by hardware, so a run trained in bf16 or fp32 (an A100, a CPU)
+        resumes in fp16 on an older GPU, from a checkpoint whose scaler was disabled: its state
+        is empty. A new scaler is sound there, as at the start of every fp16 run: the weights
+        and the optimizer's state are fp32, and the scaler finds its scale in the first steps,
+        skipping those whose gradients overflow. A run trained in fp16 and resumed in another
+        precision has a disabled scaler here, which ignores the state."""
+        if self.scaler.is_enabled() and not state:
+            return False
+        self.scaler.load_state_dict(state)
+        return True
+
     @property
     def channels_last(self) -> bool:
         return self.device.type == "cuda"

@@ -2,7 +2,8 @@
 
 epoch_0007/                       a checkpoint (pipeline.model.checkpoint)
 checkpoint_manager_snapshot.json  Ray Train's record of the run's checkpoints and their metrics
-summary.json                      written last: a run with it has finished
+summary.json                      written last: a run with it has finished, unless it says
+                                  "training" (a train job trains it again)
 history.csv, curves.png           one row per epoch; loss and accuracy curves
 """
 
@@ -13,6 +14,7 @@ import io
 import json
 import logging
 import posixpath
+import time
 
 import ray.train
 
@@ -27,6 +29,7 @@ from pipeline.model.checkpoint import CheckpointMeta, read_meta
 SCORE = "val_accuracy"  # what "best checkpoint" means, for retention and for inference
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 RUN_SUMMARY = "summary.json"
+TRAINING = "training"  # the status of a run's summary while a train job trains it
 HISTORY_CSV = "history.csv"
 CURVES_PNG = "curves.png"
 
@@ -67,6 +70,22 @@ def latest_checkpoint(run_dir: Location) -> Location | None:
     return in_run(run_dir, result.checkpoint) if result.checkpoint else None
 
 
+def mark_training(run_dir: Location) -> None:
+    """Replace a run's summary with one that says it is training, until `write_reports`.
+
+    Inference takes a run with a summary as finished and loads its best checkpoint; a run that
+    trains on (a resume with more epochs) may delete that checkpoint as better ones come, and
+    its old summary would name the checkpoints of before."""
+    status = {"run": run_dir.uri, "status": TRAINING, "since": time.time()}
+    run_dir.child(RUN_SUMMARY).write_bytes(json.dumps(status, indent=2).encode())
+
+
+def training_since(run_dir: Location) -> float | None:
+    """When a train job began to train the run again, if its summary says it is training."""
+    summary = json.loads(run_dir.child(RUN_SUMMARY).read_bytes())
+    return summary["since"] if summary.get("status") == TRAINING else None
+
+
 def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
     """summary.json (last), history.csv and curves.png in the run directory; returns the
     summary."""
@@ -76,6 +95,7 @@ def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
     history = read_meta(latest).history
     summary = {
         "run": run_dir.uri,
+        "status": "finished",
         "best_checkpoint": best.uri,
         "best_metrics": best_metrics,
         "latest_checkpoint": latest.uri,

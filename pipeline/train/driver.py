@@ -31,9 +31,11 @@ from pipeline.core.storage import Location, retry
 from pipeline.data.dataset import VERSIONS, Manifest, committed_versions, read_manifest
 from pipeline.model.checkpoint import CheckpointMeta, read_meta
 from pipeline.model.runs import (
+    RUN_SUMMARY,
     SCORE,
     check_resumable,
     latest_checkpoint,
+    mark_training,
     resume_changes,
     write_reports,
 )
@@ -142,6 +144,8 @@ def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
 
             check_pretrained(cfg.pretrained)
 
+    if run_dir.child(RUN_SUMMARY).exists():
+        mark_training(run_dir)  # until write_reports: inference must not take it as finished
     fit(cfg, manifest, dataset=dataset, runs=runs)
     return write_reports(run_dir, wall_time_s=time.monotonic() - started)
 

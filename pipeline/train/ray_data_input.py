@@ -7,8 +7,9 @@ The same transforms as the torch loader (`pipeline.train.augment`), the same exa
 validation (val split with `equal=False`: every image to exactly one rank), the same resume
 (by epoch, from the checkpoint).
 
-Shuffling: train blocks (row groups) are read in an order Ray Data randomizes, then rows are
-shuffled within a buffer of `SHUFFLE_BUFFER_BATCHES` batches on each worker, seeded per epoch.
+Shuffling: train blocks (row groups) are read in an order Ray Data randomizes anew each epoch,
+then rows are shuffled within a buffer of `SHUFFLE_BUFFER_BATCHES` batches on each worker,
+seeded per epoch.
 Train rows are split evenly over the ranks (Ray Data's `equal=True`), so every rank takes the
 same number of steps; that leaves out fewer rows than there are ranks each epoch.
 """
@@ -40,7 +41,11 @@ def datasets(manifest: Manifest, dataset: Location, *, augment: str, seed: int) 
     """The driver's `datasets=` for TorchTrainer: train decoded and augmented, val decoded."""
     quiet_ray_data()  # Ray Train hands this context to the actors that run the datasets
     size = manifest.image_size
-    train = read_split(dataset, manifest, "train").randomize_block_order(seed=seed)
+    # An integer seed gives every epoch the same block order; this one is reseeded per
+    # execution (each epoch's pass over the split), so the order changes and still repeats
+    # for a run started with the same seed.
+    every_epoch = ray.data.RandomSeedConfig(seed=seed, reseed_after_execution=True)
+    train = read_split(dataset, manifest, "train").randomize_block_order(seed=every_epoch)
     train = train.map_batches(
         decode_batch, fn_kwargs={"augment": augment, "image_size": size}, batch_size=DECODE_BATCH
     )

@@ -8,7 +8,8 @@ background thread while it decodes the rows before, and holds only a few groups:
 grow with the dataset, and the bytes read per epoch stay close to the split's size (only a group
 that straddles two processes' runs is read by both). Train rows then pass through a shuffle
 buffer of a few groups, so each batch mixes rows of several groups; preprocessing writes shards
-in hash order, so every group already mixes the classes.
+in hash order, so every group already mixes the classes. Augmentation draws differ per rank,
+DataLoader process and epoch, and repeat for the same seed (`Augment`).
 """
 
 from __future__ import annotations
@@ -177,16 +178,16 @@ class RowGroupStream(IterableDataset):
         if self.shuffle:
             rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{process}")
             rows = shuffled(rows, self.shuffle_rows, rng)
+        augment = Augment(self.transform, f"{self.seed}/{self.epoch}/{self.rank}/{process}")
         images, labels = [], []
         for data, label in rows:
-            image = v2.functional.pil_to_tensor(decode_image(data))
-            images.append(self.transform(image) if self.transform is not None else image)
+            images.append(v2.functional.pil_to_tensor(decode_image(data)))
             labels.append(label)
             if len(images) == self.batch_size:
-                yield torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+                yield torch.stack(augment(images)), torch.tensor(labels, dtype=torch.int64)
                 images, labels = [], []
         if images:
-            yield torch.stack(images), torch.tensor(labels, dtype=torch.int64)
+            yield torch.stack(augment(images)), torch.tensor(labels, dtype=torch.int64)
 
     def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int]]:
         """Rows [lo, hi) of one row group: encoded images and labels."""
@@ -248,6 +249,30 @@ DONE = object()
 @dataclass
 class Failed:
     error: BaseException
+
+
+class Augment:
+    """`transform` (or none) on a list of images, with random draws of its own, from `key`.
+
+    torchvision's transforms draw from torch's global generator. Every rank seeds that alike,
+    for the model's initial weights that DDP needs equal, and a DataLoader seeds its processes
+    from it: each rank would crop and flip its images as every other rank does. A generator
+    state per (seed, epoch, rank, process) makes the draws differ between them, and repeat for
+    the same run, without moving the global generator that training draws from."""
+
+    def __init__(self, transform, key: str):
+        self.transform = transform
+        seed = random.Random(f"augment/{key}").getrandbits(63)
+        self.state = torch.Generator().manual_seed(seed).get_state()
+
+    def __call__(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.transform is None:
+            return images
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.state)
+            out = [self.transform(image) for image in images]
+            self.state = torch.get_rng_state()
+        return out
 
 
 def shuffled(rows, capacity: int, rng: random.Random):

@@ -258,7 +258,12 @@ def train_loop_per_worker(config: dict) -> None:
     optimizer, scheduler = build_optimizer(model, cfg)
     if train_state:
         restore_optimizer(optimizer, scheduler, train_state, cfg)
-        policy.scaler.load_state_dict(train_state["scaler"])
+        if not policy.load_scaler(train_state["scaler"]) and rank == 0:
+            log.info(
+                "the checkpoint trained without fp16 (precision=%s picked another on its "
+                "hardware): fp16 here starts with a new grad scaler",
+                cfg.precision,
+            )
 
     train_loader, val_loader = loaders(w, device)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
