@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import uuid
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -125,12 +124,6 @@ def read_manifest(root: Location) -> Manifest | None:
             f"{SCHEMA_VERSION}: re-run preprocessing with overwrite=true"
         )
     return manifest
-
-
-def new_version() -> str:
-    """A version's name: its job's start time first, so names sort by start."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return f"{now:%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
 
 
 def check_replaceable(root: Location, *, overwrite: bool) -> None:
