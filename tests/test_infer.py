@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import checkpoint_meta, make_image_folder
+from helpers import (
+    CLASSES,
+    armed_runtime_env,
+    checkpoint_meta,
+    held_worker,
+    in_background,
+    make_image_folder,
+)
 
 from jobs.infer import main as infer_main
+from pipeline.core import faults
 from pipeline.core.config import InferConfig, load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
@@ -31,9 +41,9 @@ from pipeline.model.runs import RUN_SUMMARY
 pytestmark = pytest.mark.slow
 
 
-def infer_job(cluster, *overrides):
+def infer_job(cluster, *overrides, **submit):
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600)
+    return cluster.submit(args, capture=True, timeout_s=600, **submit)
 
 
 def committed(out: Path) -> dict[str, bytes]:
@@ -122,6 +132,46 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
     assert committed(out) == before
     assert read_predictions(str(out)).num_rows == 119
     assert len(list((out / VERSIONS).iterdir())) == 2
+
+
+@pytest.fixture(scope="module")
+def untrained_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of the helpers' three classes, never trained: a job's worth of work in
+    seconds, where what is tested is where the predictions go."""
+    path = tmp_path_factory.mktemp("untrained")
+    torch.manual_seed(0)
+    meta = checkpoint_meta(classes=list(CLASSES))
+    save_checkpoint(path, build_model(len(CLASSES)).eval().state_dict(), meta, {})
+    return path
+
+
+def test_a_job_killed_at_its_commit_point_leaves_the_previous_output(
+    cluster_2cpu, untrained_checkpoint, tmp_path
+):
+    make_image_folder(tmp_path / "images", per_class=2, corrupt=False)
+    out = tmp_path / "out"
+    args = (f"model={untrained_checkpoint}", f"input={tmp_path / 'images'}", f"output={out}")
+    proc = infer_job(cluster_2cpu, *args)
+    assert proc.returncode == 0, proc.stdout
+    before = committed(out)
+    previous = json.loads(before[SUMMARY])["version"]
+
+    (tmp_path / "fault").mkdir()
+    runtime_env, marker = armed_runtime_env(tmp_path / "fault", faults.PREDICTIONS_WRITTEN)
+    job = in_background(infer_job, cluster_2cpu, *args, runtime_env=runtime_env)
+    pid = held_worker(marker, job)  # the job's driver, its version whole, summary.json not yet
+    (held,) = {p.name for p in (out / VERSIONS).iterdir()} - {previous}
+    assert sorted(p.name for p in (out / VERSIONS / held).iterdir()) == sorted(
+        [MARKER, CONFUSION_PNG, PREDICTIONS]
+    )
+    assert committed(out) == before
+    os.kill(pid, signal.SIGKILL)
+    proc = job.result()
+    assert proc.returncode != 0, proc.stdout
+    # Readers see the previous run whole; the killed run's version is left to retention.
+    assert committed(out) == before
+    assert read_predictions(str(out)).num_rows == 6
+    assert {p.name for p in (out / VERSIONS).iterdir()} == {previous, held}
 
 
 def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
