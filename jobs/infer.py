@@ -3,9 +3,10 @@
        model=s3://bucket/runs/resnet18-lite input=s3://bucket/food101 output=s3://bucket/preds
 
 Classify a preprocessed dataset split or an image folder with the best checkpoint of a training
-run (or a given checkpoint), on Ray Data; writes predictions.parquet/ and summary.json (accuracy,
-per-class precision and recall, confusion matrix when labels are known) to output. Given one
-image file as input, prints its top-k classes as JSON instead. Exit codes: 0 done, 1 unusable
+run (or a given checkpoint), on Ray Data; writes the predictions as a new version below output
+and commits it with output/summary.json (accuracy, per-class precision and recall, confusion
+matrix when labels are known, the files that hold the predictions). Given one image file as
+input, prints its top-k classes as JSON instead. Exit codes: 0 done, 1 unusable
 input (run, checkpoint, images), 2 invalid config, 3 the cluster cannot run it (no GPU for
 use_gpu=true, fewer CPUs than cpus_per_actor).
 """
@@ -46,7 +47,8 @@ def main(cfg: InferConfig) -> str:
         len(summary["skipped"]),
         "" if accuracy is None else f", accuracy {accuracy:.4f}",
     )
-    return f"predictions: {output.child(predictions.PREDICTIONS).uri}"
+    placed = output.child(summary["predictions"]).uri
+    return f"predictions: {placed} (committed by {output.child(predictions.SUMMARY).uri})"
 
 
 if __name__ == "__main__":

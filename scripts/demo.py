@@ -12,7 +12,7 @@ import sys
 import time
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from pipeline.infer.predictions import CONFUSION_PNG, PREDICTIONS, SUMMARY
+from pipeline.infer.predictions import SUMMARY
 from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
 
 OUTPUT = BUNDLE_ROOT / "outputs" / "demo"
@@ -60,10 +60,11 @@ def main() -> int:
         f"(epoch {best['epoch']}, val accuracy {best['val_accuracy']:.3f})"
     )
     infer = json.loads((predictions / SUMMARY).read_text())
-    print(f"Inference:       {predictions / PREDICTIONS}")
+    print(f"Inference:       {predictions / infer['predictions']}")
     print(
         f"  {infer['images']} val images, accuracy {infer['accuracy']:.3f}, "
-        f"{infer['images_per_s']:.0f} images/s ({SUMMARY}, {CONFUSION_PNG})"
+        f"{infer['images_per_s']:.0f} images/s ({predictions / SUMMARY}, "
+        f"{predictions / infer['confusion_matrix_png']})"
     )
     print(f"Total: {time.monotonic() - started:.0f} s")
     return 0

@@ -10,7 +10,6 @@ import shlex
 import sqlite3
 from concurrent.futures import Future
 
-import pyarrow.parquet as pq
 import pytest
 from helpers import in_background, wait_for
 
@@ -19,7 +18,7 @@ from harness.cluster import BUNDLE_ROOT
 from jobs.submit import STEPS, step_command
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
-from pipeline.infer.predictions import PREDICTIONS, SUMMARY
+from pipeline.infer.predictions import SUMMARY, VERSIONS, read_predictions, read_summary
 from pipeline.model.runs import RUN_SUMMARY
 
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]
@@ -135,8 +134,7 @@ def test_the_dag_runs_the_chain_on_a_ray_cluster_with_s3(chain, cluster_2cpu):
     assert run.child(RUN_SUMMARY).exists()
     predictions = Location.parse(f"{ROOT}/predictions/airflow")
     assert predictions.child(SUMMARY).exists()
-    table = pq.read_table(predictions.child(PREDICTIONS).path, filesystem=dataset.fs)
-    assert table.num_rows == manifest.splits["val"].rows
+    assert read_predictions(predictions).num_rows == manifest.splits["val"].rows
 
 
 def test_clearing_and_rerunning_the_tasks_is_safe(chain, airflow):
@@ -156,11 +154,11 @@ def test_clearing_and_rerunning_the_tasks_is_safe(chain, airflow):
     assert f"run {ROOT}/runs/airflow is complete (2 epochs" in out
     assert read_manifest(dataset) == before
     assert sorted(i.path for i in run.list_files() if i.path.endswith("/model.pt")) == checkpoints
-    table = pq.read_table(predictions.child(PREDICTIONS).path, filesystem=dataset.fs)
-    assert table.num_rows == before.splits["val"].rows
-    files = [i.path.removeprefix(predictions.path + "/") for i in predictions.list_files()]
-    assert SUMMARY in files
-    assert not [f for f in files if f.startswith("_staging")], files
+    assert read_predictions(predictions).num_rows == before.splits["val"].rows
+    # The rerun's version beside the one it replaced, which retention keeps; no other.
+    summary = read_summary(predictions)
+    versions = {i.base_name for i in predictions.child(VERSIONS).list_dirs()}
+    assert versions == {summary["version"], summary["previous_version"]}
 
 
 def test_a_failed_job_fails_its_task_with_the_jobs_exit_code(airflow):

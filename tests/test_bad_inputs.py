@@ -33,6 +33,7 @@ from pipeline.data.preprocess import process_items
 from pipeline.data.sources import FolderSource
 from pipeline.infer.batch import resolve_checkpoint
 from pipeline.infer.inputs import read_input
+from pipeline.infer.predictions import Tally, publish, start_version
 from pipeline.model.networks import check_pretrained
 from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
 from pipeline.train.driver import check_dataset, pick_dataset_version
@@ -131,6 +132,14 @@ def training_run(tmp_path, _):
     run.child(SNAPSHOT).write_bytes(b"{}")
     mark_training(run)
     resolve_checkpoint(run)
+
+
+def replaced_predictions(tmp_path, _):
+    # Two runs on one output; the newer, of another checkpoint, commits first.
+    output = Location.parse(str(tmp_path / "out"))
+    older, newer = start_version(output), start_version(output)
+    publish(output, newer, Tally.empty(1), {"checkpoint": "b", "input": "in"}, None)
+    publish(output, older, Tally.empty(1), {"checkpoint": "a", "input": "in"}, None)
 
 
 DROPPED = OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28")
@@ -297,6 +306,12 @@ CASES = [
         1,
         "model=<path> is neither a training run",
         checkpoint_of("run"),
+    ),
+    Case(
+        "an inference output another job replaced meanwhile, of another model or input",
+        1,
+        "<path> was replaced while this run was writing",
+        replaced_predictions,
     ),
     # The cluster or its storage: exit 3.
     Case(

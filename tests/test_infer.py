@@ -3,20 +3,37 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import torch
-from helpers import make_image_folder
+from helpers import (
+    CLASSES,
+    armed_runtime_env,
+    checkpoint_meta,
+    held_worker,
+    in_background,
+    make_image_folder,
+)
 
 from jobs.infer import main as infer_main
+from pipeline.core import faults
 from pipeline.core.config import InferConfig, load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.infer.batch import Classifier, resolve_checkpoint
-from pipeline.infer.predictions import CONFUSION_PNG, PREDICTIONS, SUMMARY
+from pipeline.infer.predictions import (
+    CONFUSION_PNG,
+    MARKER,
+    PREDICTIONS,
+    SUMMARY,
+    VERSIONS,
+    read_predictions,
+)
 from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.networks import build_model
 from pipeline.model.runs import RUN_SUMMARY
@@ -24,9 +41,16 @@ from pipeline.model.runs import RUN_SUMMARY
 pytestmark = pytest.mark.slow
 
 
-def infer_job(cluster, *overrides):
+def infer_job(cluster, *overrides, **submit):
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600)
+    return cluster.submit(args, capture=True, timeout_s=600, **submit)
+
+
+def committed(out: Path) -> dict[str, bytes]:
+    """What a reader of `out` finds: summary.json and the files it names, by path."""
+    summary = json.loads((out / SUMMARY).read_text())
+    named = [f["path"] for f in summary["files"]] + [summary["confusion_matrix_png"]]
+    return {path: (out / path).read_bytes() for path in [SUMMARY, *named]}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +74,11 @@ def val_predictions(cluster_2cpu, trained, tiny_dataset, tmp_path_factory):
     return out, proc
 
 
-def test_val_split_predictions_match_the_summary_and_training(val_predictions, trained):
+def test_val_split_predictions_match_the_summary_and_training(
+    val_predictions, trained, tiny_dataset
+):
     out, proc = val_predictions
-    table = pq.read_table(out / PREDICTIONS).to_pylist()
+    table = read_predictions(str(out)).to_pylist()
     summary = json.loads((out / SUMMARY).read_text())
     train_summary = json.loads((trained / RUN_SUMMARY).read_text())
     assert summary["checkpoint"] == train_summary["best_checkpoint"]
@@ -66,12 +92,19 @@ def test_val_split_predictions_match_the_summary_and_training(val_predictions, t
     assert sum(map(sum, cm)) == 119 and sum(cm[i][i] for i in range(4)) == round(recomputed * 119)
     assert all(r["top_k"][0] == r["pred"] and len(r["top_k"]) == 4 for r in table)
     assert all(abs(sum(r["top_k_prob"]) - 1) < 1e-3 for r in table)
-    assert (out / "confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
-    assert f"predictions: {out}/predictions.parquet" in proc.stdout
-    # Written by the pipeline's write tasks in parts, published whole, nothing left staged.
-    parts = sorted(p.name for p in (out / PREDICTIONS).iterdir())
-    assert len(parts) >= 3 and parts[0] == "part-00000.parquet"
-    assert sorted(p.name for p in out.iterdir()) == [CONFUSION_PNG, PREDICTIONS, SUMMARY]
+    assert summary["input"] == str(tiny_dataset)
+    assert (out / summary["confusion_matrix_png"]).read_bytes()[:4] == b"\x89PNG"
+    version = out / VERSIONS / summary["version"]
+    assert f"predictions: {version / PREDICTIONS} (committed by {out / SUMMARY})" in proc.stdout
+    # Written by the pipeline's write tasks in parts, straight into the run's own version:
+    # summary.json names every one, and nothing else is there.
+    parts = sorted(p.name for p in (version / PREDICTIONS).iterdir())
+    assert len(parts) >= 3
+    assert [f["path"] for f in summary["files"]] == [
+        f"{VERSIONS}/{version.name}/{PREDICTIONS}/{p}" for p in parts
+    ]
+    assert sorted(p.name for p in out.iterdir()) == [SUMMARY, VERSIONS]
+    assert sorted(p.name for p in version.iterdir()) == sorted([MARKER, CONFUSION_PNG, PREDICTIONS])
     assert summary["driver_peak_rss_mib"] > 0 and summary["driver_cpu_s"] > 0
     # The demo config's one actor with both CPUs, decoding its own batches; start-up timed apart.
     assert "1 predictor actors with {'num_cpus': 2} each" in proc.stdout
@@ -85,7 +118,7 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
     # run fails partway, with predictions of other shards perhaps staged already.
     out = tmp_path / "out"
     shutil.copytree(val_predictions[0], out)
-    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    before = committed(out)
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dataset, broken)
     shards = sorted(broken.glob("data/*/val/*.parquet"))
@@ -95,11 +128,50 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
     )
     assert proc.returncode != 0
     assert "Parquet magic bytes not found" in proc.stdout, proc.stdout
-    after = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-    # Readers see the previous run whole; pyarrow skips `_staging` if a cancelled write task
-    # left a file there after the run cleared it.
-    assert {p: b for p, b in after.items() if "_staging" not in p.parts} == before
-    assert pq.read_table(out / PREDICTIONS).num_rows == 119
+    # Readers see the previous run whole; the failed run's own version is left to retention.
+    assert committed(out) == before
+    assert read_predictions(str(out)).num_rows == 119
+    assert len(list((out / VERSIONS).iterdir())) == 2
+
+
+@pytest.fixture(scope="module")
+def untrained_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of the helpers' three classes, never trained: a job's worth of work in
+    seconds, where what is tested is where the predictions go."""
+    path = tmp_path_factory.mktemp("untrained")
+    torch.manual_seed(0)
+    meta = checkpoint_meta(classes=list(CLASSES))
+    save_checkpoint(path, build_model(len(CLASSES)).eval().state_dict(), meta, {})
+    return path
+
+
+def test_a_job_killed_at_its_commit_point_leaves_the_previous_output(
+    cluster_2cpu, untrained_checkpoint, tmp_path
+):
+    make_image_folder(tmp_path / "images", per_class=2, corrupt=False)
+    out = tmp_path / "out"
+    args = (f"model={untrained_checkpoint}", f"input={tmp_path / 'images'}", f"output={out}")
+    proc = infer_job(cluster_2cpu, *args)
+    assert proc.returncode == 0, proc.stdout
+    before = committed(out)
+    previous = json.loads(before[SUMMARY])["version"]
+
+    (tmp_path / "fault").mkdir()
+    runtime_env, marker = armed_runtime_env(tmp_path / "fault", faults.PREDICTIONS_WRITTEN)
+    job = in_background(infer_job, cluster_2cpu, *args, runtime_env=runtime_env)
+    pid = held_worker(marker, job)  # the job's driver, its version whole, summary.json not yet
+    (held,) = {p.name for p in (out / VERSIONS).iterdir()} - {previous}
+    assert sorted(p.name for p in (out / VERSIONS / held).iterdir()) == sorted(
+        [MARKER, CONFUSION_PNG, PREDICTIONS]
+    )
+    assert committed(out) == before
+    os.kill(pid, signal.SIGKILL)
+    proc = job.result()
+    assert proc.returncode != 0, proc.stdout
+    # Readers see the previous run whole; the killed run's version is left to retention.
+    assert committed(out) == before
+    assert read_predictions(str(out)).num_rows == 6
+    assert {p.name for p in (out / VERSIONS).iterdir()} == {previous, held}
 
 
 def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
@@ -115,7 +187,7 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
     reasons = {s["source_id"]: s["reason"] for s in summary["skipped"]}
     assert reasons.keys() == bad.keys()
     assert all(reasons[f].startswith(why) for f, why in bad.items())
-    rows = pq.read_table(out / PREDICTIONS).to_pylist()
+    rows = read_predictions(str(out)).to_pylist()
     assert len(rows) == summary["images"] == 3 * 4
 
     # One image on its own, through a single Ray task: the same top-1 as the batch path.
@@ -181,8 +253,6 @@ def test_bad_model_and_input_paths_are_clear_errors(trained, tiny_dataset, tmp_p
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_classifier_agrees_with_cpu(tmp_path):
-    from helpers import checkpoint_meta
-
     torch.manual_seed(0)
     save_checkpoint(tmp_path, build_model(3).eval().state_dict(), checkpoint_meta(), {})
     pixels = np.random.default_rng(0).integers(0, 256, (8, 3, 32, 32), dtype=np.uint8)

@@ -18,7 +18,14 @@ from jobs.submit import STEPS, step_command
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
-from pipeline.infer.predictions import PREDICTIONS, SUMMARY
+from pipeline.infer.predictions import (
+    CONFUSION_PNG,
+    MARKER,
+    PREDICTIONS,
+    SUMMARY,
+    VERSIONS,
+    read_predictions,
+)
 from pipeline.model.runs import HISTORY_CSV, RUN_SUMMARY, SNAPSHOT
 
 pytestmark = pytest.mark.slow
@@ -176,11 +183,16 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     assert result["checkpoint"] == summary["best_checkpoint"]
     assert result["images"] == val_rows
     assert result["accuracy"] == pytest.approx(summary["best_metrics"]["val_accuracy"], abs=1e-6)
-    table = pq.read_table(predictions.child(PREDICTIONS).path, filesystem=s3)
+    table = read_predictions(predictions)
     assert table.num_rows == val_rows
+    # In parts, in the run's own version, and nothing else: no file was moved or left over.
+    version = f"{VERSIONS}/{result['version']}"
+    parts = [f["path"] for f in result["files"]]
+    assert len(parts) >= 2 and all(p.startswith(f"{version}/{PREDICTIONS}/part-") for p in parts)
     files = [i.path.removeprefix(predictions.path + "/") for i in predictions.list_files()]
-    assert sum(f.startswith(f"{PREDICTIONS}/part-") for f in files) >= 2, files
-    assert not [f for f in files if f.startswith("_staging")], files
+    assert sorted(files) == sorted(
+        [SUMMARY, f"{version}/{MARKER}", f"{version}/{CONFUSION_PNG}", *parts]
+    )
 
     # The same model on the same images, written to local disk: the same predictions.
     local = tmp_path / "predictions"
@@ -188,7 +200,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     args += [f"model={run.uri}", f"input={dataset.uri}", f"output={local}", pin]
     proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
     assert proc.returncode == 0, proc.stdout
-    here, there = (t.sort_by("source_id") for t in (pq.read_table(local / PREDICTIONS), table))
+    here, there = (t.sort_by("source_id") for t in (read_predictions(str(local)), table))
     assert here.drop_columns("top_k_prob") == there.drop_columns("top_k_prob")
     assert np.allclose(
         np.array(here["top_k_prob"].to_pylist()),

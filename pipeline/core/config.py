@@ -343,7 +343,9 @@ class InferConfig(_Strict):
         description="The dataset version to read (a name in <input>/versions/); default: newest.",
     )
     output: AbsolutePathOrURI | None = Field(
-        None, description="Directory for predictions.parquet/ and summary.json (not for one image)."
+        None,
+        description="Directory for summary.json and versions/, which holds the predictions "
+        "(not for one image).",
     )
     top_k: int = Field(5, ge=1, description="Most likely classes kept per image.")
     # Rows wait in the object store until a file's worth has been predicted, and blocks under
@@ -353,8 +355,7 @@ class InferConfig(_Strict):
     rows_per_file: int = Field(
         10_000,
         ge=1,
-        description="Predictions per Parquet file in predictions.parquet/ (each write task's "
-        "last file holds the rest).",
+        description="Predictions per Parquet file (each write task's last file holds the rest).",
     )
     batch_size: int = Field(64, ge=1, description="Images per model call.")
     use_gpu: bool = Field(False, description="One GPU per predictor actor, mixed precision.")

@@ -6,7 +6,8 @@ process to reach the armed point writes its pid to `<directory>/<point>` and blo
 killed, or until the test releases it (to let a held writer go on when it chooses). The file
 stays, so the workers that replace a killed one pass the point: a fresh directory per job. The
 checkpoint points are on rank 0's path only, as rank 0 alone attaches checkpoints; the dataset
-points are in the preprocess job's driver. Unarmed, a point is one environment lookup.
+points are in the preprocess job's driver, the predictions points in the infer job's. Unarmed,
+a point is one environment lookup.
 """
 
 from __future__ import annotations
@@ -34,7 +35,19 @@ CHECKPOINT_REPORTED = "checkpoint_reported"
 DATASET_WRITTEN = "dataset_written"
 # The new manifest is in place, the datasets it replaced not yet removed.
 DATASET_COMMITTED = "dataset_committed"
-POINTS = (CHECKPOINT_UPLOADED, CHECKPOINT_REPORTED, DATASET_WRITTEN, DATASET_COMMITTED)
+# An inference run's version directory is whole (parts, confusion matrix), the summary.json that
+# would name it not yet written: the commit point.
+PREDICTIONS_WRITTEN = "predictions_written"
+# summary.json names the new version; the versions that retention lets go are not yet removed.
+PREDICTIONS_COMMITTED = "predictions_committed"
+POINTS = (
+    CHECKPOINT_UPLOADED,
+    CHECKPOINT_REPORTED,
+    DATASET_WRITTEN,
+    DATASET_COMMITTED,
+    PREDICTIONS_WRITTEN,
+    PREDICTIONS_COMMITTED,
+)
 # A held process goes on once `<marker>` + RELEASE exists (harness.faults.release writes it).
 RELEASE = ".release"
 

@@ -8,11 +8,13 @@ pass and gives up at once on what cannot (a missing file, a denied request).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import posixpath
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -65,6 +67,27 @@ def retry(call: Callable[[], T], what: str) -> T:
             )
             time.sleep(wait)
     raise AssertionError("unreachable")
+
+
+# A version's name begins with its writer's start time (UTC), so that names sort by start.
+VERSION_TIME = "%Y%m%dT%H%M%S%fZ"
+
+
+def new_version(now: datetime.datetime | None = None) -> str:
+    """A version's name: the start time `now` (default: the current time), then a short uuid
+    that keeps two writers started in the same microsecond apart."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    return f"{now:{VERSION_TIME}}-{uuid.uuid4().hex[:8]}"
+
+
+def version_started(name: str) -> datetime.datetime | None:
+    """When the writer of version `name` started; None if the name is not one new_version makes."""
+    try:
+        return datetime.datetime.strptime(name.partition("-")[0], VERSION_TIME).replace(
+            tzinfo=datetime.timezone.utc
+        )
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

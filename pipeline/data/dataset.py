@@ -27,7 +27,6 @@ import datetime
 import itertools
 import json
 import logging
-import uuid
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -158,12 +157,6 @@ def read_manifest(root: Location, version: str | None = None) -> Manifest | None
             f"{SCHEMA_VERSION}: re-run preprocessing with overwrite=true"
         )
     return manifest
-
-
-def new_version() -> str:
-    """A version's name: its job's start time first, so names sort by start."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return f"{now:%Y%m%dT%H%M%S%fZ}-{uuid.uuid4().hex[:8]}"
 
 
 def start_version(root: Location, version: str) -> None:

@@ -19,7 +19,7 @@ import ray
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.config import PreprocessConfig, dump_config, validate_config
 from pipeline.core.errors import ClusterError, InputError
-from pipeline.core.storage import Location, is_transient
+from pipeline.core.storage import Location, is_transient, new_version
 from pipeline.data.dataset import (
     DATA,
     SPLITS,
@@ -29,7 +29,6 @@ from pipeline.data.dataset import (
     SplitInfo,
     check_replaceable,
     commit,
-    new_version,
     read_manifest,
     remove_expired,
     start_version,

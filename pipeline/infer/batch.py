@@ -2,8 +2,9 @@
 
 read (Parquet rows or image files) -> prepare (decode, resize + center crop to the checkpoint's
 image size: the very functions preprocessing used) -> predict (an actor pool; each actor loads
-the model once, on its GPU with use_gpu) -> write (Parquet parts staged by Ray Data write tasks,
-pipeline.infer.predictions) -> the driver publishes the parts and summary.json once all are written.
+the model once, on its GPU with use_gpu) -> write (Parquet parts written by Ray Data write tasks
+into a new version of the output, pipeline.infer.predictions) -> the driver commits that version
+with summary.json once all are written.
 One image file instead goes through a single Ray task and is printed: the quick check.
 """
 
@@ -13,7 +14,6 @@ import logging
 import math
 import resource
 import time
-import uuid
 
 import numpy as np
 import ray
@@ -29,12 +29,14 @@ from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError, decode_image, resize_center_crop
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import (
-    STAGING,
+    PREDICTIONS,
+    VERSIONS,
     WRITE_TASKS,
     PredictionSink,
     Tally,
     batch_table,
     publish,
+    start_version,
 )
 from pipeline.model.checkpoint import METADATA, read_meta
 from pipeline.model.device import DevicePolicy, pick_precision
@@ -193,7 +195,8 @@ def wait_for_gpu(timeout_s: float) -> int:
 
 def infer(cfg: InferConfig, *, model: Location, source: Location, output: Location) -> dict:
     """Classify `source` (a dataset or an image folder) with `model` (a run or a checkpoint)
-    into `output`; return the summary (Ray initialised)."""
+    into a new version at `output`; return the summary in place (Ray initialised): this run's,
+    or that of a run started after it with the same checkpoint and input, committed first."""
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
     quiet_ray_data()
@@ -242,29 +245,24 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
         **per_actor,
     )
 
-    # Leftovers of interrupted runs are garbage: one writer per output at a time.
-    staging_root = output.child(STAGING)
-    staging_root.delete()
+    # This run writes below versions/<version>/ only, and publish commits that.
+    version = start_version(output)
     sink = PredictionSink(
-        staging_root.child(uuid.uuid4().hex[:12]),
+        output.child(VERSIONS, version, PREDICTIONS),
         num_classes=len(meta.classes),
         rows_per_file=cfg.rows_per_file,
     )
     # Wall clock, not monotonic: the batches are stamped in the actors' processes.
     started = time.time()
-    try:
-        # The write tasks take no CPU, like the reads: on CPUs the actors hold every one.
-        ds.write_datasink(sink, ray_remote_args={"num_cpus": 0}, concurrency=WRITE_TASKS)
-        seconds = time.time() - started
-        summary = summarize(meta, checkpoint, sink.tally, started, seconds)
-        png = None
-        if "confusion_matrix" in summary:
-            png = plot_confusion(summary["confusion_matrix"], meta.classes)
-        summary |= driver_usage()  # last but the moves: everything the driver did counts
-        publish(output, sink.tally, summary, png)
-    finally:
-        staging_root.delete()
-    return summary
+    # The write tasks take no CPU, like the reads: on CPUs the actors hold every one.
+    ds.write_datasink(sink, ray_remote_args={"num_cpus": 0}, concurrency=WRITE_TASKS)
+    seconds = time.time() - started
+    summary = summarize(meta, checkpoint, source, sink.tally, started, seconds)
+    png = None
+    if "confusion_matrix" in summary:
+        png = plot_confusion(summary["confusion_matrix"], meta.classes)
+    summary |= driver_usage()  # last but the commit: everything the driver did counts
+    return publish(output, version, sink.tally, summary, png)
 
 
 def driver_usage() -> dict:
@@ -277,9 +275,12 @@ def driver_usage() -> dict:
     }
 
 
-def summarize(meta, checkpoint: Location, tally: Tally, started: float, seconds: float) -> dict:
+def summarize(
+    meta, checkpoint: Location, source: Location, tally: Tally, started: float, seconds: float
+) -> dict:
     summary = {
         "checkpoint": checkpoint.uri,
+        "input": source.uri,
         "classes": meta.classes,
         "images": tally.images,
         "seconds": seconds,

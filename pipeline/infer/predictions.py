@@ -1,25 +1,50 @@
-"""Predictions on storage: Parquet parts staged by Ray Data write tasks, committed by the driver.
+"""Predictions on storage: every run writes a version of its own, and summary.json commits one.
 
 Layout of `<output>/`:
-    predictions.parquet/part-00000.parquet, ...   PREDICTION_SCHEMA; `pq.read_table` of the
-                                                  directory reads them all
-    confusion_matrix.png                          with labels
-    summary.json                                  written last: a reader that finds it finds
-                                                  complete predictions
-    _staging/<run>/...                            a run in progress (pyarrow and Ray Data ignore
-                                                  `_` paths)
+    summary.json                              the commit point: the run's summary, and where its
+                                              predictions are (`version`, `predictions`, `files`,
+                                              `confusion_matrix_png`: paths relative to output)
+    versions/<version>/_version.json          written first: marks the directory as the bundle's
+    versions/<version>/predictions.parquet/part-*.parquet    PREDICTION_SCHEMA
+    versions/<version>/confusion_matrix.png   with labels
 
-The predictor actors hand each batch on as a table; write tasks append it to a staged part and
-return a `Tally`: the part's path and rows, a confusion matrix of counts and the files skipped.
-The driver sums the tallies and moves the parts into place, so no prediction passes through it
-and its memory does not grow with the input. This module imports no torch: the write tasks take
-no CPU and must start in a moment, like the reads (pipeline.infer.inputs).
+A reader reads summary.json, then exactly the files it names (`read_predictions`): beside them
+may lie the versions of earlier runs, of a run that failed, or of one still writing.
+
+Writing. A run names its version by its start time (UTC) and a short uuid, so names sort by
+start. It writes the marker, then its write tasks write the parts straight into place: no moves,
+which on an object store are a copy and a delete, neither atomic nor safe to retry. The driver
+commits by writing summary.json, one atomic write (a rename on local disk, a single PUT on an
+object store). A run that fails at any moment before that write leaves the previous output as it
+was, whole; its own directory is left to retention.
+
+Two runs on one output. Each writes only below its own version; the newest start wins. Just
+before its commit a run reads summary.json, and if that names a newer version, the run removes
+its own directory instead of committing. Between that read and its write (milliseconds) another
+run can commit, and then whichever writes last stands: whole, but perhaps the older. Closing
+that window needs a conditional write, which pyarrow's filesystems do not offer.
+
+Retention, after each commit: a version directory goes only if it holds the marker, is neither
+the committed version nor the one it replaced (`previous_version`), started before the
+committed version (a newer one may still be writing) and more than KEEP_HOURS ago (a reader may
+still be reading it). Without the marker nothing is touched: a user's files in output stay. A
+run that started more than KEEP_HOURS before a newer one committed could not win anyway: its
+directory may go while it writes, and it then fails at its commit.
+
+The predictor actors hand each batch on as a table; write tasks append it to a part and return
+a `Tally`: the part's path and rows, a confusion matrix of counts and the files skipped. The
+driver sums the tallies, so no prediction passes through it and its memory does not grow with
+the input. This module imports no torch: the write tasks take no CPU and must start in a moment,
+like the reads (pipeline.infer.inputs).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import logging
 import math
+import posixpath
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,10 +56,22 @@ import pyarrow.parquet as pq
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import Datasink, WriteResult
 
-from pipeline.core.storage import Location, retry
+from pipeline.core import faults
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location, new_version, retry, version_started
 
-PREDICTIONS, SUMMARY, CONFUSION_PNG = "predictions.parquet", "summary.json", "confusion_matrix.png"
-STAGING = "_staging"
+log = logging.getLogger(__name__)
+
+SUMMARY, VERSIONS, MARKER = "summary.json", "versions", "_version.json"
+PREDICTIONS, CONFUSION_PNG = "predictions.parquet", "confusion_matrix.png"
+# What a run that could read no image writes: still a table to read, of no rows.
+EMPTY_PART = "part-empty.parquet"
+# The summary's keys that make two runs' predictions the same: a run that finds the same
+# committed by a newer one has nothing to add.
+SAME = ("checkpoint", "input")
+# Retention keeps every version younger than this: a reader that read summary.json before a
+# commit or two may still be reading the version it named.
+KEEP_HOURS = 24
 
 # Write tasks at a time: each appends small tables to one file, so two keep up with any pool of
 # predictor actors, and more would only add idle worker processes.
@@ -94,12 +131,12 @@ def batch_table(
 
 @dataclass
 class Tally:
-    """What the driver needs to know of some predictions: counts and staged parts, not rows."""
+    """What the driver needs to know of some predictions: counts and written parts, not rows."""
 
     confusion: np.ndarray  # (C, C) int64, rows: true class, columns: predicted; labelled only
     images: int = 0  # predicted, labelled or not
     skipped: list[dict] = field(default_factory=list)  # {"source_id", "reason"}
-    parts: list[tuple[str, int]] = field(default_factory=list)  # (staged path, rows)
+    parts: list[tuple[str, int]] = field(default_factory=list)  # (path, rows)
     first_at: float = math.inf  # time.time() of the earliest predicted batch
     first_images: int = 0  # images predicted in that batch
 
@@ -140,12 +177,12 @@ class Tally:
 
 
 class PredictionSink(Datasink[Tally]):
-    """`ds.write_datasink(sink)`: write tasks stage Parquet parts of `rows_per_file` rows under
-    `staging` (each task's last part holds the rest); once every one has succeeded, `sink.tally`
-    holds their sum. Nothing is in place until `publish`."""
+    """`ds.write_datasink(sink)`: write tasks write Parquet parts of `rows_per_file` rows into
+    `directory`, a version's predictions.parquet/ (each task's last part holds the rest); once
+    every one has succeeded, `sink.tally` holds their sum. No reader sees them until `publish`."""
 
-    def __init__(self, staging: Location, *, num_classes: int, rows_per_file: int):
-        self.staging = staging
+    def __init__(self, directory: Location, *, num_classes: int, rows_per_file: int):
+        self.directory = directory
         self.num_classes = num_classes
         self.rows_per_file = rows_per_file
         self.tally: Tally | None = None
@@ -157,15 +194,15 @@ class PredictionSink(Datasink[Tally]):
     def write(self, blocks: Iterable[Block], ctx) -> Tally:
         tally = Tally.empty(self.num_classes)
         # A unique name per attempt: a retried task writes files of its own, and only the
-        # parts whose tallies reach the driver are published; the others go with the staging.
-        stem = f"{ctx.task_idx:06d}-{uuid.uuid4().hex[:8]}"
+        # parts whose tallies reach the driver are published; `publish` removes the others.
+        stem = f"part-{ctx.task_idx:06d}-{uuid.uuid4().hex[:8]}"
         writer, rows_in_file = None, 0
         try:
             for block in blocks:
                 rows = tally.add(BlockAccessor.for_block(block).to_arrow())
                 while rows.num_rows:
                     if writer is None:
-                        part = self.staging.child(f"{stem}-{len(tally.parts):04d}.parquet")
+                        part = self.directory.child(f"{stem}-{len(tally.parts):04d}.parquet")
                         part.create_parent()
                         writer = pq.ParquetWriter(part.path, PREDICTION_SCHEMA, filesystem=part.fs)
                         tally.parts.append((part.path, 0))
@@ -188,26 +225,142 @@ class PredictionSink(Datasink[Tally]):
             self.tally.merge(t)
 
 
-def publish(output: Location, tally: Tally, summary: dict, confusion_png: bytes | None) -> None:
-    """Move the staged parts into `output`, summary.json last.
+def start_version(output: Location) -> str:
+    """A new version at `output`: its name, its directory marked as the bundle's before anything
+    else is written in it."""
+    version = new_version()
+    marker = output.child(VERSIONS, version, MARKER)
+    marker.write_bytes(json.dumps({"version": version}).encode())
+    return version
 
-    From the old summary's removal to the new one's write, a reader finds no summary, so it
-    never takes a mix of two runs for complete predictions; object stores have no atomic
-    directory rename, hence this order."""
-    output.child(SUMMARY).delete()
-    target = output.child(PREDICTIONS)
-    target.delete()  # the previous run's directory, or the single file of older versions
-    retry(lambda: output.fs.create_dir(target.path, recursive=True), f"creating {target.uri}")
-    for i, (path, _) in enumerate(sorted(tally.parts)):
-        part = target.child(f"part-{i:05d}.parquet")
-        retry(lambda path=path, part=part: output.fs.move(path, part.path), f"moving {path}")
-    if not tally.parts:
-        # No image could be read: still a table to read, of no rows.
-        empty = PREDICTION_SCHEMA.empty_table()
-        part = target.child("part-00000.parquet")
-        retry(lambda: pq.write_table(empty, part.path, filesystem=part.fs), f"writing {part.uri}")
+
+def publish(
+    output: Location, version: str, tally: Tally, summary: dict, confusion_png: bytes | None
+) -> dict:
+    """Complete `version`, whose parts the write tasks put in place, and commit it by writing
+    summary.json; then remove the versions that retention lets go. If a newer version is
+    committed, remove this one instead, and fail unless the newer holds the same predictions
+    (SAME). Returns the summary in place."""
+    directory = output.child(VERSIONS, version)
+    target = directory.child(PREDICTIONS)
+    rows = dict(tally.parts)
+    if not rows:
+        empty = target.child(EMPTY_PART)
+        buffer = pa.BufferOutputStream()
+        pq.write_table(PREDICTION_SCHEMA.empty_table(), buffer)
+        empty.write_bytes(buffer.getvalue().to_pybytes())
+        rows = {empty.path: 0}
+    listed = {info.path for info in target.list_files()}
+    missing = sorted(rows.keys() - listed)
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} of the {len(rows)} parts the write tasks reported are missing from "
+            f"{target.uri}, {missing[0]} the first: nothing was committed"
+        )
+    for path in sorted(listed - rows.keys()):
+        target.child(posixpath.basename(path)).delete()  # an attempt's part that Ray retried
     if confusion_png is not None:
-        output.child(CONFUSION_PNG).write_bytes(confusion_png)
-    else:
-        output.child(CONFUSION_PNG).delete()
+        directory.child(CONFUSION_PNG).write_bytes(confusion_png)
+    faults.point(faults.PREDICTIONS_WRITTEN)
+
+    try:
+        current = read_summary(output) or {}
+    except InputError as e:
+        log.warning("%s; this run replaces it", e)
+        current = {}
+    standing = current.get("version") or ""
+    if standing > version:
+        directory.delete()
+        if any(current.get(k) != summary.get(k) for k in SAME):
+            raise InputError(
+                f"{output.uri} was replaced while this run was writing: version {standing}, "
+                f"started after this one ({version}), committed the predictions of "
+                f"{current.get('checkpoint')} on {current.get('input')} first, and stands. Run "
+                "one inference job per output at a time, or submit this one again to replace it"
+            )
+        log.warning("version %s of the same predictions, started later, stands", standing)
+        return current
+    summary = summary | {
+        "version": version,
+        "predictions": _relative(output, target.path),
+        "files": [{"path": _relative(output, p), "rows": rows[p]} for p in sorted(rows)],
+        "previous_version": standing or None,
+    }
+    if confusion_png is not None:
+        summary["confusion_matrix_png"] = _relative(output, directory.child(CONFUSION_PNG).path)
     output.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
+    faults.point(faults.PREDICTIONS_COMMITTED)
+    try:
+        remove_old_versions(output)
+    except OSError as e:
+        # The predictions are committed: a failed clean-up is the next run's to finish.
+        log.warning("removing old versions below %s failed: %s", output.uri, e)
+    return summary
+
+
+def _relative(output: Location, path: str) -> str:
+    assert path.startswith(output.path + "/"), (path, output.path)
+    return path[len(output.path) + 1 :]
+
+
+def read_summary(output: Location) -> dict | None:
+    """The summary committed at `output`; None where no run has committed."""
+    path = output.child(SUMMARY)
+    if not path.exists():
+        return None
+    try:
+        summary = json.loads(path.read_bytes())
+    except ValueError as e:  # not JSON, or not text at all
+        raise InputError(f"{path.uri} is not a summary this bundle wrote: {e}") from None
+    if not isinstance(summary, dict):
+        raise InputError(f"{path.uri} is not a summary this bundle wrote: not a JSON object")
+    return summary
+
+
+def read_predictions(output: Location | str) -> pa.Table:
+    """The predictions committed at `output` (a path or URI): the files its summary.json names,
+    in order, whatever else lies beside them."""
+    if isinstance(output, str):
+        output = Location.parse(output)
+    summary = read_summary(output)
+    if summary is None:
+        raise InputError(f"no predictions at {output.uri}: no inference run has committed there")
+    if "files" not in summary:
+        raise InputError(
+            f"{output.child(SUMMARY).uri} names no prediction files: an earlier version of the "
+            "bundle wrote it. Run inference again to replace it"
+        )
+    tables = []
+    for f in summary["files"]:
+        part = output.child(f["path"])
+        tables.append(
+            retry(lambda p=part: pq.read_table(p.path, filesystem=p.fs), f"reading {part.uri}")
+        )
+    return pa.concat_tables(tables)
+
+
+def remove_old_versions(output: Location, *, now: datetime.datetime | None = None) -> list[str]:
+    """Remove the version directories that retention lets go (the module's docstring says
+    which); return their names. `now` defaults to the current time."""
+    current = read_summary(output)
+    if current is None:
+        return []  # nothing committed: any version may be one still writing
+    committed = current.get("version") or ""
+    keep = {committed, current.get("previous_version")}
+    cutoff = (now or datetime.datetime.now(datetime.timezone.utc)) - datetime.timedelta(
+        hours=KEEP_HOURS
+    )
+    removed = []
+    for info in output.child(VERSIONS).list_dirs():
+        name = info.base_name
+        started = version_started(name)
+        if name in keep or name > committed or started is None or started > cutoff:
+            continue
+        directory = output.child(VERSIONS, name)
+        if not directory.child(MARKER).exists():
+            continue  # not the bundle's
+        directory.delete()
+        removed.append(name)
+    if removed:
+        log.info("removed %d old version(s) below %s", len(removed), output.child(VERSIONS).uri)
+    return removed
