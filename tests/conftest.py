@@ -36,11 +36,13 @@ EXIT_STATUS = pytest.StashKey[int]()
 
 
 def pytest_collection_modifyitems(config, items):
-    """For `make test`'s two processes (pytest-xdist, `--dist loadgroup`): every test on the
-    session's shared cluster in one process, so that it starts once; each other module's slow
-    tests together, as they share a module's cluster; unit tests wherever there is room."""
+    """For `make test`'s two processes (pytest-xdist, `--dist loadgroup`): every module with a
+    test on the session's shared cluster in one process, so that the cluster starts once and a
+    module's own fixtures (the Airflow venv) are made once; each other module's slow tests
+    together, as they share a module's cluster; unit tests wherever there is room."""
+    on_shared = {item.module for item in items if "cluster_2cpu" in item.fixturenames}
     for item in items:
-        if "cluster_2cpu" in item.fixturenames:
+        if item.module in on_shared:
             group = "cluster_2cpu"
         elif item.get_closest_marker("slow") or item.get_closest_marker("deploy"):
             group = item.module.__name__
