@@ -11,8 +11,8 @@ import ray
 
 from jobs.cli import job_main
 from pipeline.core.config import PreprocessConfig
+from pipeline.core.logs import CURRENT_DATASET_LINE
 from pipeline.core.storage import Location
-from pipeline.data.dataset import CURRENT_LINE
 
 log = logging.getLogger("jobs.preprocess")
 
@@ -29,7 +29,7 @@ def main(cfg: PreprocessConfig) -> None:
         "dataset at %s: %d classes, train %d, val %d, skipped %d",
         *(output.uri, len(manifest.classes), train.rows, val.rows, len(manifest.skipped)),
     )
-    log.info("%s%s", CURRENT_LINE, manifest.version)
+    log.info("%s%s", CURRENT_DATASET_LINE, manifest.version)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ import yaml
 
 from pipeline.core.config import InferConfig, PreprocessConfig, TrainConfig, keys_help, load_config
 from pipeline.core.errors import EXIT_CODES, ConfigError
-from pipeline.core.logs import setup_logging
-from pipeline.data.dataset import CURRENT_LINE
+from pipeline.core.logs import CURRENT_DATASET_LINE, setup_logging
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
 CONFIGS = {"preprocess": PreprocessConfig, "train": TrainConfig, "infer": InferConfig}
@@ -145,7 +144,7 @@ def pin_dataset(job: Job, version: str) -> Job:
 
 def committed_version(log_text: str) -> str | None:
     """The dataset version a preprocess job's log says it left current."""
-    found = [line.partition(CURRENT_LINE)[2].strip() for line in log_text.splitlines()]
+    found = [line.partition(CURRENT_DATASET_LINE)[2].strip() for line in log_text.splitlines()]
     return next((v for v in reversed(found) if v), None)
 
 

@@ -67,6 +67,13 @@ def test_training_driver_imports_neither_torchvision_nor_torchmetrics():
     assert not {m for m in loaded if m.startswith(("torchvision", "torchmetrics", "matplotlib"))}
 
 
+def test_the_chain_imports_neither_pyarrow_nor_torch_nor_ray_data():
+    # A scheduler's own environment (the Airflow example's venv) runs it with the bundle on
+    # its path and only Ray's client installed beside.
+    loaded = imported_by("jobs.submit")
+    assert not {m for m in loaded if m.startswith(("pyarrow", "torch", "ray.data"))}
+
+
 @pytest.mark.parametrize(
     ("error", "code"),
     [

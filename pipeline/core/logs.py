@@ -13,6 +13,9 @@ import logging
 import sys
 
 RAY_TRAIN_LOG_LEVEL = "WARNING"
+# The preprocess job's last line; the chain (jobs.submit) reads the dataset version it committed
+# there. Here, not beside the dataset: the chain's client imports no pyarrow.
+CURRENT_DATASET_LINE = "current dataset version: "
 
 
 def setup_logging() -> None:

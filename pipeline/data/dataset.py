@@ -45,8 +45,6 @@ VERSIONS = "versions"
 DATA = "data"
 WRITER = "_writer.json"
 CONFIG_YAML = "config.yaml"
-# Read by the chain (jobs.submit) in the preprocess job's log, to pin what it committed.
-CURRENT_LINE = "current dataset version: "
 
 SCHEMA = pa.schema(
     [
