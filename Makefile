@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 demo: $(STAMP)
 	$(PY) -m scripts.demo
 
-## The whole suite: unit tests and jobs on real local Ray clusters, two tests at a time (the
-## cluster tests mostly wait); tests/conftest.py keeps the tests of one cluster in one process.
+## The whole suite: unit tests and jobs on real local Ray clusters, two modules at a time (the
+## cluster tests mostly wait); a module runs whole in one process, with its fixtures made once.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2 --dist loadscope
 
 ## Unit tests only (no `ray start` clusters).
 test-fast: $(STAMP)

@@ -35,22 +35,6 @@ from pipeline.core import faults
 EXIT_STATUS = pytest.StashKey[int]()
 
 
-def pytest_collection_modifyitems(config, items):
-    """For `make test`'s two processes (pytest-xdist, `--dist loadgroup`): every module with a
-    test on the session's shared cluster in one process, so that the cluster starts once and a
-    module's own fixtures (the Airflow venv) are made once; each other module's slow tests
-    together, as they share a module's cluster; unit tests wherever there is room."""
-    on_shared = {item.module for item in items if "cluster_2cpu" in item.fixturenames}
-    for item in items:
-        if item.module in on_shared:
-            group = "cluster_2cpu"
-        elif item.get_closest_marker("slow") or item.get_closest_marker("deploy"):
-            group = item.module.__name__
-        else:
-            continue
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     session.config.stash[EXIT_STATUS] = int(exitstatus)
