@@ -24,11 +24,10 @@ from jobs.infer import main as infer_main
 from pipeline.core import faults
 from pipeline.core.config import InferConfig, load_config
 from pipeline.core.errors import InputError
-from pipeline.core.storage import Location
+from pipeline.core.storage import VERSION_MARKER, Location
 from pipeline.infer.batch import Classifier, resolve_checkpoint
 from pipeline.infer.predictions import (
     CONFUSION_PNG,
-    MARKER,
     PREDICTIONS,
     SUMMARY,
     VERSIONS,
@@ -104,7 +103,9 @@ def test_val_split_predictions_match_the_summary_and_training(
         f"{VERSIONS}/{version.name}/{PREDICTIONS}/{p}" for p in parts
     ]
     assert sorted(p.name for p in out.iterdir()) == [SUMMARY, VERSIONS]
-    assert sorted(p.name for p in version.iterdir()) == sorted([MARKER, CONFUSION_PNG, PREDICTIONS])
+    assert sorted(p.name for p in version.iterdir()) == sorted(
+        [VERSION_MARKER, CONFUSION_PNG, PREDICTIONS]
+    )
     assert summary["driver_peak_rss_mib"] > 0 and summary["driver_cpu_s"] > 0
     # The demo config's one actor with both CPUs, decoding its own batches; start-up timed apart.
     assert "1 predictor actors with {'num_cpus': 2} each" in proc.stdout
@@ -162,7 +163,7 @@ def test_a_job_killed_at_its_commit_point_leaves_the_previous_output(
     pid = held_worker(marker, job)  # the job's driver, its version whole, summary.json not yet
     (held,) = {p.name for p in (out / VERSIONS).iterdir()} - {previous}
     assert sorted(p.name for p in (out / VERSIONS / held).iterdir()) == sorted(
-        [MARKER, CONFUSION_PNG, PREDICTIONS]
+        [VERSION_MARKER, CONFUSION_PNG, PREDICTIONS]
     )
     assert committed(out) == before
     os.kill(pid, signal.SIGKILL)

@@ -20,11 +20,10 @@ from ray.data.datasource import WriteResult
 from pipeline.core import faults
 from pipeline.core.errors import InputError
 from pipeline.core.ray_internals import TaskContext
-from pipeline.core.storage import Location, new_version
+from pipeline.core.storage import VERSION_MARKER, Location, new_version
 from pipeline.infer.predictions import (
     CONFUSION_PNG,
     EMPTY_PART,
-    MARKER,
     PREDICTION_SCHEMA,
     PREDICTIONS,
     SUMMARY,
@@ -309,7 +308,7 @@ def test_a_storage_failure_at_any_write_of_a_run_leaves_the_previous_output(outp
         assert visible(output) == before, f"after a failure at {tried[n]}"
     # The marker, the retried attempt's part, the PNG, then the commit itself.
     assert len(failed) == 4
-    assert failed[0] == MARKER and failed[1].startswith("part-000001-")
+    assert failed[0] == VERSION_MARKER and failed[1].startswith("part-000001-")
     assert failed[2:] == [CONFUSION_PNG, SUMMARY]
     # The run let through commits; the failed runs' directories are left to retention.
     assert read_summary(output) == placed
@@ -420,7 +419,7 @@ def test_retention_removes_only_marked_versions_old_and_superseded(output):
         name = new_version(now - datetime.timedelta(hours=hours_ago))
         output.child(VERSIONS, name, PREDICTIONS, "part-0.parquet").write_bytes(b"rows")
         if marked:
-            output.child(VERSIONS, name, MARKER).write_bytes(b"{}")
+            output.child(VERSIONS, name, VERSION_MARKER).write_bytes(b"{}")
         return name
 
     superseded, crashed, users = version(50), version(49), version(48, marked=False)

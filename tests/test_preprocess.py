@@ -19,9 +19,9 @@ from pipeline.core.config import (
     load_config,
 )
 from pipeline.core.errors import InputError
-from pipeline.core.storage import Location
+from pipeline.core.storage import VERSION_MARKER, Location, mark_version
 from pipeline.data import preprocess
-from pipeline.data.dataset import SCHEMA, read_manifest, start_version
+from pipeline.data.dataset import DATA, SCHEMA, read_manifest
 from pipeline.data.preprocess import in_flight_limit
 from pipeline.data.sources import (
     FolderSource,
@@ -79,7 +79,7 @@ def test_folder_to_parquet(tmp_path):
     version = out / "data" / manifest.version
     assert [p.name for p in (out / "data").iterdir()] == [manifest.version]
     assert sorted(p.name for p in version.iterdir()) == [
-        "_writer.json",
+        VERSION_MARKER,
         "config.yaml",
         "train",
         "val",
@@ -170,7 +170,7 @@ def test_refuses_to_replace_foreign_directory(tmp_path):
 
     # Leftovers of a first job that crashed before its commit are ours: no need to force.
     out2 = Location.parse(str(tmp_path / "out2"))
-    start_version(out2, "20240101T000000000000Z-0badc0de")
+    mark_version(out2.child(DATA, "20240101T000000000000Z-0badc0de"))
     assert build(folder_config(tmp_path / "src", out2.path)).splits["train"].rows > 0
 
     # Asked for explicitly: the dataset is written beside what the directory holds, and even

@@ -16,11 +16,10 @@ from helpers import CLASSES, make_image_folder, start_task, wait_for
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from jobs.submit import STEPS, step_command
 from pipeline.core import faults
-from pipeline.core.storage import Location
+from pipeline.core.storage import VERSION_MARKER, Location
 from pipeline.data.dataset import read_manifest
 from pipeline.infer.predictions import (
     CONFUSION_PNG,
-    MARKER,
     PREDICTIONS,
     SUMMARY,
     VERSIONS,
@@ -191,7 +190,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     assert len(parts) >= 2 and all(p.startswith(f"{version}/{PREDICTIONS}/part-") for p in parts)
     files = [i.path.removeprefix(predictions.path + "/") for i in predictions.list_files()]
     assert sorted(files) == sorted(
-        [SUMMARY, f"{version}/{MARKER}", f"{version}/{CONFUSION_PNG}", *parts]
+        [SUMMARY, f"{version}/{VERSION_MARKER}", f"{version}/{CONFUSION_PNG}", *parts]
     )
 
     # The same model on the same images, written to local disk: the same predictions.

@@ -5,19 +5,17 @@ process, on local disk and on S3 (moto on loopback), with the interleavings forc
 from __future__ import annotations
 
 import datetime
-import json
 
 import pytest
 from helpers import checkpoint_meta
 
 from pipeline.core.config import TrainConfig, load_config
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.storage import Location
+from pipeline.core.storage import Location, is_marked, mark_version, new_version
 from pipeline.data import dataset
 from pipeline.data.dataset import (
     DATA,
     VERSIONS,
-    WRITER,
     Manifest,
     ShardFile,
     SplitInfo,
@@ -25,7 +23,6 @@ from pipeline.data.dataset import (
     committed_versions,
     read_manifest,
     remove_expired,
-    start_version,
     write_shard,
 )
 from pipeline.train.driver import pick_dataset_version
@@ -45,15 +42,14 @@ def root(request, tmp_path):
         yield Location.parse(f"s3://{BUCKET}/{tmp_path.name}")
 
 
-def hours_ago(hours: float) -> str:
-    when = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=hours)
-    return when.isoformat(timespec="microseconds")
+def at(hours_ago: float) -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=hours_ago)
 
 
 def written(root: Location, version: str, *, fingerprint: str = "f", age_h: float = 0) -> Manifest:
     """A version's files, as a preprocess job leaves them before its commit; returns the
     manifest that commits them, made `age_h` hours ago."""
-    start_version(root, version)
+    mark_version(root.child(DATA, version))
     splits = {}
     for split in ("train", "val"):
         path = f"{DATA}/{version}/{split}/part-00000.parquet"
@@ -62,7 +58,7 @@ def written(root: Location, version: str, *, fingerprint: str = "f", age_h: floa
         splits[split] = SplitInfo(rows=1, counts={"a": 1}, files=[ShardFile(path=path, rows=1)])
     return Manifest(
         version=version,
-        created_at=hours_ago(age_h),
+        created_at=at(age_h).isoformat(timespec="microseconds"),
         fingerprint=fingerprint,
         classes=["a"],
         image_size=32,
@@ -127,18 +123,16 @@ def test_in_the_other_order_the_newer_version_replaces_the_older(root):
 
 def test_retention_keeps_what_readers_may_need_and_only_touches_the_bundles_own(root):
     # Three committed versions: v1 replaced 5 h ago, v2 replaced 30 min ago, v3 the newest.
-    v1, v2, v3 = (f"2026010{i}T000000000000Z-0000000{i}" for i in (1, 2, 3))
+    v1, v2, v3 = (new_version(at(h)) for h in (7, 5.5, 0.9))
     for version, age_h in ((v1, 6), (v2, 5), (v3, 0.5)):
         root.child(VERSIONS, f"{version}.json").write_bytes(
             written(root, version, age_h=age_h).model_dump_json().encode()
         )
-    # A job that crashed before its commit, 3 h ago; one that may still be writing (started
-    # after v3); a folder of the user's that sorts among the versions; a user's file.
-    crashed, writing = "20260102T120000000000Z-0000000c", "20260104T000000000000Z-0000000w"
-    for version, age_h in ((crashed, 3), (writing, 3)):
-        marker = {"writer": "ray-cv-bundle preprocess", "version": version}
-        marker["started_at"] = hours_ago(age_h)
-        root.child(DATA, version, WRITER).write_bytes(json.dumps(marker).encode())
+    # Jobs that crashed before their commit, 3 h and 57 min ago; one that may still be writing
+    # (started after v3); a folder of the user's that sorts among the versions; a user's file.
+    crashed, recent, writing = (new_version(at(h)) for h in (3, 0.95, 0.2))
+    for version in (crashed, recent, writing):
+        mark_version(root.child(DATA, version))
     theirs = [root.child(DATA, "01_raw", "x.jpg"), root.child(DATA, "notes.txt")]
     for file in theirs:
         file.write_bytes(b"precious")
@@ -146,13 +140,13 @@ def test_retention_keeps_what_readers_may_need_and_only_touches_the_bundles_own(
     assert remove_expired(root, retention_hours=1) == sorted([v1, crashed])
     assert committed_versions(root) == [v2, v3]
     assert not root.child(DATA, v1).exists() and not root.child(DATA, crashed).exists()
-    assert root.child(DATA, writing, WRITER).exists()
+    assert is_marked(root.child(DATA, recent)) and is_marked(root.child(DATA, writing))
     assert all(f.read_bytes() == b"precious" for f in theirs)
 
     # With no retention, everything but the newest and what may still be written goes.
-    assert remove_expired(root, retention_hours=0) == [v2]
+    assert remove_expired(root, retention_hours=0) == sorted([v2, recent])
     assert committed_versions(root) == [v3] and whole(root, read_manifest(root))
-    assert root.child(DATA, writing, WRITER).exists()
+    assert is_marked(root.child(DATA, writing))
     assert all(f.read_bytes() == b"precious" for f in theirs)
 
 

@@ -150,8 +150,8 @@ def _refuse_what_no_node_type_holds(bundle: dict[str, int], *, asked: str, fix: 
     """Fail now where the autoscaler has told the cluster what it can add and neither that nor
     a node there holds `bundle`. Ray's own launcher does not tell it: there the wait decides."""
     types = _node_types()
-    if types and not _fits(bundle, types + _live_nodes()):
-        largest = _largest(bundle, types + _live_nodes())
+    if types and not _fits(bundle, candidates := types + _live_nodes()):
+        largest = _largest(bundle, candidates)
         raise ClusterError(
             f"{asked} asks for {_show(bundle)} on one node, but the largest node the cluster "
             f"has or can add has {_show(largest)}: {fix}, or give the cluster a node type with "

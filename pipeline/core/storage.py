@@ -9,6 +9,7 @@ pass and gives up at once on what cannot (a missing file, a denied request).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import posixpath
@@ -174,3 +175,20 @@ class Location:
         selector = pafs.FileSelector(self.path, allow_not_found=True)
         infos = retry(lambda: self.fs.get_file_info(selector), f"listing {self.uri}")
         return sorted((i for i in infos if i.type == pafs.FileType.Directory), key=lambda i: i.path)
+
+
+# Written first into each version directory the bundle makes (a dataset's, an inference run's):
+# retention removes only directories that hold it, never by a name's look.
+VERSION_MARKER = "_version.json"
+
+
+def mark_version(directory: Location) -> None:
+    """Mark `directory`, a version named by new_version, as the bundle's, before anything else is
+    written in it."""
+    version = posixpath.basename(directory.path)
+    directory.child(VERSION_MARKER).write_bytes(json.dumps({"version": version}).encode())
+
+
+def is_marked(directory: Location) -> bool:
+    """Whether the bundle made `directory` (mark_version)."""
+    return directory.child(VERSION_MARKER).exists()

@@ -3,7 +3,8 @@
 Layout of `<output>/`:
     versions/<version>.json        a committed version's manifest, written once and never changed:
                                    the dataset at <output> is the newest of them
-    data/<version>/_writer.json    written first: marks the directory as this bundle's
+    data/<version>/_version.json   written first: marks the directory as this bundle's
+                                   (core.storage.mark_version)
     data/<version>/config.yaml     the resolved preprocessing config
     data/<version>/train/part-00000.parquet, ...
     data/<version>/val/part-00000.parquet, ...
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import json
 import logging
 
 import pyarrow as pa
@@ -35,7 +35,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline.core import faults
 from pipeline.core.errors import InputError
-from pipeline.core.storage import Location, retry
+from pipeline.core.storage import (
+    Location,
+    is_marked,
+    mark_version,
+    new_version,
+    retry,
+    version_started,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +50,6 @@ SCHEMA_VERSION = 3
 SPLITS = ("train", "val")
 VERSIONS = "versions"
 DATA = "data"
-WRITER = "_writer.json"
 CONFIG_YAML = "config.yaml"
 
 SCHEMA = pa.schema(
@@ -126,13 +132,14 @@ def committed_versions(root: Location) -> list[str]:
 def read_manifest(root: Location, version: str | None = None) -> Manifest | None:
     """The manifest of `version` at `root`, by default of the newest; None if `root` holds no
     committed dataset. A version asked for by name must be there."""
-    if version is None:
+    listed = version is None  # then just listed: no need to look it up again
+    if listed:
         versions = committed_versions(root)
         if not versions:
             return None
         version = versions[-1]
     path = root.child(VERSIONS, f"{version}.json")
-    if not path.exists():
+    if not listed and not path.exists():
         raise InputError(
             f"dataset {root.uri} has no version {version} (it has: "
             f"{', '.join(committed_versions(root)[-3:]) or 'none'}): it was removed "
@@ -157,16 +164,12 @@ def read_manifest(root: Location, version: str | None = None) -> Manifest | None
     return manifest
 
 
-def start_version(root: Location, version: str) -> None:
-    """Mark `data/<version>/` as the bundle's before anything else is written there: retention
-    removes only directories with this marker."""
-    marker = {"writer": "ray-cv-bundle preprocess", "version": version, "started_at": _now()}
-    root.child(DATA, version, WRITER).write_bytes(json.dumps(marker).encode())
-
-
-def _writer_marker(version_dir: Location) -> dict | None:
-    marker = version_dir.child(WRITER)
-    return json.loads(marker.read_bytes()) if marker.exists() else None
+def start_version(root: Location) -> str:
+    """A new version at `root`: its name, its directory `data/<version>/` marked as the bundle's
+    before anything else is written in it."""
+    version = new_version()
+    mark_version(root.child(DATA, version))
+    return version
 
 
 def check_replaceable(root: Location, *, overwrite: bool) -> None:
@@ -184,7 +187,7 @@ def check_replaceable(root: Location, *, overwrite: bool) -> None:
         foreign += [
             f"{DATA}/{e.base_name}"
             for e in inside
-            if e.type != pafs.FileType.Directory or _writer_marker(data.child(e.base_name)) is None
+            if e.type != pafs.FileType.Directory or not is_marked(data.child(e.base_name))
         ]
     if foreign:
         raise InputError(
@@ -233,7 +236,10 @@ def remove_expired(root: Location, retention_hours: float) -> list[str]:
     `retention_hours` after its job started, once a newer one is committed: until then it may
     be a job still writing. The newest committed version never expires, and only directories
     with the bundle's marker are touched."""
-    cutoff = _now(hours_ago=retention_hours)
+    cutoff_at = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(
+        hours=retention_hours
+    )
+    cutoff = cutoff_at.isoformat(timespec="microseconds")  # as Manifest.created_at is written
     versions = committed_versions(root)
     removed = []
     for older, newer in itertools.pairwise(versions):
@@ -246,9 +252,11 @@ def remove_expired(root: Location, retention_hours: float) -> list[str]:
         name = info.base_name
         if name in kept or name > newest:  # read, or perhaps a job still writing
             continue
+        started = version_started(name)
+        if started is None or (name not in removed and started > cutoff_at):
+            continue
         version_dir = root.child(DATA, name)
-        marker = _writer_marker(version_dir)
-        if marker is not None and (name in removed or marker["started_at"] <= cutoff):
+        if is_marked(version_dir):
             version_dir.delete()
             removed.append(name)
     removed = sorted(set(removed))
@@ -260,6 +268,5 @@ def remove_expired(root: Location, retention_hours: float) -> list[str]:
     return removed
 
 
-def _now(hours_ago: float = 0) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=hours_ago)
-    return now.isoformat(timespec="microseconds")
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="microseconds")

@@ -19,7 +19,7 @@ import ray
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.config import PreprocessConfig, dump_config, validate_config
 from pipeline.core.errors import ClusterError, InputError
-from pipeline.core.storage import Location, is_transient, new_version
+from pipeline.core.storage import Location, is_transient
 from pipeline.data.dataset import (
     DATA,
     SPLITS,
@@ -149,8 +149,7 @@ def preprocess(cfg: PreprocessConfig, *, output: Location) -> Manifest:
     log.info("source %s: %d images in %d classes", cfg.source.kind, len(items), len(classes))
 
     # This job writes below data/<version>/ only; its entry in the versions log commits it.
-    version = new_version()
-    start_version(output, version)
+    version = start_version(output)
     try:
         results = _write_shards(cfg, classes, items, source, output, version)
         manifest = _build_manifest(cfg, classes, version, results, total=len(items))

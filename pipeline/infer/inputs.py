@@ -30,8 +30,8 @@ def read_input(root: Location, *, split: str, version: str | None = None) -> ray
     """Rows of (data: encoded image, source_id, label_name or ''): one read per Parquet shard
     of `split` of a dataset's `version` (by default its newest, resolved once here), or per
     FILES_PER_READ image files of a folder."""
-    if committed_versions(root):
-        manifest = read_manifest(root, version)
+    if versions := committed_versions(root):
+        manifest = read_manifest(root, version or versions[-1])
         files = [root.child(f.path).path for f in manifest.splits[split].files]
         if not files:
             raise InputError(f"split {split!r} of dataset {root.uri} is empty")

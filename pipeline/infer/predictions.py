@@ -5,6 +5,7 @@ Layout of `<output>/`:
                                               predictions are (`version`, `predictions`, `files`,
                                               `confusion_matrix_png`: paths relative to output)
     versions/<version>/_version.json          written first: marks the directory as the bundle's
+                                              (core.storage.mark_version)
     versions/<version>/predictions.parquet/part-*.parquet    PREDICTION_SCHEMA
     versions/<version>/confusion_matrix.png   with labels
 
@@ -58,11 +59,18 @@ from ray.data.datasource import Datasink, WriteResult
 
 from pipeline.core import faults
 from pipeline.core.errors import InputError
-from pipeline.core.storage import Location, new_version, retry, version_started
+from pipeline.core.storage import (
+    Location,
+    is_marked,
+    mark_version,
+    new_version,
+    retry,
+    version_started,
+)
 
 log = logging.getLogger(__name__)
 
-SUMMARY, VERSIONS, MARKER = "summary.json", "versions", "_version.json"
+SUMMARY, VERSIONS = "summary.json", "versions"
 PREDICTIONS, CONFUSION_PNG = "predictions.parquet", "confusion_matrix.png"
 # What a run that could read no image writes: still a table to read, of no rows.
 EMPTY_PART = "part-empty.parquet"
@@ -229,8 +237,7 @@ def start_version(output: Location) -> str:
     """A new version at `output`: its name, its directory marked as the bundle's before anything
     else is written in it."""
     version = new_version()
-    marker = output.child(VERSIONS, version, MARKER)
-    marker.write_bytes(json.dumps({"version": version}).encode())
+    mark_version(output.child(VERSIONS, version))
     return version
 
 
@@ -357,7 +364,7 @@ def remove_old_versions(output: Location, *, now: datetime.datetime | None = Non
         if name in keep or name > committed or started is None or started > cutoff:
             continue
         directory = output.child(VERSIONS, name)
-        if not directory.child(MARKER).exists():
+        if not is_marked(directory):
             continue  # not the bundle's
         directory.delete()
         removed.append(name)
