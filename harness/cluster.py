@@ -26,6 +26,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent
+# Ray's fake multi-node provider, each node with a runtime-env directory of its own.
+PROVIDER_DIR = Path(__file__).resolve().parent / "autoscaler"
 # Keys a cluster config must have; the fake multi-node provider runs no commands.
 AUTOSCALER_EMPTY_LISTS = (
     "initialization_commands",
@@ -75,6 +77,8 @@ class LocalCluster:
                 "AUTOSCALER_UPDATE_INTERVAL_S": "1",
                 # The v1 autoscaler, as cluster-onprem.yaml's head runs.
                 "RAY_enable_autoscaler_v2": "0",
+                # Where it finds its node provider (harness/autoscaler/local_nodes.py).
+                "PYTHONPATH": str(PROVIDER_DIR),
             }
         self.autoscale = autoscale
         self.idle_timeout_s = idle_timeout_s
@@ -140,7 +144,8 @@ class LocalCluster:
             "cluster_name": "local",
             "max_workers": sum(t["max_workers"] for t in workers.values()),
             "provider": {
-                "type": "fake_multinode",
+                "type": "external",
+                "module": "local_nodes.Provider",
                 "gcs_address": self.gcs_address,
                 "use_node_id_as_ip": True,
                 "disable_node_updaters": True,
