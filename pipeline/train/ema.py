@@ -37,9 +37,9 @@ class ModelEMA:
         self.steps += 1
         if self.steps % self.every_steps:
             return
-        self.averaged.update_parameters(model)
         if self.following:
-            self.averaged.n_averaged.fill_(0)  # the next update copies the weights again
+            self.averaged.n_averaged.fill_(0)  # an update with none before copies the weights
+        self.averaged.update_parameters(model)
 
     def state_dict(self) -> dict:
         """What a resume needs beside the averaged weights (saved as a model's)."""
