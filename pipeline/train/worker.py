@@ -343,7 +343,6 @@ def train_loop_per_worker(config: dict) -> None:
     )
     if rank == 0:
         log_recipe(cfg, world)
-    if rank == 0:
         rows = {split: manifest.splits[split].rows for split in ("train", "val")}
         log.info(
             "training epochs %d to %d: %d train images, %d val (ingest=%s)",
