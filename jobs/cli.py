@@ -32,8 +32,9 @@ def job_main(
     *,
     docs_page: str,
 ) -> None:
-    """Parse `--config FILE key=value ...`, set up logging, run `body(config)` and print what
-    it returns as the job's last line (the output a script picks up: a path, or JSON).
+    """Parse `--config FILE [--config FILE ...] key=value ...`, set up logging, run
+    `body(config)` and print what it returns as the job's last line (the output a script picks
+    up: a path, or JSON).
 
     Exit codes: 0 done, 1 the input data is unusable, 2 the config is invalid, 3 the work
     failed on the cluster (no room for the workers, or retries used up)."""
@@ -45,7 +46,13 @@ def job_main(
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", default=default_config, help="YAML file (default: %(default)s)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        metavar="FILE",
+        help=f"YAML file (default: {default_config}); give it again to layer a recipe over it "
+        "(configs/recipes/): later files override earlier ones key by key",
+    )
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings over the file's (below)"
     )
@@ -53,7 +60,8 @@ def job_main(
     setup_logging()
     started = time.monotonic()
     try:
-        cfg = load_config(config_cls, Path(args.config), args.overrides)
+        files = [Path(f) for f in args.config or [default_config]]
+        cfg = load_config(config_cls, files, args.overrides)
         result = body(cfg)
     except (InputError, ConfigError, ClusterError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,10 +2,12 @@
 
     python -m jobs.submit --address http://127.0.0.1:8265 --root s3://bucket/ray-cv all
     python -m jobs.submit --address ... --root ... --set train.epochs=20 train
+    python -m jobs.submit --address ... --root ... --recipe finetune all
 
 Every job goes to the cluster with runtime_env.yaml, as `ray job submit` sends it; its log is
 streamed here. Paths come from `--root`: the dataset at <root>/dataset, training runs under
 <root>/runs (the run named by the train config), predictions at <root>/predictions/<run name>.
+`--recipe NAME` layers configs/recipes/NAME.yaml over the train step's config.
 So each step can be retried on its own: preprocessing is a no-op when its dataset is up to date,
 training resumes its run or says it is complete, and inference replaces its output. Run as
 `all`, training and inference read the dataset version the preprocess step left current; a step
@@ -52,8 +54,9 @@ class Job:
     entrypoint: list[str]  # what the job runs on the cluster
 
 
-def plan(root: str, *, profile: str = "", sets: list[str] = ()) -> list[Job]:
-    """The three jobs, with their paths under `root` and the `step.key=value` overrides.
+def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = "") -> list[Job]:
+    """The three jobs, with their paths under `root` and the `step.key=value` overrides; with
+    `recipe`, the train step's config file, then the recipe's file over it.
 
     Every config is loaded and validated here, so a bad one fails before anything is submitted."""
     root = root.rstrip("/") if "://" in root else str(Path(root).resolve())
@@ -72,8 +75,12 @@ def plan(root: str, *, profile: str = "", sets: list[str] = ()) -> list[Job]:
         "train": [f"dataset={dataset}", f"storage_path={runs}", *overrides["train"]],
     }
 
+    files = {step: [_config_file(step, profile)] for step in STEPS}
+    if recipe:
+        files["train"].append(recipe_file(recipe))
+
     def load(step: str):
-        return load_config(CONFIGS[step], BUNDLE_ROOT / _config_file(step, profile), args[step])
+        return load_config(CONFIGS[step], [BUNDLE_ROOT / f for f in files[step]], args[step])
 
     load("preprocess")
     name = load("train").name  # inference reads the run that training writes
@@ -87,7 +94,11 @@ def plan(root: str, *, profile: str = "", sets: list[str] = ()) -> list[Job]:
     return [
         Job(
             step,
-            ["python", "-m", f"jobs.{step}", "--config", _config_file(step, profile), *args[step]],
+            [
+                *("python", "-m", f"jobs.{step}"),
+                *(arg for f in files[step] for arg in ("--config", f)),
+                *args[step],
+            ],
         )
         for step in STEPS
     ]
@@ -97,8 +108,30 @@ def _config_file(step: str, profile: str) -> str:
     return f"configs/{profile + '-' if profile else ''}{step}.yaml"
 
 
+RECIPES = "configs/recipes"
+
+
+def recipe_file(name: str) -> str:
+    """The bundle's file of training recipe `name`: the job reads it from the bundle's copy
+    on the cluster, so only a recipe shipped in configs/recipes/ can be named."""
+    path = f"{RECIPES}/{name}.yaml"
+    if "/" in name or not (BUNDLE_ROOT / path).is_file():
+        known = ", ".join(sorted(p.stem for p in (BUNDLE_ROOT / RECIPES).glob("*.yaml")))
+        raise ConfigError(
+            f"--recipe {name!r}: no such recipe; the bundle has {known} ({RECIPES}/<name>.yaml; "
+            "add a file there for one of your own)"
+        )
+    return path
+
+
 def step_command(
-    address: str, root: str, step: str, *, profile: str = "", sets: list[str] = ()
+    address: str,
+    root: str,
+    step: str,
+    *,
+    profile: str = "",
+    sets: list[str] = (),
+    recipe: str = "",
 ) -> list[str]:
     """The command line that runs one step: what a scheduler's task runs (see examples/)."""
     return [
@@ -110,6 +143,7 @@ def step_command(
         "--root",
         root,
         *(["--profile", profile] if profile else []),
+        *(["--recipe", recipe] if recipe else []),
         *[f"--set={s}" for s in sets],
         step,
     ]
@@ -236,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     add("--root", required=True, help="where outputs go: s3://bucket/prefix or a shared path")
     add("--profile", default="", help="'demo' for configs/demo-<step>.yaml; default <step>.yaml")
     add(
+        "--recipe",
+        default="",
+        metavar="NAME",
+        help="a training recipe: configs/recipes/NAME.yaml over the train config (finetune, "
+        "scratch)",
+    )
+    add(
         "--set",
         action="append",
         default=[],
@@ -256,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     # "Directory '.git' is now ignored by default ...": runtime_env.yaml excludes it anyway.
     logging.getLogger("ray._private.runtime_env").setLevel(logging.ERROR)
     try:
-        jobs = plan(args.root, profile=args.profile, sets=args.set)
+        jobs = plan(args.root, profile=args.profile, sets=args.set, recipe=args.recipe)
         env_vars = parse_env(args.env)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -189,6 +189,12 @@ CASES = [
         lambda t, d: train_config(t, d, "global_batch_size=2"),
     ),
     Case(
+        "a micro-batch size that does not divide a worker's share of the global batch",
+        2,
+        "invalid config (<where>): micro_batch_size=<n> does not divide each worker's share",
+        lambda t, d: train_config(t, d, "global_batch_size=32", "micro_batch_size=5"),
+    ),
+    Case(
         "a negative seed",
         2,
         "invalid config (<where>): seed: Input should be greater than or equal to 0",
@@ -199,6 +205,12 @@ CASES = [
         2,
         "--set 'epochs=3': must start with one of",
         lambda t, _: plan(str(t), sets=["epochs=3"]),
+    ),
+    Case(
+        "a chain `--recipe` the bundle does not ship",
+        2,
+        "--recipe '<name>': no such recipe; the bundle has",
+        lambda t, _: plan(str(t), recipe="fast"),
     ),
     Case(
         "a resume with another optimizer, or to or from fp16",

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.submit import committed_version, main, parse_env, pin_dataset, plan, runtime_env
+from jobs.submit import (
+    committed_version,
+    main,
+    parse_env,
+    pin_dataset,
+    plan,
+    runtime_env,
+    step_command,
+)
 from pipeline.core.errors import ConfigError
 
 
@@ -75,3 +83,23 @@ def test_the_chain_pins_the_dataset_version_its_preprocess_step_committed():
     # A version the user set stays.
     _, asked, _ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
     assert pin_dataset(asked, "v1") == asked
+
+
+def test_a_recipe_layers_its_file_over_the_train_config(capsys):
+    _, train, infer = plan("s3://b/x", profile="demo", recipe="finetune")
+    assert train.entrypoint[3:7] == [
+        "--config",
+        "configs/demo-train.yaml",
+        "--config",
+        "configs/recipes/finetune.yaml",
+    ]
+    assert infer.entrypoint.count("--config") == 1
+    assert "--recipe" in step_command("http://h:8265", "/r", "train", recipe="finetune")
+    # Validated with the recipe before anything is submitted: this one's scaled-down batch.
+    with pytest.raises(ConfigError, match=r"micro_batch_size=5 does not divide"):
+        plan("s3://b/x", profile="demo", recipe="scratch", sets=["train.micro_batch_size=5"])
+    with pytest.raises(ConfigError, match=r"--recipe 'fast': no such recipe; the bundle has "):
+        plan("s3://b/x", recipe="fast")
+    args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--recipe", "../train"]
+    assert main([*args, "all"]) == 2
+    assert "finetune, scratch" in capsys.readouterr().err

@@ -90,3 +90,15 @@ def test_a_storage_error_ends_a_job_with_an_error_line_and_exit_code(error, code
     proc = subprocess.run(args, cwd=BUNDLE_ROOT, capture_output=True, text=True)
     assert proc.returncode == code, proc.stderr
     assert f"error: storage: {error}" in proc.stderr.splitlines()
+
+
+def test_a_recipe_given_as_a_second_config_file_is_read_over_the_first():
+    # A value only the merged files reject: the recipe's batch split no 3 ways... named with both.
+    files = ["--config", "configs/train.yaml", "--config", "configs/recipes/finetune.yaml"]
+    args = [sys.executable, "-m", "jobs.train", *files, "dataset=/d", "storage_path=/s"]
+    proc = subprocess.run(
+        [*args, "micro_batch_size=3"], cwd=BUNDLE_ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stderr
+    said = "invalid config (configs/train.yaml + configs/recipes/finetune.yaml): micro_batch_size=3"
+    assert said in proc.stderr

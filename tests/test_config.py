@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from harness.cluster import BUNDLE_ROOT
@@ -179,3 +181,50 @@ def test_keys_are_flattened_with_types_and_defaults():
     assert keys["scaling.num_workers"] == ("int or list of int", "2")
     assert keys["precision"] == ("auto|fp32|bf16|fp16", "auto")
     assert keys["pretrained"] == ("str or null", "null")
+
+
+def test_a_later_config_file_overrides_an_earlier_one_key_by_key(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "dataset: /d\nstorage_path: /s\nepochs: 5\noptimizer: {lr: 0.1, momentum: 0.8}\n"
+    )
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("optimizer: {lr: 0.01}\nema: {enabled: true}\nmixup_alpha: 0.2\n")
+    cfg = load_config(TrainConfig, [base, recipe], ["epochs=7"])
+    assert (cfg.optimizer.lr, cfg.optimizer.momentum) == (0.01, 0.8)  # merged, not replaced
+    assert (cfg.ema.enabled, cfg.mixup_alpha, cfg.epochs) == (True, 0.2, 7)
+    assert load_config(TrainConfig, [recipe, base]).optimizer.lr == 0.1  # the later one wins
+    with pytest.raises(ConfigError, match=rf"invalid config \({base} \+ {recipe}\): mixup_alpha"):
+        load_config(TrainConfig, [base, recipe], ["mixup_alpha=-1"])
+
+
+@pytest.mark.parametrize("recipe", ["finetune", "scratch"])
+def test_shipped_recipes_load_over_the_shipped_train_configs(recipe):
+    path = BUNDLE_ROOT / "configs" / "recipes" / f"{recipe}.yaml"
+    assert path.read_text().startswith("# ")  # what it is and where it comes from
+    for base in ("train.yaml", "demo-train.yaml"):
+        files = [BUNDLE_ROOT / "configs" / base, path]
+        cfg = load_config(TrainConfig, files, ["dataset=/d", "storage_path=/s"])
+        assert cfg.ema.enabled and cfg.auto_augment == "trivial_augment_wide"
+        assert (
+            cfg.name == load_config(TrainConfig, files[:1], ["dataset=/d", "storage_path=/s"]).name
+        )
+
+
+def test_recipe_keys_default_to_plain_training():
+    cfg = load_config(TrainConfig, None, ["dataset=/d", "storage_path=/s"])
+    assert (cfg.auto_augment, cfg.mixup_alpha, cfg.cutmix_alpha) == ("none", 0, 0)
+    assert (cfg.ema.enabled, cfg.micro_batch_size, cfg.compile) == (False, None, False)
+    assert (cfg.optimizer.label_smoothing, cfg.optimizer.clip_grad_norm) == (0, None)
+    for bad, said in [
+        (
+            "auto_augment=autoaugment",
+            "auto_augment: Input should be 'none', 'trivial_augment_wide'",
+        ),
+        ("ema.decay=1", "ema.decay: Input should be less than 1"),
+        ("ema.every_steps=0", "ema.every_steps: Input should be greater than or equal to 1"),
+        ("optimizer.clip_grad_norm=0", "optimizer.clip_grad_norm: Input should be greater than 0"),
+        ("cutmix_alpha=-1", "cutmix_alpha: Input should be greater than or equal to 0"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load_config(TrainConfig, None, ["dataset=/d", "storage_path=/s", bad])

@@ -85,8 +85,16 @@ def test_val_split_predictions_match_the_summary_and_training(
     assert len({r["source_id"] for r in table}) == 119
     recomputed = sum(r["label"] == r["pred"] for r in table) / len(table)
     assert summary["accuracy"] == pytest.approx(recomputed)
-    # The same checkpoint on the same split: what training measured, image for image.
-    assert summary["accuracy"] == pytest.approx(train_summary["best_metrics"]["val_accuracy"])
+    # The same checkpoint on the same split: what training measured, image for image, of the
+    # weights that scored higher (the run keeps an EMA: conftest.main_run).
+    best = train_summary["best_metrics"]
+    served = "ema" if best["ema_val_accuracy"] > best["val_accuracy"] else "raw"
+    assert summary["weights"] == served and f"classifying with the {served} weights" in proc.stdout
+    assert summary["weights_val_accuracy"] == {
+        "raw": best["val_accuracy"],
+        "ema": best["ema_val_accuracy"],
+    }
+    assert summary["accuracy"] == pytest.approx(max(summary["weights_val_accuracy"].values()))
     cm = summary["confusion_matrix"]
     assert sum(map(sum, cm)) == 119 and sum(cm[i][i] for i in range(4)) == round(recomputed * 119)
     assert all(r["top_k"][0] == r["pred"] and len(r["top_k"]) == 4 for r in table)

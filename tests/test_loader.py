@@ -288,6 +288,11 @@ def test_transforms_keep_size_and_normalize_per_batch():
     for kind in ("random_resized_crop", "crop_flip", "none"):
         out = train_transform(kind, image_size=32)(image)
         assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
+    for policy in ("trivial_augment_wide", "rand_augment"):
+        transform = train_transform("none", image_size=32, auto_augment=policy)
+        outs = [transform(image) for _ in range(8)]
+        assert all(o.shape == (3, 32, 32) and o.dtype == torch.uint8 for o in outs)
+        assert any(not torch.equal(o, image) for o in outs)
     batch = torch.full((2, 3, 4, 4), 255, dtype=torch.uint8)
     x = normalize(batch, mean=(0.5, 0.5, 0.5), std=(0.25, 0.25, 0.25))
     assert torch.allclose(x, torch.full_like(x, 2.0))

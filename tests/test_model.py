@@ -1,18 +1,26 @@
 """ResNet-18 construction and the checkpoint directory: round trip, metadata, bad inputs."""
 
 import json
+import logging
 
 import pytest
 import torch
 from helpers import checkpoint_meta
 
+from pipeline.core.config import TrainConfig, load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
+from pipeline.infer.batch import log_weights, summarize
+from pipeline.infer.predictions import Tally
 from pipeline.model.checkpoint import (
+    EMA,
+    EMA_WEIGHTS,
     METADATA,
     load_train_state,
+    load_weights,
     read_meta,
     save_checkpoint,
+    served_weights,
 )
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import build_model, load_model, unwrap
@@ -102,3 +110,119 @@ def test_a_resume_in_fp16_of_a_run_trained_without_it_starts_a_new_scaler(tmp_pa
     assert again.load_scaler(trained_fp16)
     assert again.scaler.get_scale() == here.scaler.get_scale()
     assert policy("bf16").load_scaler(trained_fp16)
+
+
+def ema_checkpoint(directory, raw, ema, *, raw_accuracy: float, ema_accuracy: float):
+    metrics = {"epoch": 4, "val_accuracy": raw_accuracy, "ema_val_accuracy": ema_accuracy}
+    save_checkpoint(
+        directory, raw.state_dict(), checkpoint_meta(metrics=metrics), {}, ema=ema.state_dict()
+    )
+    return Location.parse(str(directory))
+
+
+@pytest.mark.parametrize(
+    ("raw_accuracy", "ema_accuracy", "served"),
+    [(0.5, 0.75, "ema"), (0.75, 0.5, "raw"), (0.5, 0.5, "raw")],
+)
+def test_inference_serves_the_better_of_the_raw_and_ema_weights(
+    tmp_path, caplog, raw_accuracy, ema_accuracy, served
+):
+    torch.manual_seed(0)
+    models = {"raw": build_model(len(CLASSES)).eval(), "ema": build_model(len(CLASSES)).eval()}
+    checkpoint = ema_checkpoint(
+        tmp_path, *models.values(), raw_accuracy=raw_accuracy, ema_accuracy=ema_accuracy
+    )
+    assert (tmp_path / EMA_WEIGHTS).exists() and read_meta(checkpoint).ema_weights == EMA_WEIGHTS
+    loaded, meta = load_model(checkpoint)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), models[served](x))
+        assert torch.equal(load_model(checkpoint, weights="raw")[0](x), models["raw"](x))
+    # The job's log and the predictions' summary say which, and what each scored.
+    caplog.set_level(logging.INFO, logger="pipeline.infer.batch")
+    log_weights(checkpoint, meta)
+    assert (
+        f"classifying with the {served} weights (val_accuracy raw {raw_accuracy:.4f}, "
+        f"ema {ema_accuracy:.4f})" in caplog.text
+    )
+    summary = summarize(meta, checkpoint, checkpoint, Tally.empty(len(CLASSES)), 0.0, 1.0)
+    assert summary["weights"] == served
+    assert summary["weights_val_accuracy"] == {"raw": raw_accuracy, "ema": ema_accuracy}
+
+
+def test_a_checkpoint_without_an_ema_serves_its_weights(tmp_path):
+    model = build_model(len(CLASSES))
+    metrics = {"epoch": 4, "val_accuracy": 0.5, "ema_val_accuracy": 0.9}  # no EMA file: ignored
+    save_checkpoint(tmp_path, model.state_dict(), checkpoint_meta(metrics=metrics), {})
+    meta = read_meta(Location.parse(str(tmp_path)))
+    assert meta.ema_weights is None and served_weights(meta) == "raw"
+    assert not (tmp_path / EMA_WEIGHTS).exists()
+
+
+def test_a_resume_restores_the_ema(tmp_path):
+    from pipeline.train.ema import ModelEMA
+    from pipeline.train.worker import Worker, build_ema
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ema = ModelEMA(model, decay=0.9, every_steps=2)
+    for _ in range(5):
+        model.weight.data.add_(0.1)
+        ema.step(model)
+    save_checkpoint(
+        tmp_path,
+        model.state_dict(),
+        checkpoint_meta(),
+        {"ema": ema.state_dict()},
+        ema=ema.module.state_dict(),
+    )
+    # What the worker's restore reads from the checkpoint, into a fresh model and EMA.
+    checkpoint = Location.parse(str(tmp_path))
+    meta, train_state = read_meta(checkpoint), load_train_state(checkpoint)
+    cfg = load_config(
+        TrainConfig,
+        None,
+        ["dataset=/d", "storage_path=/s", "ema.enabled=true", "ema.decay=0.9", "ema.every_steps=2"],
+    )
+    w = Worker(
+        cfg, None, None, None, rank=0, world=1, ema_weights=load_weights(checkpoint, meta, EMA)
+    )
+    resumed_model = torch.nn.Linear(4, 2)
+    resumed_model.load_state_dict(load_weights(checkpoint))
+    resumed = build_ema(w, resumed_model, train_state)
+    assert (resumed.steps, resumed.updates) == (ema.steps, ema.updates) == (5, 2)
+    assert torch.equal(resumed.module.weight, ema.module.weight)
+    # It goes on as the one it was saved from: the next update averages, not copies.
+    for m, e in ((model, ema), (resumed_model, resumed)):
+        m.weight.data.add_(0.1)
+        e.step(m)
+    assert torch.equal(resumed.module.weight, ema.module.weight)
+    assert not torch.equal(resumed.module.weight, resumed_model.weight)
+    # A checkpoint without one (EMA turned on at the resume): a new EMA, from these weights.
+    w.ema_weights = None
+    fresh = build_ema(w, resumed_model, {"optimizer": {}})
+    assert fresh.updates == 0
+    w.cfg = cfg.model_copy(update={"ema": cfg.ema.model_copy(update={"enabled": False})})
+    assert build_ema(w, resumed_model, train_state) is None
+
+
+def test_a_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path):
+    from pipeline.train.worker import StepRecipe, train_one_epoch
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3))
+    # The "eager" backend: the same wrapping as the worker's torch.compile (inductor), whose
+    # code generation would take this test tens of seconds.
+    compiled = torch.compile(plain, backend="eager")
+    data = [(torch.zeros(4, 3, 4, 4, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))]
+    optimizer = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    loss = torch.nn.CrossEntropyLoss()
+    train_one_epoch(compiled, data, optimizer, loss, policy=policy("fp32"), recipe=StepRecipe())
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    # What the worker saves: the bare model's state_dict, whatever wraps it.
+    save_checkpoint(tmp_path, unwrap(compiled).state_dict(), checkpoint_meta(), {})
+    again = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3))
+    again.load_state_dict(load_weights(Location.parse(str(tmp_path))))  # strict
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        assert torch.equal(again(x), compiled(x))

@@ -3,6 +3,8 @@ schedule, resume rules, the driver's checks. The real job on a real cluster: tes
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import json
 import logging
@@ -13,6 +15,7 @@ import pytest
 import torch
 from helpers import checkpoint_meta
 from torch.utils.data import DataLoader
+from torchvision.transforms import v2
 
 from pipeline.core.config import TrainConfig, load_config
 from pipeline.core.errors import ConfigError, InputError
@@ -30,6 +33,7 @@ from pipeline.model.runs import (
     training_since,
 )
 from pipeline.train import driver
+from pipeline.train.augment import batch_mix
 from pipeline.train.driver import (
     STARTUP_ATTEMPTS_UNLIMITED,
     check_dataset,
@@ -37,9 +41,10 @@ from pipeline.train.driver import (
     pick_dataset_version,
     startup_attempts,
 )
+from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
-from pipeline.train.torch_input import RowGroupStream
-from pipeline.train.worker import Progress, evaluate, train_one_epoch
+from pipeline.train.torch_input import Augment, RowGroupStream
+from pipeline.train.worker import Progress, StepRecipe, evaluate, train_data, train_one_epoch
 
 
 def config(dataset, storage, *overrides) -> TrainConfig:
@@ -340,6 +345,12 @@ def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):
     augmented = decode_batch(batch, augment="random_resized_crop", image_size=32)
     assert augmented["image"].shape == (5, 3, 32, 32)
     assert (augmented["image"] != plain["image"]).any()
+    # The auto-augment policy, in both input paths.
+    policy = decode_batch(batch, augment="none", image_size=32, auto_augment="rand_augment")
+    assert (policy["image"] != plain["image"]).any()
+    cfg = config(tiny_dataset, "/s", "auto_augment=rand_augment")
+    stream = train_data(cfg, root, manifest, rank=0, world=1, device=torch.device("cpu")).stream
+    assert isinstance(stream.transform.transforms[-1], v2.RandAugment)
 
 
 def test_a_run_trained_again_says_so_in_its_summary_while_it_trains(
@@ -361,3 +372,159 @@ def test_a_run_trained_again_says_so_in_its_summary_while_it_trains(
     (tmp_path / "again" / "epoch_0000").mkdir()
     save_checkpoint(tmp_path / "again" / "epoch_0000", {}, checkpoint_meta(), {})
     assert resolve_checkpoint(run.child("epoch_0000")).path == str(tmp_path / "again/epoch_0000")
+
+
+# --- the recipe's ingredients in the training step ----------------------------------------------
+
+POLICY = DevicePolicy(torch.device("cpu"), "fp32", (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
+
+
+def tiny_batches(n: int = 1, size: int = 8, classes: int = 3, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, size, 3, 4, 4), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, classes, (n, size), generator=g)
+    return list(zip(images, labels, strict=True))
+
+
+class NoBatchNorm(torch.nn.Sequential):
+    """Flatten + Linear, with DDP's `no_sync` counted. No BatchNorm: its batch statistics, taken
+    per micro-batch, would make accumulation differ from the whole batch on purpose."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, classes))
+        self.unsynced, self.seen = 0, []
+        self.register_forward_pre_hook(lambda _, args: self.seen.append(len(args[0])))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.unsynced += 1
+        yield
+
+
+def one_step(model, batches, *, policy=POLICY, criterion=None, lr=0.1, **recipe) -> dict:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    criterion = criterion or torch.nn.CrossEntropyLoss()
+    return train_one_epoch(
+        model, batches, optimizer, criterion, policy=policy, recipe=StepRecipe(**recipe)
+    )
+
+
+def test_micro_batches_accumulate_the_gradient_of_the_whole_batch():
+    torch.manual_seed(0)
+    whole, micro = NoBatchNorm(), NoBatchNorm()
+    micro.load_state_dict(whole.state_dict())
+    batches = tiny_batches(size=8)
+    a = one_step(whole, batches)
+    # 3 + 3 + 2 images: each micro-batch's loss weighs its share, not a third.
+    b = one_step(micro, batches, micro_batch=3)
+    assert whole.seen == [8] and micro.seen == [3, 3, 2]
+    for p, q in zip(whole.parameters(), micro.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert b["loss_sum"] == pytest.approx(a["loss_sum"], rel=1e-5) and b["images"] == 8
+    # DDP all-reduces once a step: on the last micro-batch's backward, the others in no_sync.
+    assert (whole.unsynced, micro.unsynced) == (0, 2)
+
+
+def test_micro_batch_size_must_split_every_workers_share():
+    cfg = config("/d", "/s", "global_batch_size=64", "micro_batch_size=16")
+    assert cfg.batch_size_per_worker(2) // cfg.micro_batch_size == 2
+    said = (
+        r"micro_batch_size=16 does not divide each worker's share of global_batch_size=48 "
+        r"\(48, 24, 16, 12 images\): use a divisor of 4"
+    )
+    with pytest.raises(ConfigError, match=said):
+        config(
+            "/d", "/s", "global_batch_size=48", "scaling.num_workers=[1,4]", "micro_batch_size=16"
+        )
+    with pytest.raises(ConfigError, match=r"micro_batch_size: Input should be greater than or eq"):
+        config("/d", "/s", "micro_batch_size=1")
+
+
+def test_mixup_and_cutmix_train_on_mixed_images_and_soft_labels():
+    assert batch_mix(mixup_alpha=0, cutmix_alpha=0, num_classes=3) is None
+    mix = batch_mix(mixup_alpha=0.2, cutmix_alpha=1.0, num_classes=3)
+    targets = []
+
+    def criterion(logits, target):
+        targets.append(target)
+        return torch.nn.functional.cross_entropy(logits, target)
+
+    batches = tiny_batches(n=6)
+    one_step(NoBatchNorm(), batches, criterion=criterion, mix=Augment(mix, "mix/0/0/0").draw)
+    assert all(t.shape == (8, 3) and t.dtype == torch.float32 for t in targets)
+    stacked = torch.cat(targets)
+    torch.testing.assert_close(stacked.sum(dim=1), torch.ones(48))
+    assert ((stacked > 0) & (stacked < 1)).any()  # mixed: not one-hot labels
+    # Each rank (and epoch) draws its own mixes, and draws them again for the same seed.
+    x = POLICY.inputs(batches[0][0])
+    draw = {key: Augment(mix, key).draw(x, batches[0][1]) for key in ("0/0/0", "0/0/1")}
+    assert not torch.equal(draw["0/0/0"][0], draw["0/0/1"][0])
+    again = Augment(mix, "0/0/0").draw(x, batches[0][1])
+    assert torch.equal(again[0], draw["0/0/0"][0]) and torch.equal(again[1], draw["0/0/0"][1])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_gradients_are_clipped_to_the_max_norm_before_the_step(precision):
+    # fp16: the grad scaler's gradients are 65536 times too large until unscaled; clipped
+    # scaled, the step would move the weights 65536 times less than the norm says.
+    policy = DevicePolicy(torch.device("cpu"), precision, (0.5,) * 3, (0.2,) * 3)
+    # A first scale of 2**8 (2**16 by default): this model's fp16 gradients would overflow
+    # the default, and the scaler skip the step.
+    policy.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=precision == "fp16")
+    torch.manual_seed(0)
+    model = NoBatchNorm()
+    before = [p.detach().clone() for p in model.parameters()]
+    one_step(model, tiny_batches(), policy=policy, lr=1.0, clip_grad_norm=1e-3)
+    moved = torch.cat([(p - b).flatten() for p, b in zip(model.parameters(), before, strict=True)])
+    assert moved.norm().item() == pytest.approx(1e-3, rel=1e-2)
+    unclipped = NoBatchNorm()
+    unclipped.load_state_dict(dict(zip(unclipped.state_dict(), before, strict=True)))
+    policy.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=precision == "fp16")
+    one_step(unclipped, tiny_batches(), policy=policy, lr=1.0)
+    moved = [(p - b).flatten() for p, b in zip(unclipped.parameters(), before, strict=True)]
+    assert torch.cat(moved).norm().item() > 1e-2  # the clip did the work above
+
+
+def test_the_ema_averages_the_weights_every_few_steps():
+    model = torch.nn.Linear(1, 1, bias=False)
+    model.weight.data.fill_(0.0)
+    ema = ModelEMA(model, decay=0.75, every_steps=2)
+    seen = []
+    for value in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        model.weight.data.fill_(value)
+        ema.step(model)
+        seen.append(ema.module.weight.item())
+    # Updated every second step: the first update copies the weights, the next ones average.
+    assert seen == [0.0, 2.0, 2.0, 2.5, 2.5, 0.75 * 2.5 + 0.25 * 6.0]
+    assert (ema.steps, ema.updates) == (6, 3)
+    ema.following = True  # the LR warm-up: the EMA follows the weights
+    for value in (7.0, 8.0):
+        model.weight.data.fill_(value)
+        ema.step(model)
+    assert ema.module.weight.item() == 8.0
+
+
+def test_an_epoch_updates_the_ema_and_evaluates_it_beside_the_weights(tiny_dataset):
+    root = Location.parse(str(tiny_dataset))
+    manifest = read_manifest(root)
+    policy = DevicePolicy(torch.device("cpu"), "fp32", manifest.mean, manifest.std)
+    torch.manual_seed(0)
+    model = build_model(len(manifest.classes))
+    ema = ModelEMA(model, decay=0.5, every_steps=1)
+    initial = copy.deepcopy(model)
+    loader = list(itertools.islice(RowGroupStream(root, manifest, "val", batch_size=8), 3))
+    one_step(model, loader, policy=policy, lr=0.01, ema=ema)
+    assert ema.steps == 3
+    # The average of the last weights, not the weights, nor where they started.
+    for p, e, p0 in zip(
+        model.parameters(), ema.module.parameters(), initial.parameters(), strict=True
+    ):
+        assert not torch.equal(e, p) and not torch.equal(e, p0)
+    v = evaluate(model, loader, policy=policy, num_classes=4, ema=ema.module)
+    alone = evaluate(model, loader, policy=policy, num_classes=4)
+    assert v["val_accuracy"] == alone["val_accuracy"] and v["val_loss"] == alone["val_loss"]
+    assert set(v) == {"val_images", "val_loss", "val_accuracy", "ema_val_loss", "ema_val_accuracy"}
+    same = evaluate(model, loader, policy=policy, num_classes=4, ema=copy.deepcopy(model))
+    assert same["ema_val_accuracy"] == same["val_accuracy"]
+    assert same["ema_val_loss"] == pytest.approx(same["val_loss"])
+    assert v["ema_val_loss"] != pytest.approx(v["val_loss"])

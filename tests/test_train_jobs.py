@@ -58,6 +58,7 @@ PREPROCESS_OTHER = [
 def test_two_workers_learn(main_run):
     proc, run = main_run
     assert "2 workers on cpu, precision fp32" in proc.stdout
+    assert "recipe: EMA decay 0.8 every 2 steps, 2 micro-batches of 8 per step" in proc.stdout
     h = history(run)
     assert h[-1]["train_loss"] < h[0]["train_loss"]
     assert h[-1]["val_accuracy"] > 0.4  # 4 classes: chance is 0.25
@@ -69,6 +70,7 @@ def test_killed_worker_is_replaced_and_every_epoch_runs_once(main_run):
     proc, run = main_run
     resumed = r"resumed from checkpoint \S+/main/epoch_0000 \(epoch 0 done\)"
     assert re.search(resumed, proc.stdout), proc.stdout
+    assert proc.stdout.count("resumed the EMA of the weights (7 updates)") == 1  # 15 steps of 2
     assert proc.stdout.count("training epochs 0 to 3") == 1
     assert proc.stdout.count("training epochs 1 to 3") == 1
     assert [r["epoch"] for r in history(run)] == [0, 1, 2, 3]
@@ -91,8 +93,12 @@ def test_reports_and_retention(cluster_2cpu, main_run):
 def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
     # What two workers computed is exactly what one process computes over all of val (119
     # images: an uneven split, where a DistributedSampler would count one image twice).
+    # The EMA of the weights the same: both sets of weights in the checkpoint are the ones
+    # the workers evaluated.
     _, run = main_run
-    model, meta = load_model(Location.parse(str(run / checkpoint_dir_name(3))))
+    checkpoint = Location.parse(str(run / checkpoint_dir_name(3)))
+    model, meta = load_model(checkpoint, weights="raw")
+    ema, _ = load_model(checkpoint, weights="ema")
     root = Location.parse(str(tiny_dataset))
     val = RowGroupStream(root, read_manifest(root), "val", batch_size=50)
     one = evaluate(
@@ -100,11 +106,16 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
         DataLoader(val, batch_size=None),
         num_classes=4,
         policy=DevicePolicy(torch.device("cpu"), "fp32", meta.mean, meta.std),
+        ema=ema,
     )
     assert one["val_images"] == val.rows == 119
     last = history(run)[-1]
-    assert one["val_accuracy"] == pytest.approx(last["val_accuracy"], abs=1e-6)
-    assert one["val_loss"] == pytest.approx(last["val_loss"], rel=1e-4)
+    for prefix in ("", "ema_"):
+        assert one[f"{prefix}val_accuracy"] == pytest.approx(
+            last[f"{prefix}val_accuracy"], abs=1e-6
+        )
+        assert one[f"{prefix}val_loss"] == pytest.approx(last[f"{prefix}val_loss"], rel=1e-4)
+    assert one["ema_val_loss"] != pytest.approx(one["val_loss"], rel=1e-4)
 
 
 def test_submitting_a_finished_run_again_trains_nothing(cluster_2cpu, main_run, tiny_dataset):

@@ -160,6 +160,11 @@ class OptimizerConfig(_Strict):
     schedule: Literal["cosine", "constant"] = Field("cosine", description="Per-epoch LR schedule.")
     warmup_epochs: int = Field(0, ge=0, description="Epochs of linear warm-up before the schedule.")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
+    clip_grad_norm: float | None = Field(
+        None,
+        gt=0,
+        description="Clip the gradients' total norm to this before each step; null: off.",
+    )
 
 
 def _worker_range(value: Any) -> Any:
@@ -178,6 +183,22 @@ def _worker_range(value: Any) -> Any:
 
 
 WorkerCount = Annotated[int | tuple[int, ...], BeforeValidator(_worker_range)]
+
+
+class EMAConfig(_Strict):
+    enabled: bool = Field(
+        False,
+        description="Keep an exponential moving average of the weights, evaluated and "
+        "checkpointed beside them.",
+    )
+    decay: float = Field(
+        0.99,
+        gt=0,
+        lt=1,
+        description="Weight of the average at each update: it spans about every_steps / "
+        "(1 - decay) steps.",
+    )
+    every_steps: int = Field(4, ge=1, description="Optimizer steps between two updates of the EMA.")
 
 
 class TrainScalingConfig(_Strict):
@@ -259,6 +280,29 @@ class TrainConfig(_Strict):
     augment: Literal["random_resized_crop", "crop_flip", "none"] = Field(
         "random_resized_crop", description="Train-time augmentation; val is never augmented."
     )
+    auto_augment: Literal["none", "trivial_augment_wide", "rand_augment"] = Field(
+        "none",
+        description="A policy after `augment`'s crop and flip: TrivialAugmentWide or RandAugment "
+        "(torchvision's).",
+    )
+    mixup_alpha: float = Field(
+        0.0, ge=0, description="MixUp's Beta(alpha, alpha) on train batches; 0: off (0.2 is usual)."
+    )
+    cutmix_alpha: float = Field(
+        0.0,
+        ge=0,
+        description="CutMix's alpha; 0: off. With both on, each batch gets one of the two.",
+    )
+    ema: EMAConfig = EMAConfig()
+    micro_batch_size: int | None = Field(
+        None,
+        ge=2,
+        description="Images per forward pass: a worker's share of the global batch is "
+        "accumulated over several; null: all at once.",
+    )
+    compile: bool = Field(
+        False, description="torch.compile the model on each worker (checkpoints stay plain)."
+    )
     pretrained: str | None = Field(
         None,
         description=(
@@ -313,6 +357,22 @@ class TrainConfig(_Strict):
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} gives a worker fewer than 2 images "
                 f"per step with {s.max_workers} workers: use at least {2 * s.max_workers}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _micro_batches_split_evenly(self) -> TrainConfig:
+        # Equal micro-batches at every worker count, so that a resize changes no micro-batch.
+        m, s = self.micro_batch_size, self.scaling
+        if m is None:
+            return self
+        shares = [self.batch_size_per_worker(n) for n in range(s.min_workers, s.max_workers + 1)]
+        if any(share % m for share in shares):
+            fits = math.gcd(*shares)
+            raise ValueError(
+                f"micro_batch_size={m} does not divide each worker's share of "
+                f"global_batch_size={self.global_batch_size} ({', '.join(map(str, shares))} "
+                f"images): use a divisor of {fits} (at least 2), or null for no accumulation"
             )
         return self
 
@@ -405,26 +465,46 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_YAMLLoader)
 
 
-def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] = ()) -> C:
-    """Build `cls` from a YAML file and `dotted.key=value` overrides (values parsed as YAML)."""
+def load_config(
+    cls: type[C],
+    path: str | Path | list[str | Path] | None = None,
+    overrides: list[str] = (),
+) -> C:
+    """Build `cls` from YAML files and `dotted.key=value` overrides (values parsed as YAML).
+
+    With several files (a base config, then a recipe), each later file overrides the earlier
+    ones key by key: a section it names is merged, not replaced."""
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
     data: dict[str, Any] = {}
-    where = "overrides"
-    if path is not None:
-        where = str(path)
-        try:
-            data = parse_yaml(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping, not {type(data).__name__}")
+    for p in paths:
+        _merge(data, _read_yaml(p))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. {_example(cls)}")
         _set_dotted(data, key, parse_yaml(raw) if raw else None)
-    return validate_config(cls, data, where)
+    return validate_config(cls, data, " + ".join(map(str, paths)) or "overrides")
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = parse_yaml(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, not {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> None:
+    """`over` into `base`, section by section: a leaf of `over` replaces `base`'s."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
 
 
 def validate_config(cls: type[C], data: dict[str, Any], where: str = "config") -> C:

@@ -38,7 +38,7 @@ from pipeline.infer.predictions import (
     publish,
     start_version,
 )
-from pipeline.model.checkpoint import METADATA, read_meta
+from pipeline.model.checkpoint import METADATA, read_meta, served_weights, weights_scores
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import load_model
 from pipeline.model.runs import (
@@ -180,6 +180,21 @@ class Predictor:
         )
 
 
+def log_weights(checkpoint: Location, meta) -> None:
+    """Say which of the checkpoint's weights classify, and why."""
+    scores = weights_scores(meta)
+    if len(scores) < 2:
+        return
+    served = served_weights(meta)
+    log.info(
+        "checkpoint %s holds raw and EMA weights: classifying with the %s weights (%s %s)",
+        checkpoint.uri,
+        served,
+        SCORE,
+        ", ".join(f"{name} {score:.4f}" for name, score in scores.items()),
+    )
+
+
 def wait_for_gpu(timeout_s: float) -> int:
     """GPUs in the cluster, waiting up to `timeout_s` for an autoscaler to add one."""
     return wait_for_capacity(
@@ -199,6 +214,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     or that of a run started after it with the same checkpoint and input, committed first."""
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
+    log_weights(checkpoint, meta)
     quiet_ray_data()
     ds = read_input(source, split=cfg.split, version=cfg.dataset_version)
     predictor = {
@@ -280,6 +296,10 @@ def summarize(
 ) -> dict:
     summary = {
         "checkpoint": checkpoint.uri,
+        # Which of its weights classified (raw, or its EMA's where those scored higher on val),
+        # and each one's val accuracy.
+        "weights": served_weights(meta),
+        "weights_val_accuracy": weights_scores(meta),
         "input": source.uri,
         "classes": meta.classes,
         "images": tally.images,
@@ -332,6 +352,8 @@ def _classify_one(checkpoint: Location, data: bytes, use_gpu: bool, precision: s
 def classify_image(cfg: InferConfig, *, model: Location, image: Location) -> dict:
     """One image file through one Ray task (on a GPU with use_gpu): its top-k classes."""
     checkpoint = resolve_checkpoint(model)
+    meta = read_meta(checkpoint)
+    log_weights(checkpoint, meta)
     if cfg.use_gpu:
         wait_for_gpu(cfg.capacity_timeout_s)
     data = image.read_bytes()
@@ -341,4 +363,9 @@ def classify_image(cfg: InferConfig, *, model: Location, image: Location) -> dic
         raise InputError(f"input={image.uri}: {e}") from None
     task = _classify_one.options(num_gpus=1 if cfg.use_gpu else 0)
     top = ray.get(task.remote(checkpoint, data, cfg.use_gpu, cfg.precision, cfg.top_k))
-    return {"input": image.uri, "checkpoint": checkpoint.uri, "top_k": top}
+    return {
+        "input": image.uri,
+        "checkpoint": checkpoint.uri,
+        "weights": served_weights(meta),
+        "top_k": top,
+    }

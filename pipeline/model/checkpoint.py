@@ -1,6 +1,8 @@
 """A checkpoint: a directory that carries everything needed to use the model or resume its run.
 
-<checkpoint>/model.pt        state_dict of the bare model (never DDP-wrapped)
+<checkpoint>/model.pt        state_dict of the bare model (never DDP-wrapped nor compiled)
+<checkpoint>/model_ema.pt    the same, of the exponential moving average of the weights, in a
+                             run that keeps one (ema.enabled); metadata.json names it
 <checkpoint>/train_state.pt  optimizer, LR scheduler and grad scaler state, for resuming
 <checkpoint>/metadata.json   epoch, classes, image size, normalisation, metrics, history,
                              and the resolved training config
@@ -21,6 +23,10 @@ from pipeline.core.storage import Location
 MODEL_NAME = "resnet18"
 CHECKPOINT_FORMAT = 1
 WEIGHTS, TRAIN_STATE, METADATA = "model.pt", "train_state.pt", "metadata.json"
+EMA_WEIGHTS = "model_ema.pt"
+SCORE = "val_accuracy"  # what "best" means, for retention, inference and the weights served
+EMA_SCORE = f"ema_{SCORE}"  # the same, of the EMA weights
+RAW, EMA = "raw", "ema"  # the two sets of weights a checkpoint may hold
 
 
 class CheckpointMeta(BaseModel):
@@ -40,14 +46,24 @@ class CheckpointMeta(BaseModel):
     metrics: dict[str, int | float | str]  # this epoch's
     history: list[dict[str, int | float | str]]  # every epoch up to and including this one
     config: dict[str, Any]
+    ema_weights: str | None = None  # the EMA weights' file, in a run that keeps an EMA
 
 
 def save_checkpoint(
-    directory: str | Path, weights: dict, meta: CheckpointMeta, train_state: dict
+    directory: str | Path,
+    weights: dict,
+    meta: CheckpointMeta,
+    train_state: dict,
+    *,
+    ema: dict | None = None,
 ) -> None:
-    """Write a checkpoint into a local directory; `weights` is the bare model's state_dict."""
+    """Write a checkpoint into a local directory; `weights` (and `ema`, the EMA's weights) are
+    bare models' state_dicts."""
     d = Path(directory)
     torch.save(weights, d / WEIGHTS)
+    if ema is not None:
+        torch.save(ema, d / EMA_WEIGHTS)
+        meta = meta.model_copy(update={"ema_weights": EMA_WEIGHTS})
     torch.save(train_state, d / TRAIN_STATE)
     (d / METADATA).write_text(meta.model_dump_json(indent=2))
 
@@ -72,8 +88,27 @@ def read_meta(checkpoint: Location) -> CheckpointMeta:
     return meta
 
 
-def load_weights(checkpoint: Location) -> dict[str, torch.Tensor]:
-    return load_tensors(checkpoint.child(WEIGHTS))
+def load_weights(checkpoint: Location, meta: CheckpointMeta | None = None, which: str = RAW):
+    """The checkpoint's raw weights, or (`which="ema"`) its EMA's, which `meta` names."""
+    if which == RAW:
+        return load_tensors(checkpoint.child(WEIGHTS))
+    assert which == EMA and meta is not None and meta.ema_weights, "no EMA weights to load"
+    return load_tensors(checkpoint.child(meta.ema_weights))
+
+
+def served_weights(meta: CheckpointMeta) -> str:
+    """The weights of a checkpoint to classify with: its EMA's where they scored higher on val
+    than the raw ones, else the raw weights."""
+    raw, ema = meta.metrics.get(SCORE), meta.metrics.get(EMA_SCORE)
+    if meta.ema_weights and isinstance(raw, float | int) and isinstance(ema, float | int):
+        return EMA if ema > raw else RAW
+    return RAW
+
+
+def weights_scores(meta: CheckpointMeta) -> dict[str, float]:
+    """Each set of weights the checkpoint holds, and its val accuracy."""
+    scores = {RAW: meta.metrics.get(SCORE), EMA: meta.metrics.get(EMA_SCORE)}
+    return {k: v for k, v in scores.items() if v is not None and (k == RAW or meta.ema_weights)}
 
 
 def load_train_state(checkpoint: Location) -> dict:

@@ -7,7 +7,13 @@ import torchvision
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
-from pipeline.model.checkpoint import CheckpointMeta, load_tensors, load_weights, read_meta
+from pipeline.model.checkpoint import (
+    CheckpointMeta,
+    load_tensors,
+    load_weights,
+    read_meta,
+    served_weights,
+)
 
 
 def build_model(num_classes: int, *, pretrained: str | None = None) -> torch.nn.Module:
@@ -63,9 +69,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def load_model(checkpoint: Location) -> tuple[torch.nn.Module, CheckpointMeta]:
-    """The checkpoint's model (local or on storage) on the CPU in eval mode, and its metadata."""
+def load_model(
+    checkpoint: Location, *, weights: str | None = None
+) -> tuple[torch.nn.Module, CheckpointMeta]:
+    """The checkpoint's model (local or on storage) on the CPU in eval mode, and its metadata.
+    `weights`: "raw" or "ema"; by default the better on val of those it holds
+    (`served_weights`)."""
     meta = read_meta(checkpoint)
     model = build_model(len(meta.classes))
-    model.load_state_dict(load_weights(checkpoint))
+    model.load_state_dict(load_weights(checkpoint, meta, weights or served_weights(meta)))
     return model.eval(), meta

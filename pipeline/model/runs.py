@@ -24,9 +24,8 @@ from pipeline.core.plots import plot_curves
 from pipeline.core.ray_internals import CHECKPOINT_MANAGER_LOGGER
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
-from pipeline.model.checkpoint import CheckpointMeta, read_meta
+from pipeline.model.checkpoint import SCORE, CheckpointMeta, read_meta
 
-SCORE = "val_accuracy"  # what "best checkpoint" means, for retention and for inference
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 RUN_SUMMARY = "summary.json"
 TRAINING = "training"  # the status of a run's summary while a train job trains it

@@ -1,19 +1,44 @@
-"""Training augmentation, on uint8 (3, H, W) images already cropped to `image_size` squares."""
+"""Training augmentation: per image on uint8 (3, H, W) images already cropped to `image_size`
+squares, and per batch (MixUp, CutMix) on the normalised batch in the worker's loop."""
 
 from __future__ import annotations
 
 from torchvision.transforms import v2
 
+AUTO_AUGMENT = {
+    "trivial_augment_wide": v2.TrivialAugmentWide,
+    "rand_augment": v2.RandAugment,  # torchvision's defaults: 2 ops of magnitude 9
+}
 
-def train_transform(kind: str, *, image_size: int) -> v2.Transform:
-    """Augmentation on uint8 (3, H, W); the images are already `image_size` squares."""
+
+def train_transform(kind: str, *, image_size: int, auto_augment: str = "none") -> v2.Transform:
+    """Augmentation on uint8 (3, H, W); the images are already `image_size` squares. The
+    `auto_augment` policy comes after the crop and flip, as in torchvision's presets."""
     if kind == "random_resized_crop":
-        return v2.Compose(
-            [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
-        )
-    if kind == "crop_flip":
+        steps = [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
+    elif kind == "crop_flip":
         pad = max(1, image_size // 8)
-        return v2.Compose([v2.RandomCrop(image_size, padding=pad), v2.RandomHorizontalFlip()])
-    if kind == "none":
-        return v2.Identity()
-    raise ValueError(f"unknown augment {kind!r}: use random_resized_crop, crop_flip or none")
+        steps = [v2.RandomCrop(image_size, padding=pad), v2.RandomHorizontalFlip()]
+    elif kind == "none":
+        steps = []
+    else:
+        raise ValueError(f"unknown augment {kind!r}: use random_resized_crop, crop_flip or none")
+    if auto_augment != "none":
+        if auto_augment not in AUTO_AUGMENT:
+            raise ValueError(
+                f"unknown auto_augment {auto_augment!r}: use none, {', '.join(AUTO_AUGMENT)}"
+            )
+        steps.append(AUTO_AUGMENT[auto_augment]())
+    return v2.Compose(steps) if steps else v2.Identity()
+
+
+def batch_mix(*, mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> v2.Transform | None:
+    """MixUp and/or CutMix, one of the enabled ones per batch (torchvision references'
+    `get_mixup_cutmix`): `(images, labels)` -> mixed images and soft labels (N, num_classes).
+    None when both are off."""
+    mixes = []
+    if mixup_alpha > 0:
+        mixes.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
+    if cutmix_alpha > 0:
+        mixes.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
+    return v2.RandomChoice(mixes) if mixes else None

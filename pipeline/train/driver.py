@@ -238,7 +238,13 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
         from pipeline.train.ray_data_input import ExactValConfig, datasets
 
         data = {
-            "datasets": datasets(manifest, dataset, augment=cfg.augment, seed=cfg.seed),
+            "datasets": datasets(
+                manifest,
+                dataset,
+                augment=cfg.augment,
+                auto_augment=cfg.auto_augment,
+                seed=cfg.seed,
+            ),
             "dataset_config": ExactValConfig(),
         }
         spare = ray.cluster_resources().get("CPU", 0) - s.max_workers * s.cpus_per_worker

@@ -37,7 +37,9 @@ def read_split(dataset: Location, manifest: Manifest, split: str) -> ray.data.Da
     return ray.data.read_parquet(paths, filesystem=dataset.fs, columns=["image", "label"])
 
 
-def datasets(manifest: Manifest, dataset: Location, *, augment: str, seed: int) -> dict:
+def datasets(
+    manifest: Manifest, dataset: Location, *, augment: str, seed: int, auto_augment: str = "none"
+) -> dict:
     """The driver's `datasets=` for TorchTrainer: train decoded and augmented, val decoded."""
     quiet_ray_data()  # Ray Train hands this context to the actors that run the datasets
     size = manifest.image_size
@@ -46,16 +48,15 @@ def datasets(manifest: Manifest, dataset: Location, *, augment: str, seed: int) 
     # for a run started with the same seed.
     every_epoch = ray.data.RandomSeedConfig(seed=seed, reseed_after_execution=True)
     train = read_split(dataset, manifest, "train").randomize_block_order(seed=every_epoch)
-    train = train.map_batches(
-        decode_batch, fn_kwargs={"augment": augment, "image_size": size}, batch_size=DECODE_BATCH
-    )
+    augmented = {"augment": augment, "auto_augment": auto_augment, "image_size": size}
+    train = train.map_batches(decode_batch, fn_kwargs=augmented, batch_size=DECODE_BATCH)
     val = read_split(dataset, manifest, "val").map_batches(
         decode_batch, fn_kwargs={"augment": "none", "image_size": size}, batch_size=DECODE_BATCH
     )
     return {"train": train, "val": val}
 
 
-def decode_batch(batch: dict, *, augment: str, image_size: int) -> dict:
+def decode_batch(batch: dict, *, augment: str, image_size: int, auto_augment: str = "none") -> dict:
     """Ray Data stage: encoded images -> uint8 (N, 3, S, S), augmented as the torch loader does."""
     # Imported here: the stage's worker processes need torchvision, the driver does not.
     from torchvision.transforms import v2
@@ -63,7 +64,7 @@ def decode_batch(batch: dict, *, augment: str, image_size: int) -> dict:
     from pipeline.data.images import decode_image
     from pipeline.train.augment import train_transform
 
-    transform = train_transform(augment, image_size=image_size)
+    transform = train_transform(augment, image_size=image_size, auto_augment=auto_augment)
     images = np.stack(
         [transform(v2.functional.pil_to_tensor(decode_image(b))).numpy() for b in batch["image"]]
     )

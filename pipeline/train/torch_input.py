@@ -268,9 +268,17 @@ class Augment:
     def __call__(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.transform is None:
             return images
+        return self._drawing(lambda: [self.transform(image) for image in images])
+
+    def draw(self, *inputs):
+        """`transform(*inputs)` once, on a whole batch (MixUp, CutMix: `images, labels`)."""
+        return self._drawing(lambda: self.transform(*inputs))
+
+    def _drawing(self, fn):
+        # CPU draws only: MixUp's and CutMix's come from the CPU generator whatever the device.
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self.state)
-            out = [self.transform(image) for image in images]
+            out = fn()
             self.state = torch.get_rng_state()
         return out
 

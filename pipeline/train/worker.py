@@ -9,15 +9,18 @@ need torchvision or torchmetrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -27,6 +30,8 @@ from pipeline.core.logs import quiet_train_reports, setup_logging
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest, read_manifest
 from pipeline.model.checkpoint import (
+    EMA,
+    EMA_SCORE,
     CheckpointMeta,
     load_train_state,
     load_weights,
@@ -36,9 +41,10 @@ from pipeline.model.checkpoint import (
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model, unwrap
 from pipeline.model.runs import SCORE, check_resumable, checkpoint_dir_name
-from pipeline.train.augment import train_transform
+from pipeline.train.augment import batch_mix, train_transform
+from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
-from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.torch_input import Augment, RowGroupStream
 
 log = logging.getLogger(__name__)
 
@@ -64,51 +70,107 @@ class Progress:
             )
 
 
+@dataclass
+class StepRecipe:
+    """What a training step does beyond forward, backward and step; all off by default."""
+
+    mix: Callable | None = None  # (images, labels) -> mixed images, soft labels (MixUp/CutMix)
+    micro_batch: int | None = None  # images per forward pass; the step accumulates them
+    clip_grad_norm: float | None = None  # the gradients' total norm, at most
+    ema: ModelEMA | None = None  # updated after each step
+
+
 def train_one_epoch(
-    model, loader, optimizer, criterion, *, policy: DevicePolicy, progress=None
+    model,
+    loader,
+    optimizer,
+    criterion,
+    *,
+    policy: DevicePolicy,
+    progress=None,
+    recipe: StepRecipe | None = None,
 ) -> dict:
     """One pass over this worker's shard; returns the summed loss, images and seconds.
-    `progress(batches_done, images_done)` is called after each batch."""
+    `progress(batches_done, images_done)` is called after each batch. With a mix, the loss is
+    against the mixed (soft) labels."""
+    recipe = recipe or StepRecipe()
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
     images = 0
     start = time.perf_counter()
     for i, (batch, labels) in enumerate(loader, start=1):
         x, y = policy.inputs(batch), labels.to(policy.device, non_blocking=True)
-        with policy.autocast():
-            loss = criterion(model(x), y)
+        if recipe.mix is not None:
+            x, y = recipe.mix(x, y)
         optimizer.zero_grad(set_to_none=True)
-        policy.scaler.scale(loss).backward()
+        loss = backward(model, x, y, criterion, policy=policy, micro_batch=recipe.micro_batch)
+        if recipe.clip_grad_norm is not None:
+            policy.scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
         policy.scaler.step(optimizer)
         policy.scaler.update()
-        loss_sum += loss.detach().double() * len(y)
+        if recipe.ema is not None:
+            recipe.ema.step(unwrap(model))
+        loss_sum += loss.double() * len(y)
         images += len(y)
         if progress is not None:
             progress(i, images)
     return {"loss_sum": loss_sum.item(), "images": images, "seconds": time.perf_counter() - start}
 
 
+def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int | None = None):
+    """Gradients of the mean loss over the batch `x`, `y`, in micro-batches of `micro_batch`
+    images (all at once without): each micro-batch's mean loss is weighted by its share of the
+    batch, so the summed gradient is the whole batch's. Under DDP only the last micro-batch's
+    backward all-reduces (`no_sync` on the others). Returns the batch's mean loss, detached."""
+    size = micro_batch or len(y)
+    chunks = list(zip(x.split(size), y.split(size), strict=True))
+    total = torch.zeros((), device=policy.device)
+    for j, (xc, yc) in enumerate(chunks, start=1):
+        last = j == len(chunks)
+        sync = (
+            contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        )
+        with sync:
+            with policy.autocast():
+                loss = criterion(model(xc), yc) * (len(yc) / len(y))
+            policy.scaler.scale(loss).backward()
+        total += loss.detach().float()
+    return total
+
+
 @torch.no_grad()
-def evaluate(model, loader, *, policy: DevicePolicy, num_classes: int) -> dict:
-    """Loss and accuracy over the samples of every rank, each counted once.
+def evaluate(model, loader, *, policy: DevicePolicy, num_classes: int, ema=None) -> dict:
+    """Loss and accuracy over the samples of every rank, each counted once; with `ema` (the
+    averaged model) its loss and accuracy too (`ema_val_loss`, `ema_val_accuracy`), from the
+    same pass over the batches.
 
     `model` must be the bare model: DDP's forward would sync buffers, and ranks may hold
     different numbers of val batches (no padding, so that the accuracy is exact)."""
-    model.eval()
-    accuracy = MulticlassAccuracy(num_classes, average="micro", sync_on_compute=True)
-    accuracy = accuracy.to(policy.device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
+    models = {"": model} | ({"ema_": ema} if ema is not None else {})
+    accuracy, loss_sum = {}, {}
+    for prefix, m in models.items():
+        m.eval()
+        metric = MulticlassAccuracy(num_classes, average="micro", sync_on_compute=True)
+        accuracy[prefix] = metric.to(policy.device)
+        loss_sum[prefix] = torch.zeros((), dtype=torch.float64, device=policy.device)
     count = 0
     for batch, labels in loader:
-        y = labels.to(policy.device, non_blocking=True)
-        with policy.autocast():
-            logits = model(policy.inputs(batch)).float()
-        loss_sum += torch.nn.functional.cross_entropy(logits, y, reduction="sum").double()
-        accuracy.update(logits.argmax(dim=1), y)
+        x, y = policy.inputs(batch), labels.to(policy.device, non_blocking=True)
+        for prefix, m in models.items():
+            with policy.autocast():
+                logits = m(x).float()
+            loss_sum[prefix] += F.cross_entropy(logits, y, reduction="sum").double()
+            accuracy[prefix].update(logits.argmax(dim=1), y)
         count += len(y)
-    total_loss, total = all_reduce([loss_sum.item(), count], device=policy.device)
-    score = accuracy.compute().item()
-    return {"val_loss": total_loss / max(total, 1), SCORE: score, "val_images": total}
+    total, *losses = all_reduce(
+        [count, *(s.item() for s in loss_sum.values())], device=policy.device
+    )
+    out = {"val_images": total}
+    for prefix, loss in zip(models, losses, strict=True):
+        out[f"{prefix}val_loss"] = loss / max(total, 1)
+        out[f"{prefix}{SCORE}"] = accuracy[prefix].compute().item()
+    return out
 
 
 def all_reduce(values: list[float], *, device: torch.device, op=None) -> list[float]:
@@ -170,7 +232,9 @@ def train_data(
         seed=cfg.seed,
         # A last batch of a few images would be a noisy step, and BatchNorm fails on one image.
         drop_last=True,
-        transform=train_transform(cfg.augment, image_size=manifest.image_size),
+        transform=train_transform(
+            cfg.augment, image_size=manifest.image_size, auto_augment=cfg.auto_augment
+        ),
     )
     return EpochLoader(loader(stream, cfg, device), stream)
 
@@ -219,6 +283,7 @@ class Worker:
     world: int
     start_epoch: int = 0
     history: list[dict] = field(default_factory=list)
+    ema_weights: dict | None = None  # the resumed checkpoint's EMA weights, if it has them
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -254,6 +319,10 @@ def train_loop_per_worker(config: dict) -> None:
     model = build_model(len(manifest.classes), pretrained=cfg.pretrained)
     train_state = restore(w, model)
     model = ray.train.torch.prepare_model(policy.prepare(model))  # to the device, then DDP
+    ema = build_ema(w, unwrap(model), train_state)
+    if cfg.compile:
+        # Around DDP, as PyTorch advises; checkpoints hold the bare model's state_dict (unwrap).
+        model = torch.compile(model)
     # After the move: load_state_dict puts optimizer state on the parameters' device.
     optimizer, scheduler = build_optimizer(model, cfg)
     if train_state:
@@ -267,7 +336,13 @@ def train_loop_per_worker(config: dict) -> None:
 
     train_loader, val_loader = loaders(w, device)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
+    mix = batch_mix(
+        mixup_alpha=cfg.mixup_alpha,
+        cutmix_alpha=cfg.cutmix_alpha,
+        num_classes=len(manifest.classes),
+    )
     if rank == 0:
+        log_recipe(cfg, world)
         rows = {split: manifest.splits[split].rows for split in ("train", "val")}
         log.info(
             "training epochs %d to %d: %d train images, %d val (ingest=%s)",
@@ -279,11 +354,35 @@ def train_loop_per_worker(config: dict) -> None:
         lr = optimizer.param_groups[0]["lr"]
         progress = Progress(epoch, cfg.epochs, len(train_loader), every_s=cfg.log_every_s)
         progress = progress if rank == 0 else None
+        if ema is not None:
+            ema.following = epoch < cfg.optimizer.warmup_epochs
+        recipe = StepRecipe(
+            # Draws of their own per rank and epoch (as the loader's augmentation), repeated
+            # for the same seed: the global generator is alike on every rank.
+            mix=Augment(mix, f"mix/{cfg.seed}/{epoch}/{rank}").draw if mix else None,
+            micro_batch=cfg.micro_batch_size,
+            clip_grad_norm=cfg.optimizer.clip_grad_norm,
+            ema=ema,
+        )
         t = train_one_epoch(
-            model, train_loader, optimizer, criterion, policy=policy, progress=progress
+            model,
+            train_loader,
+            optimizer,
+            criterion,
+            policy=policy,
+            progress=progress,
+            recipe=recipe,
         )
         broadcast_buffers(unwrap(model))
-        v = evaluate(unwrap(model), val_loader, policy=policy, num_classes=len(manifest.classes))
+        if ema is not None:
+            broadcast_buffers(ema.module)  # each rank averaged its own BatchNorm statistics
+        v = evaluate(
+            unwrap(model),
+            val_loader,
+            policy=policy,
+            num_classes=len(manifest.classes),
+            ema=ema.module if ema is not None else None,
+        )
         scheduler.step()
         loss_sum, images = all_reduce([t["loss_sum"], t["images"]], device=device)
         [slowest] = all_reduce([t["seconds"]], device=device, op=dist.ReduceOp.MAX)
@@ -293,6 +392,7 @@ def train_loop_per_worker(config: dict) -> None:
             "val_loss": v["val_loss"],
             SCORE: v[SCORE],
             "val_images": v["val_images"],  # all of val, each once: the score is exact
+            **{k: v[k] for k in ("ema_val_loss", EMA_SCORE) if k in v},
             "lr": lr,
             "images_per_s": images / slowest,  # all workers together
             "images_per_s_per_worker": t["images"] / t["seconds"],  # this rank's (rank 0's)
@@ -306,7 +406,50 @@ def train_loop_per_worker(config: dict) -> None:
             "scheduler": scheduler.state_dict(),
             "scaler": policy.scaler.state_dict(),
         }
-        save_and_report(w, metrics, unwrap(model).state_dict(), train_state)
+        if ema is not None:
+            train_state["ema"] = ema.state_dict()
+        ema_weights = ema.module.state_dict() if ema is not None else None
+        save_and_report(w, metrics, unwrap(model).state_dict(), train_state, ema_weights)
+
+
+def build_ema(w: Worker, model: torch.nn.Module, train_state: dict | None) -> ModelEMA | None:
+    """The EMA of `model` (bare, on its device) if the config keeps one: the resumed
+    checkpoint's, or a new one (a fresh run, or a run that turns it on at a resume)."""
+    e = w.cfg.ema
+    if not e.enabled:
+        return None
+    ema = ModelEMA(model, decay=e.decay, every_steps=e.every_steps)
+    if w.ema_weights is not None and train_state and "ema" in train_state:
+        ema.load(w.ema_weights, train_state["ema"])
+        if w.rank == 0:
+            log.info("resumed the EMA of the weights (%d updates)", ema.updates)
+    elif train_state and w.rank == 0:
+        log.info("the checkpoint has no EMA of the weights: a new one starts from this epoch")
+    return ema
+
+
+def log_recipe(cfg: TrainConfig, world: int) -> None:
+    """One line of what the recipe turns on, beyond the plain steps."""
+    on = []
+    if cfg.auto_augment != "none":
+        on.append(f"auto_augment={cfg.auto_augment}")
+    if cfg.mixup_alpha or cfg.cutmix_alpha:
+        on.append(f"mixup_alpha={cfg.mixup_alpha} cutmix_alpha={cfg.cutmix_alpha}")
+    if cfg.optimizer.label_smoothing:
+        on.append(f"label_smoothing={cfg.optimizer.label_smoothing}")
+    if cfg.optimizer.clip_grad_norm is not None:
+        on.append(f"clip_grad_norm={cfg.optimizer.clip_grad_norm}")
+    if cfg.ema.enabled:
+        on.append(f"EMA decay {cfg.ema.decay} every {cfg.ema.every_steps} steps")
+    if cfg.micro_batch_size is not None:
+        share = cfg.batch_size_per_worker(world)
+        on.append(
+            f"{share // cfg.micro_batch_size} micro-batches of {cfg.micro_batch_size} per step"
+        )
+    if cfg.compile:
+        on.append("torch.compile")
+    if on:
+        log.info("recipe: %s", ", ".join(on))
 
 
 def loaders(w: Worker, device: torch.device):
@@ -340,6 +483,8 @@ def restore(w: Worker, model: torch.nn.Module) -> dict | None:
         check_resumable(meta, w.manifest, checkpoint=checkpoint.path, dataset=w.dataset.uri)
         model.load_state_dict(load_weights(local))
         train_state = load_train_state(local)
+        if meta.ema_weights:
+            w.ema_weights = load_weights(local, meta, EMA)
     w.start_epoch, w.history = meta.epoch + 1, meta.history
     if w.rank == 0:
         log.info(
@@ -357,16 +502,20 @@ def restore(w: Worker, model: torch.nn.Module) -> dict | None:
     return train_state
 
 
-def save_and_report(w: Worker, metrics: dict, weights: dict, train_state: dict) -> None:
-    """Every rank reports the epoch's metrics; rank 0 logs them and attaches the checkpoint."""
+def save_and_report(
+    w: Worker, metrics: dict, weights: dict, train_state: dict, ema: dict | None = None
+) -> None:
+    """Every rank reports the epoch's metrics; rank 0 logs them and attaches the checkpoint
+    (with `ema`, the EMA's weights, beside the raw ones)."""
     if w.rank != 0:
         ray.train.report(metrics)
         return
     epoch, m = metrics["epoch"], metrics
     log.info(
-        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f lr %.3g %.1f images/s",
-        *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m[SCORE], m["lr"]),
-        m["images_per_s"],
+        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f images/s",
+        *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m[SCORE]),
+        f" ema_val_accuracy {m[EMA_SCORE]:.4f}" if EMA_SCORE in m else "",
+        *(m["lr"], m["images_per_s"]),
     )
     meta = CheckpointMeta(
         epoch=epoch,
@@ -382,7 +531,7 @@ def save_and_report(w: Worker, metrics: dict, weights: dict, train_state: dict) 
     )
     name = checkpoint_dir_name(epoch)
     with tempfile.TemporaryDirectory() as d:
-        save_checkpoint(d, weights, meta, train_state)
+        save_checkpoint(d, weights, meta, train_state, ema=ema)
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(d),
