@@ -11,6 +11,7 @@ that record, and the locked versions, with requirements/ (`lock_problems`).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -40,6 +41,7 @@ COMMAND = [
     CONSTRAINTS,
     "--generate-hashes",
     "--no-header",
+    "--quiet",  # the lock goes to its file only, not to the terminal as well
     "--output-file",
     LOCK,
 ]
@@ -119,13 +121,21 @@ def lock_problems(lock: Path, source: Path, constraints: Path) -> list[str]:
     return problems
 
 
-def write_lock(upgrade: bool) -> None:
+def write_lock(upgrade: bool) -> bool:
+    """Compile the lock; whether it changed."""
+    lock = ROOT / LOCK
+    before = lock.read_text() if lock.exists() else None
+    stat = lock.stat() if lock.exists() else None
     uv = Path(sys.executable).parent / "uv"
     command = [str(uv), *COMMAND[1:], *(["--upgrade"] if upgrade else [])]
     subprocess.run(command, cwd=ROOT, check=True)
-    lock = ROOT / LOCK
     inputs = "".join(f"#   {line}\n" for line in input_lines(ROOT / SOURCE, ROOT / CONSTRAINTS))
-    lock.write_text(f"{HEADER}{INPUT_LINE}\n{inputs}\n{lock.read_text()}")
+    after = f"{HEADER}{INPUT_LINE}\n{inputs}\n{lock.read_text()}"
+    lock.write_text(after)
+    if after == before:
+        # The same lock keeps its time: make would otherwise rebuild .venv for nothing.
+        os.utime(lock, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    return after != before
 
 
 def main() -> int:
@@ -138,8 +148,7 @@ def main() -> int:
         for problem in problems:
             print(f"{LOCK} is stale (run `make lock`): {problem}", file=sys.stderr)
         return 1 if problems else 0
-    write_lock(args.upgrade)
-    print(f"wrote {LOCK}")
+    print(f"wrote {LOCK}" if write_lock(args.upgrade) else f"{LOCK} is unchanged")
     return 0
 
 
