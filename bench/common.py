@@ -13,21 +13,18 @@ from pipeline.model.checkpoint import CheckpointMeta, save_checkpoint
 from pipeline.model.networks import build_model
 
 
-def preprocess_generated(out: Path, *overrides: str, cpus: int = 2) -> None:
-    """The demo's generated dataset at `out` (with `overrides`), by the real preprocess job."""
-    with LocalCluster(num_cpus=cpus) as cluster:
-        proc = cluster.submit(
-            [
-                "python",
-                "-m",
-                "jobs.preprocess",
-                "--config",
-                "configs/demo-preprocess.yaml",
-                f"output={out}",
-                *overrides,
-            ],
-            capture=True,
-        )
+def preprocess_generated(
+    out: Path, *overrides: str, cpus: int = 2, cluster: LocalCluster | None = None
+) -> None:
+    """The demo's generated dataset at `out` (with `overrides`), by the real preprocess job on
+    `cluster`, or on a fresh local cluster of `cpus` CPUs."""
+    args = ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
+            f"output={out}", *overrides]  # fmt: skip  # a command line
+    if cluster is None:
+        with LocalCluster(num_cpus=cpus) as fresh:
+            proc = fresh.submit(args, capture=True)
+    else:
+        proc = cluster.submit(args, capture=True)
     if proc.returncode != 0:
         sys.exit(f"preprocess failed:\n{proc.stdout[-3000:]}")
 
@@ -44,6 +41,7 @@ def random_checkpoint(dataset: Path, out: Path) -> Path:
         mean=m.mean,
         std=m.std,
         dataset_fingerprint=m.fingerprint,
+        dataset_version=m.version,
         metrics={},
         history=[],
         config={},

@@ -1,5 +1,5 @@
-"""cluster.yaml and cluster-onprem.yaml: valid for Ray's cluster launcher, installing what
-pyproject.toml pins, token auth on; cluster.yaml's workers can reach S3.
+"""cluster.yaml and cluster-onprem.yaml: valid for Ray's cluster launcher, installing the lock
+compiled from what pyproject.toml pins, token auth on; cluster.yaml's workers can reach S3.
 
 No cloud calls: the schema check is the part of `ray up` that runs before it talks to AWS.
 test_deploy.py launches cluster-onprem.yaml for real.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,6 +22,16 @@ from packaging.utils import canonicalize_name
 
 # Private, but it is exactly what `ray up` runs; a Ray upgrade that moves it fails loudly here.
 from ray.autoscaler._private.util import prepare_config, validate_config
+
+from scripts.lock import (
+    COMMAND,
+    CONSTRAINTS,
+    LOCK,
+    SOURCE,
+    lock_problems,
+    recorded_input,
+    requirements_file,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,18 +64,6 @@ def any_cluster(request) -> dict:
 @pytest.fixture(scope="module")
 def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
-
-
-def requirements_file(path: Path) -> list[Requirement]:
-    """The requirements in a pip requirements file, following its `-r` lines."""
-    reqs = []
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line.startswith("-r"):
-            reqs += requirements_file(path.parent / line[2:].strip())
-        elif line:
-            reqs.append(Requirement(line))
-    return reqs
 
 
 @pytest.fixture(scope="module")
@@ -187,32 +186,112 @@ def test_nodes_install_the_ray_the_client_pins(any_cluster, project):
     installed = pip_installs(any_cluster, any_cluster["setup_commands"])
     (ray,) = [r for r in installed if r.name == "ray"]
     assert ray.specifier == pinned.specifier, f"cluster {ray}, client {pinned}"
-    assert ray.extras == pinned.extras
+    # The lock lists ray's extras' packages, not the extras: it was compiled from the pin itself.
+    assert str(pinned) in recorded_input(ROOT / LOCK)
 
 
-def test_nodes_install_exactly_the_runtime_deps(any_cluster, project):
-    # Runtime deps plus the hf extra (preprocessing's Hugging Face source); never the bundle.
-    runtime = [*project["dependencies"], *project["optional-dependencies"]["hf"]]
+def test_the_lock_is_compiled_from_exactly_the_runtime_deps(project):
+    # Runtime deps plus the hf extra (preprocessing's Hugging Face source) and timm (models by
+    # name); never the bundle, never dev tools.
+    runtime = [
+        *project["dependencies"],
+        *project["optional-dependencies"]["hf"],
+        *[str(r) for r in requirements_file(ROOT / "requirements/timm.txt")],
+    ]
     expected = {key(Requirement(d)) for d in runtime}
-    installed = [key(r) for r in pip_installs(any_cluster, any_cluster["setup_commands"])]
-    assert len(installed) == len(set(installed)), "a requirement is installed twice"
-    assert set(installed) == expected
+    compiled = [key(r) for r in requirements_file(ROOT / SOURCE)]
+    assert len(compiled) == len(set(compiled)), "a requirement is listed twice"
+    assert set(compiled) == expected
+
+
+def test_the_lock_is_up_to_date():
+    problems = lock_problems(ROOT / LOCK, ROOT / SOURCE, ROOT / CONSTRAINTS)
+    assert not problems, f"{LOCK} is stale: run `make lock`\n" + "\n".join(problems)
+    # Written by `make lock`: its header names the command that wrote it.
+    assert f"#   {shlex.join(COMMAND)}\n" in (ROOT / LOCK).read_text()
+
+
+@pytest.mark.parametrize(
+    ("file", "edit", "found"),
+    [
+        (
+            "runtime.txt",
+            lambda t: t.replace("torch>=2.4", "torch>=99"),
+            ["torch>=99: the lock has"],
+        ),
+        (
+            "runtime.txt",
+            lambda t: t + "ujson>=5\n",
+            ["compiled from other requirements: now ['ujson>=5']", "ujson>=5 is not in the lock"],
+        ),
+        ("runtime.txt", lambda t: t.replace("pillow>=10", "pillow>=9"), ["now ['pillow>=9']"]),
+        (
+            "cluster-constraints.txt",
+            lambda t: t.replace("python-dateutil<3", "python-dateutil<2"),
+            ["python-dateutil<2: the lock has python-dateutil=="],
+        ),
+    ],
+    ids=["a version the lock lacks", "a new requirement", "a looser one", "a new constraint"],
+)
+def test_a_stale_lock_is_found(tmp_path, file, edit, found):
+    shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
+    files = [tmp_path / LOCK, tmp_path / SOURCE, tmp_path / CONSTRAINTS]
+    assert lock_problems(*files) == []
+    edited = tmp_path / "requirements" / file
+    edited.write_text(edit(edited.read_text()))
+    problems = "\n".join(lock_problems(*files))
+    for part in found:
+        assert part in problems
+
+
+def test_this_venv_runs_the_locked_versions():
+    # `make install` puts the lock in first, and the bundle's extras must not move any of it:
+    # the tests run what the nodes run.
+    from importlib.metadata import PackageNotFoundError, version
+
+    differ = []
+    for pin in requirements_file(ROOT / LOCK):
+        if pin.marker is None or pin.marker.evaluate():
+            (spec,) = pin.specifier
+            try:
+                installed = version(pin.name)
+            except PackageNotFoundError:
+                installed = None
+            if installed != spec.version:
+                differ.append(f"{pin.name}: locked {spec.version}, installed {installed}")
+    assert not differ, "rebuild the venv (make install):\n" + "\n".join(differ)
+
+
+def test_make_install_installs_the_lock_before_the_bundle():
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"LOCK   := {LOCK}\n" in makefile
+    stamp = makefile.split("\n$(STAMP):", 1)[1].split("\n\n", 1)[0]
+    prerequisites, *recipe = stamp.splitlines()
+    assert "$(LOCK)" in prerequisites.split()  # a new lock rebuilds the venv
+    lock = recipe.index("\t$(PY) -m pip install --quiet --require-hashes -r $(LOCK)")
+    bundle = recipe.index("\t$(PY) -m pip install --quiet -e '.[dev,docs]'")
+    assert lock < bundle
+    assert "\t$(PY) -m scripts.lock $(if $(UPGRADE),--upgrade)\n" in makefile
 
 
 def test_the_versions_live_in_one_place(pyproject, cluster, onprem):
     # pyproject.toml lists none itself: setuptools reads them from requirements/, and both
-    # configs install those files, not copies of their lines.
+    # configs install the lock compiled from those files, not copies of their lines.
     assert "dependencies" not in pyproject["project"]
     assert "optional-dependencies" not in pyproject["project"]
     for config in (cluster, onprem):
         assert config["file_mounts"]["~/ray-cv/requirements"] == "requirements"
+        installs = 0
         for command in config["setup_commands"]:
             for _, argv in simple_commands(command):
                 if "pip" in argv:
+                    installs += 1
                     assert argv[argv.index("install") + 1 :] == [
+                        "--require-hashes",
                         "-r",
-                        "~/ray-cv/requirements/cluster.txt",
+                        f"~/ray-cv/{LOCK}",
                     ], command
+        assert installs == 1
 
 
 def test_the_installed_bundle_has_the_requirements_files_deps(project):
