@@ -191,8 +191,10 @@ def test_nodes_install_the_ray_the_client_pins(any_cluster, project):
 
 
 def test_nodes_install_exactly_the_runtime_deps(any_cluster, project):
-    # Runtime deps plus the hf extra (preprocessing's Hugging Face source); never the bundle.
-    runtime = [*project["dependencies"], *project["optional-dependencies"]["hf"]]
+    # Runtime deps plus the hf extra (preprocessing's Hugging Face source) and the timm extra
+    # (timm's models by name, built on the workers and the inference actors); never the bundle.
+    extras = project["optional-dependencies"]
+    runtime = [*project["dependencies"], *extras["hf"], *extras["timm"]]
     expected = {key(Requirement(d)) for d in runtime}
     installed = [key(r) for r in pip_installs(any_cluster, any_cluster["setup_commands"])]
     assert len(installed) == len(set(installed)), "a requirement is installed twice"
