@@ -19,12 +19,12 @@ import ray.train
 import ray.train.torch
 import torch
 import torchvision
+from helpers import generated_dataset
 
-from pipeline.core.config import PreprocessConfig, TrainConfig, load_config
+from pipeline.core.config import TrainConfig, load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
-from pipeline.data.preprocess import preprocess
 from pipeline.infer.batch import Predictor
 from pipeline.model.checkpoint import ModelInput, ModelSpec, read_meta
 from pipeline.model.device import DevicePolicy
@@ -43,24 +43,14 @@ USER_MODEL = "examples.custom_model.tiny_cnn:build"
 def small_dataset(tmp_path_factory) -> Path:
     """3 classes of generated 32 px images: one step of 8 images an epoch, 6 val images."""
     out = tmp_path_factory.mktemp("small") / "dataset"
-    cfg = load_config(
-        PreprocessConfig,
-        None,
-        [
-            f"output={out}",
-            "source.kind=synthetic",
-            "source.synthetic.num_classes=3",
-            "source.synthetic.images_per_class=6",
-            "source.synthetic.raw_size=40",
-            "image_size=32",
-            "val_fraction=0.3",
-        ],
+    generated_dataset(
+        out,
+        "source.synthetic.num_classes=3",
+        "source.synthetic.images_per_class=6",
+        "source.synthetic.raw_size=40",
+        "image_size=32",
+        "val_fraction=0.3",
     )
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        preprocess(cfg, output=Location.parse(str(out)))
-    finally:
-        ray.shutdown()
     return out
 
 
