@@ -73,7 +73,8 @@ class Architecture:
 
     def pretrained(self, weights: str, num_classes: int) -> torch.nn.Module:
         """The network with weights by name in all but its head (downloaded once per node)."""
-        raise NotImplementedError
+        self.check_weights_name(weights)
+        raise NotImplementedError(f"{type(self).__name__} names weights but cannot load them")
 
     def weights_input(self, weights: str) -> dict[str, Any]:
         """What the named weights were trained on (image_size, interpolation, mean, std)."""
@@ -111,11 +112,10 @@ class TorchvisionModel(Architecture):
 
     def pretrained(self, weights: str, num_classes: int) -> torch.nn.Module:
         w = self._weights(weights)
-        # The builder loads its weights itself (some need their keys renamed), into its own head;
-        # into $TORCH_HOME, once per node.
-        source = self._call(self.builder, len(w.meta["categories"]), weights=w, progress=False)
         model = self.build(num_classes)
-        state = source.state_dict()
+        # The builder loads its weights itself (some need their keys renamed), into its own head,
+        # downloading them into $TORCH_HOME once per node: a failed download is raised as it is.
+        state = self.builder(weights=w, progress=False, **self.kwargs).state_dict()
         load_backbone(model, state, self, num_classes, what=f"weights {w.name}", error=ConfigError)
         return model
 
@@ -165,10 +165,10 @@ class TimmModel(Architecture):
 
     def pretrained(self, weights: str, num_classes: int) -> torch.nn.Module:
         self.check_weights_name(weights)
-        # timm's own loading: from the Hugging Face hub (or the URL the tag names) into their
-        # caches, once per node, adapted to our num_classes.
-        model = self._call(
-            self.timm.create_model, num_classes, model_name=self.arch, pretrained=True
+        # timm's own loading: from the Hugging Face hub (or the URL the tag names) into its
+        # cache, once per node, adapted to our num_classes; a failed download is raised as it is.
+        model = self.timm.create_model(
+            self.arch, pretrained=True, num_classes=num_classes, **self.kwargs
         )
         model.reset_classifier(num_classes)  # new even where the weights had as many classes
         return model
