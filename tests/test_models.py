@@ -21,6 +21,7 @@ import torch
 import torchvision
 from helpers import generated_dataset
 
+from harness.cluster import BUNDLE_ROOT
 from pipeline.core.config import TrainConfig, load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
@@ -213,6 +214,14 @@ def test_a_model_trains_resumes_and_infers_as_in_memory(
     # ...and what training measured on the val split.
     accuracy = np.mean(np.array(table["pred"]) == np.array(table["label"]))
     assert accuracy == pytest.approx(resumed.metrics["val_accuracy"], abs=1e-6)
+
+
+def test_the_examples_config_names_the_examples_module(small_dataset):
+    example = BUNDLE_ROOT / "examples" / "custom_model" / "train.yaml"
+    cfg = load_config(TrainConfig, example, [f"dataset={small_dataset}", "storage_path=/runs"])
+    assert cfg.model.name == USER_MODEL
+    root = Location.parse(str(small_dataset))
+    assert driver.check_model(cfg, read_manifest(root), root).image_size == 32
 
 
 def test_a_vision_transformer_by_name_for_small_images(small_dataset):
