@@ -2,11 +2,14 @@
     -- python -m jobs.train --config configs/train.yaml \
        dataset=s3://bucket/food101 storage_path=s3://bucket/runs name=resnet18-lite
 
-Train ResNet-18 on a preprocessed dataset with Ray Train, fault-tolerant: failed workers are
-restarted from the latest checkpoint (max_failures), and submitting the same run name again
-resumes it. Writes summary.json, history.csv and curves.png into <storage_path>/<name> and prints
-the best checkpoint's path last. Exit codes: 0 done, 1 unusable input (dataset, checkpoint),
-2 invalid config, 3 training failed (workers could not be placed, or retries used up).
+Train an image classifier (model.name: ResNet-18 by default, any torchvision classifier,
+timm/<name> or module:function; docs/models.md) on a preprocessed dataset with Ray Train,
+fault-tolerant: failed workers are restarted from the latest checkpoint (max_failures), and
+submitting the same run name again resumes it. Writes summary.json, history.csv and curves.png
+into <storage_path>/<name> and prints the best checkpoint's path last. Exit codes: 0 done,
+1 unusable input (dataset, checkpoint, weights file), 2 invalid config (the model's name,
+weights name and builder arguments too), 3 training failed (workers could not be placed, or
+retries used up).
 """
 
 import logging

@@ -19,6 +19,7 @@ from helpers import (
     CLASSES,
     FAST_NODE_DEATH,
     armed_runtime_env,
+    generated_dataset,
     held_worker,
     in_background,
     kill_worker,
@@ -87,30 +88,16 @@ def hf_dataset(tmp_path_factory):
 def tiny_dataset(tmp_path_factory) -> Path:
     """A preprocessed dataset of generated images: 4 classes, 32 px, several shards of several
     row groups; the val split has an odd number of rows (119), to catch padded evaluation."""
-    from pipeline.core.config import PreprocessConfig, load_config
-    from pipeline.core.storage import Location
-    from pipeline.data.preprocess import preprocess
-
     out = tmp_path_factory.mktemp("tiny") / "dataset"
-    cfg = load_config(
-        PreprocessConfig,
-        None,
-        [
-            f"output={out}",
-            "source.kind=synthetic",
-            "source.synthetic.num_classes=4",
-            "source.synthetic.images_per_class=150",
-            "source.synthetic.raw_size=48",
-            "image_size=32",
-            "shard_size=100",
-            "row_group_size=25",
-        ],
+    manifest = generated_dataset(
+        out,
+        "source.synthetic.num_classes=4",
+        "source.synthetic.images_per_class=150",
+        "source.synthetic.raw_size=48",
+        "image_size=32",
+        "shard_size=100",
+        "row_group_size=25",
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        manifest = preprocess(cfg, output=Location.parse(str(out)))
-    finally:
-        ray.shutdown()
     assert manifest.splits["val"].rows % 2 == 1
     return out
 

@@ -172,6 +172,24 @@ def start_task(cmd: list[str], cluster: LocalCluster) -> tuple[subprocess.Popen,
     return proc, lines, in_background(read)
 
 
+def generated_dataset(out: Path, *overrides: str):
+    """Preprocess generated images into `out` (an in-process Ray for the job's tasks); returns
+    the manifest."""
+    import ray
+
+    from pipeline.core.config import PreprocessConfig, load_config
+    from pipeline.core.storage import Location
+    from pipeline.data.preprocess import preprocess
+
+    args = [f"output={out}", "source.kind=synthetic", *overrides]
+    cfg = load_config(PreprocessConfig, None, args)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        return preprocess(cfg, output=Location.parse(str(out)))
+    finally:
+        ray.shutdown()
+
+
 def checkpoint_meta(**changes) -> CheckpointMeta:
     """The metadata of a small checkpoint of three classes, with `changes`."""
     fields = dict(

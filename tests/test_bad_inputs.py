@@ -9,11 +9,15 @@ from __future__ import annotations
 import ast
 import re
 import shutil
+import sys
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 import pytest
+import torch
+import torchvision
 from helpers import checkpoint_meta, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT
@@ -34,9 +38,8 @@ from pipeline.data.sources import FolderSource
 from pipeline.infer.batch import resolve_checkpoint
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import Tally, publish, start_version
-from pipeline.model.networks import check_pretrained
 from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
-from pipeline.train.driver import check_dataset, pick_dataset_version
+from pipeline.train.driver import check_dataset, check_model, pick_dataset_version
 
 
 @dataclass
@@ -80,6 +83,32 @@ def damaged(tmp_path, dataset):
 def resumed_on_another_version(tmp_path, dataset):
     cfg = train_config(tmp_path, dataset)
     pick_dataset_version(cfg, Location.parse(str(dataset)), checkpoint_meta(), run="r")
+
+
+def model_checked(tmp_path, dataset, *overrides):
+    cfg = train_config(tmp_path, dataset, *overrides)
+    root = Location.parse(cfg.dataset)
+    check_model(cfg, read_manifest(root), root)
+
+
+def weights_of_another_model(tmp_path, dataset):
+    torch.save(torchvision.models.mobilenet_v3_small().state_dict(), tmp_path / "m.pt")
+    model_checked(tmp_path, dataset, f"model.weights={tmp_path / 'm.pt'}")
+
+
+def user_model(source: str):
+    """A model.name of a module:function whose module holds `source`."""
+
+    def run(tmp_path, dataset):
+        module = f"user_model_{uuid.uuid4().hex}"
+        (tmp_path / f"{module}.py").write_text(source)
+        sys.path.insert(0, str(tmp_path))
+        try:
+            model_checked(tmp_path, dataset, f"model.name={module}:build")
+        finally:
+            sys.path.remove(str(tmp_path))
+
+    return run
 
 
 def changed_optimizer(tmp_path, dataset):
@@ -224,6 +253,54 @@ CASES = [
         "model=<path> is a run that a train job has been training again since",
         training_run,
     ),
+    Case(
+        "the `pretrained` key of before `model`",
+        2,
+        "invalid config (<where>): pretrained: this key is now model.weights",
+        lambda t, d: train_config(t, d, "pretrained=IMAGENET1K_V1"),
+    ),
+    Case(
+        "a model name that torchvision (or timm) does not have",
+        2,
+        "model.name=<name> is not a torchvision classification model (close names: <names>)",
+        lambda t, d: model_checked(t, d, "model.name=resnet05"),
+    ),
+    Case(
+        "model weights by a name the model does not have",
+        2,
+        "model.weights=<name> is not a weights name of <name>",
+        lambda t, d: model_checked(t, d, "model.weights=IMAGENET"),
+    ),
+    Case(
+        "model builder arguments the builder does not take",
+        2,
+        "model <name> with model.kwargs=<kwargs> cannot be built",
+        lambda t, d: model_checked(t, d, "model.kwargs.image_size=32"),
+    ),
+    Case(
+        "a `module:function` model whose module does not import",
+        2,
+        "model.name=<name>: importing <module> failed",
+        user_model("import no_such_package\n\ndef build(num_classes):\n    pass\n"),
+    ),
+    Case(
+        "a `module:function` model whose module is not there",
+        2,
+        "model.name=<name>: there is no module <module>",
+        lambda t, d: model_checked(t, d, "model.name=examples.no_such_module:build"),
+    ),
+    Case(
+        "a `module:function` model that does not return an `nn.Module`",
+        2,
+        "model <name> returned a <type>, not a torch.nn.Module",
+        user_model("def build(num_classes):\n    return {'classes': num_classes}\n"),
+    ),
+    Case(
+        "a model that does not take the input size",
+        2,
+        "model <name> does not take <n> px images",
+        lambda t, d: model_checked(t, d, "model.name=vit_b_16", "model.kwargs.image_size=16"),
+    ),
     # Input data: exit 1.
     Case(
         "a source folder that does not exist",
@@ -296,16 +373,22 @@ CASES = [
         test="tests/test_train.py::test_resume_refuses_a_checkpoint_of_other_classes",
     ),
     Case(
-        "`pretrained` that is no weights name",
+        "model weights that do not exist",
         1,
-        "pretrained='IMAGENET' is not a resnet18",
-        lambda t, _: check_pretrained("IMAGENET"),
+        "model.weights <path> do not exist",
+        lambda t, d: model_checked(t, d, f"model.weights={t / 'missing.pt'}"),
     ),
     Case(
-        "`pretrained` weights that do not exist",
+        "a model weights file of another architecture",
         1,
-        "pretrained weights <path> do not exist",
-        lambda t, _: check_pretrained(str(t / "missing.pt")),
+        "model.weights <path> do not fit model <name>",
+        weights_of_another_model,
+    ),
+    Case(
+        "a dataset stored smaller than the model's input",
+        1,
+        "dataset <path> stores <n> px images, smaller than the <n> px model <name> takes",
+        lambda t, d: model_checked(t, d, "model.input.image_size=64"),
     ),
     Case(
         "an inference `model=` that does not exist",

@@ -180,7 +180,12 @@ def test_keys_are_flattened_with_types_and_defaults():
     assert keys["optimizer.lr"] == ("float", "0.1")
     assert keys["scaling.num_workers"] == ("int or list of int", "2")
     assert keys["precision"] == ("auto|fp32|bf16|fp16", "auto")
-    assert keys["pretrained"] == ("str or null", "null")
+    assert keys["model.name"] == ("str", "resnet18")
+    assert keys["model.weights"] == ("str or null", "null")
+    assert keys["model.kwargs"] == ("dict", "{}")
+    assert keys["model.input.image_size"] == ("int or null", "null")
+    assert keys["model.input.interpolation"] == ("bilinear|bicubic or null", "null")
+    assert keys["model.input.mean"] == ("list of float or null", "null")
 
 
 def test_a_later_config_file_overrides_an_earlier_one_key_by_key(tmp_path):

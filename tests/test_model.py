@@ -1,4 +1,5 @@
-"""ResNet-18 construction and the checkpoint directory: round trip, metadata, bad inputs."""
+"""The default network (ResNet-18) and the checkpoint directory: round trip, metadata, formats,
+weights files, bad inputs. Other architectures: test_models."""
 
 import json
 import logging
@@ -8,7 +9,7 @@ import torch
 from helpers import checkpoint_meta
 
 from pipeline.core.config import TrainConfig, load_config
-from pipeline.core.errors import InputError
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.infer.batch import log_weights, summarize
 from pipeline.infer.predictions import Tally
@@ -16,6 +17,8 @@ from pipeline.model.checkpoint import (
     EMA,
     EMA_WEIGHTS,
     METADATA,
+    ModelInput,
+    ModelSpec,
     load_train_state,
     load_weights,
     read_meta,
@@ -63,26 +66,54 @@ def test_metadata_problems_are_clear_errors(tmp_path):
     (tmp_path / METADATA).write_text('{"epoch": 1}')
     with pytest.raises(InputError, match=r"not valid checkpoint metadata"):
         read_meta(checkpoint)
-    (tmp_path / METADATA).write_text(checkpoint_meta(model="vit_b_16").model_dump_json())
-    with pytest.raises(InputError, match=r"holds a vit_b_16 checkpoint"):
-        read_meta(checkpoint)
+    # Format 1 held ResNet-18 alone; a format this code does not know is refused.
+    for fmt, model in [(1, "vit_b_16"), (3, "resnet18")]:
+        (tmp_path / METADATA).write_text(checkpoint_meta(format=fmt, model=model).model_dump_json())
+        with pytest.raises(InputError, match=rf"holds a {model} checkpoint of format {fmt}; this"):
+            read_meta(checkpoint)
+
+
+def test_a_checkpoint_from_before_models_by_name_still_loads(tmp_path):
+    # Format 1: `"model": "resnet18"`, no input size or interpolation (the stored images were
+    # fed as they were).
+    old = json.loads(checkpoint_meta().model_dump_json())
+    old |= {"format": 1, "model": "resnet18"}
+    del old["input_size"], old["interpolation"]
+    torch.manual_seed(0)
+    model = build_model(len(CLASSES)).eval()
+    save_checkpoint(tmp_path, model.state_dict(), checkpoint_meta(), {})
+    (tmp_path / METADATA).write_text(json.dumps(old))
+    loaded, meta = load_model(Location.parse(str(tmp_path)))
+    assert meta.model == ModelSpec(name="resnet18", kwargs={})
+    assert meta.model_input == ModelInput(32, "bilinear", (0.5,) * 3, (0.2,) * 3)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
 
 
 def test_pretrained_state_dict_file_sets_the_backbone_not_the_head(tmp_path):
     torch.manual_seed(1)
     source = build_model(1000)
     torch.save(source.state_dict(), tmp_path / "resnet18.pt")
-    model = build_model(3, pretrained=str(tmp_path / "resnet18.pt"))
+    model = build_model(3, weights=str(tmp_path / "resnet18.pt"))
     assert torch.equal(model.conv1.weight, source.conv1.weight)
     assert model.fc.out_features == 3
+    # A training checkpoint that holds it, saved from DDP: found and unwrapped.
+    ddp = {"model": {f"module.{k}": v for k, v in source.state_dict().items()}, "epoch": 3}
+    torch.save(ddp, tmp_path / "wrapped.pt")
+    model = build_model(3, weights=str(tmp_path / "wrapped.pt"))
+    assert torch.equal(model.layer4[1].bn2.running_var, source.layer4[1].bn2.running_var)
 
     torch.save({"weight": torch.zeros(2)}, tmp_path / "other.pt")
-    with pytest.raises(InputError, match=r"is not a resnet18 state_dict"):
-        build_model(3, pretrained=str(tmp_path / "other.pt"))
-    with pytest.raises(InputError, match=r"do not exist"):
-        build_model(3, pretrained=str(tmp_path / "missing.pt"))
-    with pytest.raises(InputError, match=r"IMAGENET1K_V1"):
-        build_model(3, pretrained="IMAGENET")
+    with pytest.raises(InputError, match=r"\S+other.pt do not fit model resnet18 .*: 120 tens"):
+        build_model(3, weights=str(tmp_path / "other.pt"))
+    with pytest.raises(InputError, match=r"model.weights \S+missing.pt do not exist"):
+        build_model(3, weights=str(tmp_path / "missing.pt"))
+    (tmp_path / "junk.pt").write_bytes(b"not a zip")
+    with pytest.raises(InputError, match=r"junk.pt is not a state_dict file: "):
+        build_model(3, weights=str(tmp_path / "junk.pt"))
+    with pytest.raises(ConfigError, match=r"'IMAGENET' is not a weights name of resnet18 \(IM"):
+        build_model(3, weights="IMAGENET")
 
 
 def policy(precision: str) -> DevicePolicy:

@@ -25,6 +25,7 @@ from pipeline.infer.predictions import (
     VERSIONS,
     read_predictions,
 )
+from pipeline.model.checkpoint import read_meta
 from pipeline.model.runs import HISTORY_CSV, RUN_SUMMARY, SNAPSHOT
 
 pytestmark = pytest.mark.slow
@@ -59,6 +60,9 @@ CHAIN_SETTINGS = [
     "preprocess.shard_size=30",
     "preprocess.row_group_size=10",
     "train.name=s3run",
+    # Not the default ResNet-18: inference, which has no model setting, rebuilds it from the
+    # checkpoint on S3.
+    "train.model.name=mobilenet_v3_small",
     "train.epochs=2",
     # One worker: a CPU stays free for the preprocess job that runs while it trains.
     "train.scaling.num_workers=1",
@@ -171,10 +175,13 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
         (1, manifest.version),
     ]
     assert summary["best_checkpoint"].startswith(f"{CHAIN_ROOT}/runs/s3run/epoch_")
+    best = read_meta(Location.parse(summary["best_checkpoint"]))
+    assert best.model.name == "mobilenet_v3_small" and best.model_input.image_size == 32
     kept = {i.path.rsplit("/", 2)[-2] for i in run.list_files() if i.path.endswith("/model.pt")}
     assert kept == {"epoch_0000", "epoch_0001"}
 
-    # Inference reads the best checkpoint from S3 and writes its predictions there.
+    # Inference reads the best checkpoint from S3 and writes its predictions there: the network
+    # from the checkpoint, with no model setting of its own.
     code, out = run_task(command(cluster_2cpu, "infer", f"infer.{pin}"), cluster_2cpu)
     assert code == 0, out
     predictions = Location.parse(f"{CHAIN_ROOT}/predictions/s3run")

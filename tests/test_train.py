@@ -21,10 +21,11 @@ from pipeline.core.config import TrainConfig, load_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import VERSIONS, read_manifest
+from pipeline.data.images import IMAGENET_MEAN, IMAGENET_STD
 from pipeline.infer.batch import resolve_checkpoint
-from pipeline.model.checkpoint import save_checkpoint
+from pipeline.model.checkpoint import ModelInput, save_checkpoint
 from pipeline.model.device import DevicePolicy, pick_precision
-from pipeline.model.networks import build_model, check_pretrained
+from pipeline.model.networks import build_model
 from pipeline.model.runs import (
     RUN_SUMMARY,
     SNAPSHOT,
@@ -302,6 +303,19 @@ def test_a_resume_refuses_what_it_cannot_change(tiny_dataset, tmp_path):
         resume_changes(old, config(tiny_dataset, "/s", "optimizer.name=adamw"))
     with pytest.raises(ConfigError, match=r"precision: bf16 -> fp16 \(fp16 trains with a grad"):
         resume_changes(old, config(tiny_dataset, "/s", "precision=fp16"))
+    # The network and its input stay: the checkpoint's weights are theirs.
+    for change, said in [
+        ("model.name=resnet50", r"model.name: resnet18 -> resnet50 \(the run's weights belong"),
+        ("model.kwargs.zero_init_residual=true", r"model.kwargs: {} -> {'zero_init_residual'"),
+        ("model.input.image_size=24", r"model.input: {'image_size': None, .*'image_size': 24"),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            resume_changes(old, config(tiny_dataset, "/s", change))
+    # A run recorded before the model section trained ResNet-18.
+    before = {k: v for k, v in old.items() if k != "model"} | {"pretrained": None}
+    assert resume_changes(before, config(tiny_dataset, "/s", "precision=bf16")) == []
+    with pytest.raises(ConfigError, match=r"model.name: resnet18 -> mobilenet_v3_small"):
+        resume_changes(before, config(tiny_dataset, "/s", "model.name=mobilenet_v3_small"))
     manifest = read_manifest(Location.parse(str(tiny_dataset)))
     with pytest.raises(InputError, match=r"trained on 64 px images, but dataset \S+ has 32 px"):
         check_resumable(
@@ -312,18 +326,28 @@ def test_a_resume_refuses_what_it_cannot_change(tiny_dataset, tmp_path):
         )
 
 
-def test_driver_finds_missing_shards_and_bad_pretrained_weights(tiny_dataset, tmp_path):
+def test_driver_finds_missing_shards_and_bad_initial_weights(tiny_dataset, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(tiny_dataset, damaged)
     gone = sorted(damaged.glob("data/*/val/*.parquet"))[0]
     gone.unlink()
     with pytest.raises(InputError, match=rf"damaged: 1 files .*{gone.name}.*overwrite=true"):
         checked(config(damaged, tmp_path))
-    with pytest.raises(InputError, match=r"pretrained weights \S+missing.pt do not exist"):
-        check_pretrained(str(tmp_path / "missing.pt"))
-    with pytest.raises(InputError, match=r"not a resnet18 weights name \(IMAGENET1K_V1\)"):
-        check_pretrained("IMAGENET")
-    check_pretrained("IMAGENET1K_V1")  # a known name passes without downloading
+
+    def check(*overrides):
+        cfg = config(tiny_dataset, tmp_path, *overrides)
+        root = Location.parse(cfg.dataset)
+        return driver.check_model(cfg, read_manifest(root), root)
+
+    with pytest.raises(InputError, match=r"model.weights \S+missing.pt do not exist"):
+        check(f"model.weights={tmp_path / 'missing.pt'}")
+    with pytest.raises(ConfigError, match=r"'IMAGENET' is not a weights name of resnet18 \(IMAGEN"):
+        check("model.weights=IMAGENET")
+    # A known name passes without downloading, and its metadata sets the input: 224 px.
+    with pytest.raises(InputError, match=r"stores 32 px images, smaller than the 224 px model"):
+        check("model.weights=IMAGENET1K_V1")
+    inputs = check("model.weights=IMAGENET1K_V1", "model.input.image_size=32")
+    assert inputs == ModelInput(32, "bilinear", IMAGENET_MEAN, IMAGENET_STD)
 
 
 def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):

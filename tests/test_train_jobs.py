@@ -105,7 +105,7 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
         model,
         DataLoader(val, batch_size=None),
         num_classes=4,
-        policy=DevicePolicy(torch.device("cpu"), "fp32", meta.mean, meta.std),
+        policy=DevicePolicy.for_input(torch.device("cpu"), "fp32", meta.model_input),
         ema=ema,
     )
     assert one["val_images"] == val.rows == 119
@@ -181,9 +181,9 @@ def test_deterministic_input_errors_fail_once_before_any_worker(
 ):
     # Every worker would fail the same way, max_failures times: the driver checks first.
     missing = tmp_path / "missing.pt"
-    proc = train_job(cluster_2cpu, tiny_dataset, tmp_path, "name=bad", f"pretrained={missing}")
+    proc = train_job(cluster_2cpu, tiny_dataset, tmp_path, "name=bad", f"model.weights={missing}")
     assert proc.returncode != 0
-    assert f"error: pretrained weights {missing} do not exist" in proc.stdout, proc.stdout
+    assert f"error: model.weights {missing} do not exist" in proc.stdout, proc.stdout
     assert "RayTrainWorker" not in proc.stdout and not (tmp_path / "bad").exists()
 
 

@@ -96,7 +96,8 @@ def resolve_checkpoint(model: Location) -> Location:
 
 
 def prepare_image(data: bytes, *, image_size: int) -> np.ndarray:
-    """Encoded image -> uint8 (3, S, S), exactly as preprocessing shaped the training images."""
+    """Encoded image -> uint8 (3, S, S), exactly as preprocessing shaped the training images
+    (the model's `DevicePolicy` then resizes them to the network's input, as in training)."""
     img = resize_center_crop(decode_image(data), size=image_size)
     return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
 
@@ -127,8 +128,8 @@ class Classifier:
     def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str):
         device = torch.device("cuda" if use_gpu else "cpu")
         model, self.meta = load_model(checkpoint)
-        self.policy = DevicePolicy(
-            device, pick_precision(precision, device), self.meta.mean, self.meta.std
+        self.policy = DevicePolicy.for_input(
+            device, pick_precision(precision, device), self.meta.model_input
         )
         self.model = self.policy.prepare(model).to(device).eval()
 

@@ -4,29 +4,59 @@
 <checkpoint>/model_ema.pt    the same, of the exponential moving average of the weights, in a
                              run that keeps one (ema.enabled); metadata.json names it
 <checkpoint>/train_state.pt  optimizer, LR scheduler and grad scaler state, for resuming
-<checkpoint>/metadata.json   epoch, classes, image size, normalisation, metrics, history,
-                             and the resolved training config
+<checkpoint>/metadata.json   the model (name and builder arguments), epoch, classes, the
+                             stored image size and what the network takes (its input size,
+                             interpolation, normalisation), metrics, history, and the resolved
+                             training config
 """
 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 
-MODEL_NAME = "resnet18"
-CHECKPOINT_FORMAT = 1
+# Format 1 held ResNet-18 only, as `"model": "resnet18"`; format 2 names any model and what its
+# input is. This code reads both.
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)
 WEIGHTS, TRAIN_STATE, METADATA = "model.pt", "train_state.pt", "metadata.json"
 EMA_WEIGHTS = "model_ema.pt"
 SCORE = "val_accuracy"  # what "best" means, for retention, inference and the weights served
 EMA_SCORE = f"ema_{SCORE}"  # the same, of the EMA weights
 RAW, EMA = "raw", "ema"  # the two sets of weights a checkpoint may hold
+
+
+class ModelSpec(BaseModel):
+    """What rebuilds the network, with a head of as many outputs as the checkpoint's classes:
+    `pipeline.model.networks.build_model(len(classes), name=..., kwargs=...)`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "resnet18"
+    kwargs: dict[str, Any] = {}
+
+
+def _spec(value: Any) -> Any:
+    return {"name": value} if isinstance(value, str) else value  # format 1: the name alone
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """What the network takes: `image_size` px squares, resized from the stored images with
+    `interpolation`, normalised with `mean` and `std` (of 0-1 pixels)."""
+
+    image_size: int
+    interpolation: Literal["bilinear", "bicubic"]
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
 
 
 class CheckpointMeta(BaseModel):
@@ -35,10 +65,13 @@ class CheckpointMeta(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format: int = CHECKPOINT_FORMAT
-    model: str = MODEL_NAME
+    model: Annotated[ModelSpec, BeforeValidator(_spec)] = ModelSpec()
     epoch: int  # the last completed epoch, 0-based
     classes: list[str]
-    image_size: int
+    image_size: int  # the side of the stored images: inference shapes its inputs to it first
+    # What the network takes (ModelInput): format 1 had no resize, and bilinear was its default.
+    input_size: int | None = None
+    interpolation: Literal["bilinear", "bicubic"] = "bilinear"
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     dataset_fingerprint: str
@@ -47,6 +80,11 @@ class CheckpointMeta(BaseModel):
     history: list[dict[str, int | float | str]]  # every epoch up to and including this one
     config: dict[str, Any]
     ema_weights: str | None = None  # the EMA weights' file, in a run that keeps an EMA
+
+    @property
+    def model_input(self) -> ModelInput:
+        size = self.input_size or self.image_size
+        return ModelInput(size, self.interpolation, self.mean, self.std)
 
 
 def save_checkpoint(
@@ -80,10 +118,10 @@ def read_meta(checkpoint: Location) -> CheckpointMeta:
         meta = CheckpointMeta.model_validate_json(path.read_bytes())
     except ValueError as e:
         raise InputError(f"{path.uri} is not valid checkpoint metadata: {e}") from None
-    if meta.format != CHECKPOINT_FORMAT or meta.model != MODEL_NAME:
+    if meta.format not in READABLE_FORMATS or (meta.format == 1 and meta.model.name != "resnet18"):
         raise InputError(
-            f"{checkpoint.uri} holds a {meta.model} checkpoint of format {meta.format}; this "
-            f"code reads {MODEL_NAME} format {CHECKPOINT_FORMAT}"
+            f"{checkpoint.uri} holds a {meta.model.name} checkpoint of format {meta.format}; this "
+            f"code reads formats {', '.join(map(str, READABLE_FORMATS))}"
         )
     return meta
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.model.checkpoint import ModelInput
+
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -29,15 +31,40 @@ def normalize(
     return (images.float().div_(255) - m) / s
 
 
+def resize(images: torch.Tensor, *, size: int, interpolation: str) -> torch.Tensor:
+    """float (N, 3, H, W) -> (N, 3, size, size), antialiased as torchvision's Resize on tensors."""
+    if images.shape[-2:] == (size, size):
+        return images
+    return torch.nn.functional.interpolate(
+        images, size=(size, size), mode=interpolation, antialias=True, align_corners=False
+    )
+
+
 @dataclass
 class DevicePolicy:
-    """A batch on this device: precision, normalisation, memory layout, grad scaling."""
+    """A batch on this device: precision, normalisation, the network's input size, memory
+    layout, grad scaling."""
 
     device: torch.device
     precision: str
     mean: tuple[float, ...]
     std: tuple[float, ...]
     scaler: torch.amp.GradScaler = field(init=False)
+    # The network's side, where the stored images are larger (None: as stored).
+    input_size: int | None = None
+    interpolation: str = "bilinear"
+
+    @classmethod
+    def for_input(cls, device: torch.device, precision: str, inputs: ModelInput) -> DevicePolicy:
+        """The policy that feeds a network what it takes (`ModelInput`)."""
+        return cls(
+            device,
+            precision,
+            inputs.mean,
+            inputs.std,
+            input_size=inputs.image_size,
+            interpolation=inputs.interpolation,
+        )
 
     def __post_init__(self):
         # A disabled scaler passes losses and steps through: one code path for every precision.
@@ -67,8 +94,11 @@ class DevicePolicy:
         return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
     def inputs(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 (N, 3, H, W) from the loader -> normalised float on the device."""
+        """uint8 (N, 3, H, W) from the loader -> normalised float on the device, resized to the
+        network's input size: the same for training, evaluation and inference."""
         x = normalize(images.to(self.device, non_blocking=True), mean=self.mean, std=self.std)
+        if self.input_size is not None:
+            x = resize(x, size=self.input_size, interpolation=self.interpolation)
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
     def autocast(self):

@@ -1,65 +1,462 @@
-"""ResNet-18: built fresh, from pretrained weights, or from one of our checkpoints."""
+"""Networks by name: a torchvision classifier, a timm model (`timm/<name>`) or the user's own
+(`module:function`); built fresh, from pretrained weights, or from one of our checkpoints.
+
+Every network comes from its builder with a head for the dataset's classes (`num_classes=`), so
+that a checkpoint rebuilds the very same network from its name and builder arguments alone.
+Pretrained weights go into all of it but the head: the tensors whose shapes follow num_classes
+(`fc`, `classifier.3`, `heads.head`, timm's classifier, whatever the architecture calls it).
+"""
 
 from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torchvision
 
-from pipeline.core.errors import InputError
+from pipeline.core.config import ModelConfig, is_weights_file
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import (
     CheckpointMeta,
+    ModelInput,
     load_tensors,
     load_weights,
     read_meta,
     served_weights,
 )
 
+log = logging.getLogger(__name__)
 
-def build_model(num_classes: int, *, pretrained: str | None = None) -> torch.nn.Module:
-    """ResNet-18 with a fresh `num_classes` head; the backbone optionally pre-trained."""
-    if pretrained is None:
-        return torchvision.models.resnet18(num_classes=num_classes)
-    model = torchvision.models.resnet18()
-    if "/" in pretrained:  # a state_dict file, local or on storage
-        state = _read_state_dict(Location.parse(pretrained))
-    else:  # a torchvision weights name, e.g. IMAGENET1K_V1 (downloads once per node)
+TIMM = "timm/"
+DEFAULT_WEIGHTS = "DEFAULT"  # the builder's own best weights, in torchvision and timm alike
+
+
+# --- the three kinds of names -------------------------------------------------------------------
+
+
+class Architecture:
+    """A network by name and builder arguments: builds it with a head of `num_classes`."""
+
+    def __init__(self, name: str, kwargs: dict[str, Any]):
+        self.name, self.kwargs = name, dict(kwargs)
+
+    def _call(self, builder: Callable[..., Any], num_classes: int, **extra) -> torch.nn.Module:
         try:
-            weights = torchvision.models.ResNet18_Weights[pretrained]
-        except KeyError:
-            names = ", ".join(w.name for w in torchvision.models.ResNet18_Weights)
-            raise InputError(
-                f"pretrained={pretrained!r} is not a resnet18 weights name ({names}) "
-                "nor an absolute path to a state_dict file"
+            model = builder(num_classes=num_classes, **extra, **self.kwargs)
+        except (ConfigError, InputError):
+            raise
+        except Exception as e:  # the builder's own words: an argument it does not take, ...
+            raise ConfigError(
+                f"model {self.name} with model.kwargs={self.kwargs} cannot be built: "
+                f"{type(e).__name__}: {e}"
             ) from None
-        state = weights.get_state_dict(progress=False)
-    # The head is always new: the classes are ours.
-    backbone = {k: v for k, v in state.items() if not k.startswith("fc.")}
-    missing, unexpected = model.load_state_dict(backbone, strict=False)
-    if unexpected or set(missing) != {"fc.weight", "fc.bias"}:
-        raise InputError(
-            f"pretrained={pretrained!r} is not a resnet18 state_dict (missing "
-            f"{sorted(set(missing) - {'fc.weight', 'fc.bias'})[:3]}, unexpected {unexpected[:3]})"
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(
+                f"model {self.name} returned a {type(model).__name__}, not a torch.nn.Module"
+            )
+        return model
+
+    def build(self, num_classes: int) -> torch.nn.Module:
+        """A new network, randomly initialised."""
+        raise NotImplementedError
+
+    def check_weights_name(self, weights: str) -> None:
+        """Raise ConfigError if `weights` names no weights of this model."""
+        raise ConfigError(
+            f"model.weights={weights!r}: a module:function model takes weights from a "
+            "state_dict file only"
         )
-    model.fc = torch.nn.Linear(model.fc.in_features, num_classes)
-    return model
+
+    def pretrained(self, weights: str, num_classes: int) -> torch.nn.Module:
+        """The network with weights by name in all but its head (downloaded once per node)."""
+        self.check_weights_name(weights)
+        raise NotImplementedError(f"{type(self).__name__} names weights but cannot load them")
+
+    def weights_input(self, weights: str) -> dict[str, Any]:
+        """What the named weights were trained on (image_size, interpolation, mean, std)."""
+        return {}
 
 
-def check_pretrained(pretrained: str) -> None:
-    """Fail on the driver, once, on `pretrained` weights that every worker would fail on (a file
-    that is missing or not a resnet18 state_dict, an unknown name); names download on the
-    workers."""
-    if "/" in pretrained or pretrained not in torchvision.models.ResNet18_Weights.__members__:
-        build_model(2, pretrained=pretrained)
+class TorchvisionModel(Architecture):
+    """Any classifier of torchvision.models, by builder name (resnet50, vit_b_16, ...)."""
+
+    def __init__(self, name: str, kwargs: dict[str, Any]):
+        super().__init__(name, kwargs)
+        names = torchvision.models.list_models(module=torchvision.models)
+        if name not in names:
+            raise ConfigError(
+                f"model.name={name!r} is not a torchvision classification model"
+                f"{_close(name, names)}; or give timm/<name> for a timm model, or "
+                "module:function for your own"
+            )
+        self.builder = torchvision.models.get_model_builder(name)
+
+    def build(self, num_classes: int) -> torch.nn.Module:
+        return self._call(self.builder, num_classes, weights=None)
+
+    def _weights(self, weights: str):
+        enum = torchvision.models.get_model_weights(self.name)
+        if weights not in enum.__members__:
+            raise ConfigError(
+                f"model.weights={weights!r} is not a weights name of {self.name} "
+                f"({', '.join(enum.__members__)}), nor the path of a state_dict file"
+            )
+        return enum[weights]
+
+    def check_weights_name(self, weights: str) -> None:
+        self._weights(weights)
+
+    def pretrained(self, weights: str, num_classes: int) -> torch.nn.Module:
+        w = self._weights(weights)
+        model = self.build(num_classes)
+        # The builder loads its weights itself (some need their keys renamed), into its own head,
+        # downloading them into $TORCH_HOME once per node: a failed download is raised as it is.
+        state = self.builder(weights=w, progress=False, **self.kwargs).state_dict()
+        load_backbone(model, state, self, num_classes, what=f"weights {w.name}", error=ConfigError)
+        return model
+
+    def weights_input(self, weights: str) -> dict[str, Any]:
+        t = self._weights(weights).transforms()
+        return {
+            "image_size": t.crop_size[0],
+            "interpolation": t.interpolation.value,
+            "mean": tuple(t.mean),
+            "std": tuple(t.std),
+        }
 
 
-def _read_state_dict(loc: Location) -> dict[str, torch.Tensor]:
+class TimmModel(Architecture):
+    """Any timm model, as timm/<name> (a pretrained tag may follow: timm/resnet50.a1_in1k)."""
+
+    def __init__(self, name: str, kwargs: dict[str, Any]):
+        super().__init__(name, kwargs)
+        try:
+            import timm
+        except ImportError:
+            raise ConfigError(
+                f"model.name={name!r} needs timm, which is not installed: install the bundle's "
+                "timm extra (pip install -r requirements/timm.txt) on the cluster and here"
+            ) from None
+        self.timm, self.arch = timm, name.removeprefix(TIMM)
+        if not timm.is_model(self.arch):
+            names = [TIMM + n for n in timm.list_models()]
+            raise ConfigError(f"model.name={name!r} is not a timm model{_close(name, names)}")
+
+    def build(self, num_classes: int) -> torch.nn.Module:
+        return self._call(self.timm.create_model, num_classes, model_name=self.arch)
+
+    def check_weights_name(self, weights: str) -> None:
+        if weights != DEFAULT_WEIGHTS:
+            raise ConfigError(
+                f"model.weights={weights!r}: a timm model's weights by name are "
+                f"{DEFAULT_WEIGHTS} (its pretrained tag, which the name may give: "
+                "timm/resnet50.a1_in1k), or the path of a state_dict file"
+            )
+        tags = self.timm.list_pretrained(self.arch if "." in self.arch else self.arch + ".*")
+        if not tags:
+            raise ConfigError(
+                f"model.weights={weights}: timm has no pretrained weights for {self.arch}"
+                f"{_close(self.arch, self.timm.list_pretrained())}"
+            )
+
+    def pretrained(self, weights: str, num_classes: int) -> torch.nn.Module:
+        self.check_weights_name(weights)
+        # timm's own loading: from the Hugging Face hub (or the URL the tag names) into its
+        # cache, once per node, adapted to our num_classes; a failed download is raised as it is.
+        model = self.timm.create_model(
+            self.arch, pretrained=True, num_classes=num_classes, **self.kwargs
+        )
+        model.reset_classifier(num_classes)  # new even where the weights had as many classes
+        return model
+
+    def weights_input(self, weights: str) -> dict[str, Any]:
+        from timm.data import resolve_data_config
+        from timm.models import get_pretrained_cfg
+
+        data = resolve_data_config(pretrained_cfg=get_pretrained_cfg(self.arch).to_dict())
+        return {
+            "image_size": data["input_size"][-1],
+            "interpolation": data["interpolation"],
+            "mean": tuple(data["mean"]),
+            "std": tuple(data["std"]),
+        }
+
+
+class UserModel(Architecture):
+    """The user's own `module:function(num_classes, **kwargs) -> nn.Module`; the module ships
+    with the job (the runtime env's working_dir), as the bundle's code does."""
+
+    def __init__(self, name: str, kwargs: dict[str, Any]):
+        super().__init__(name, kwargs)
+        module_name, _, function = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if not (module_name + ".").startswith(f"{e.name}."):  # one the module imports
+                raise ConfigError(
+                    f"model.name={name!r}: importing {module_name} failed: {e}"
+                ) from None
+            raise ConfigError(
+                f"model.name={name!r}: there is no module {module_name} (a .py file below the "
+                "bundle's root, which every job ships as its working_dir; dots for folders)"
+            ) from None
+        except Exception as e:  # the module's own error, at import
+            raise ConfigError(
+                f"model.name={name!r}: importing {module_name} failed: {type(e).__name__}: {e}"
+            ) from None
+        self.function = getattr(module, function, None)
+        if not callable(self.function):
+            names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+            raise ConfigError(
+                f"model.name={name!r}: {module_name} has no function {function}"
+                f"{_close(function, names)}"
+            )
+
+    def build(self, num_classes: int) -> torch.nn.Module:
+        return self._call(self.function, num_classes)
+
+
+def architecture(name: str, kwargs: dict[str, Any] | None = None) -> Architecture:
+    """The network `name` stands for: torchvision's, timm's or the user's."""
+    if name.startswith(TIMM):
+        return TimmModel(name, kwargs or {})
+    if ":" in name:
+        return UserModel(name, kwargs or {})
+    return TorchvisionModel(name, kwargs or {})
+
+
+def _close(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+    return f" (close names: {', '.join(close)})" if close else ""
+
+
+# --- weights ------------------------------------------------------------------------------------
+
+
+def build_model(
+    num_classes: int,
+    *,
+    name: str = "resnet18",
+    kwargs: dict[str, Any] | None = None,
+    weights: str | None = None,
+) -> torch.nn.Module:
+    """The network `name` with a new head of `num_classes`; its other tensors from `weights`
+    (a name, or a state_dict file local or on storage) where given, else randomly initialised."""
+    arch = architecture(name, kwargs)
+    if weights is None:
+        return arch.build(num_classes)
+    if is_weights_file(weights):
+        model = arch.build(num_classes)
+        state = read_state_dict(Location.parse(weights))
+        load_backbone(model, state, arch, num_classes, what=f"model.weights {weights}")
+        return model
+    return arch.pretrained(weights, num_classes)
+
+
+def read_state_dict(loc: Location) -> dict[str, torch.Tensor]:
+    """A state_dict file (torch.save or .safetensors), or a training checkpoint that holds one
+    under "model" or "state_dict"; DDP's "module." prefix is dropped."""
     if not loc.exists():
-        raise InputError(f"pretrained weights {loc.uri} do not exist")
-    state = load_tensors(loc)
-    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-        state = state["model"]
+        raise InputError(f"model.weights {loc.uri} do not exist")
+    try:
+        if loc.path.endswith(".safetensors"):
+            from safetensors.torch import load
+
+            state = load(loc.read_bytes())
+        else:
+            state = load_tensors(loc)
+    except ImportError:
+        raise InputError(
+            f"model.weights {loc.uri}: reading .safetensors needs the safetensors package "
+            "(timm's extra installs it)"
+        ) from None
+    except Exception as e:  # pickle, zip or safetensors errors: not a file of tensors
+        raise InputError(
+            f"model.weights {loc.uri} is not a state_dict file: {type(e).__name__}: {e}"
+        ) from None
+    for key in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise InputError(f"model.weights {loc.uri} is not a state_dict (names to tensors)")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
     return state
+
+
+def head_keys(arch: Architecture, num_classes: int) -> set[str]:
+    """The names of the head's tensors: those whose shapes change with num_classes."""
+    a, b = (_shapes(lambda n=n: arch.build(n)) for n in (num_classes, num_classes + 1))
+    return {k for k, shape in a.items() if b.get(k) != shape}
+
+
+def load_backbone(
+    model: torch.nn.Module,
+    state: dict[str, torch.Tensor],
+    arch: Architecture,
+    num_classes: int,
+    *,
+    what: str,
+    error: type[Exception] = InputError,
+) -> None:
+    """Load `state` (`what`: said in errors) into all of `model` but its head; every other
+    tensor must be there, with its shape."""
+    head = head_keys(arch, num_classes)
+    check_fit(_shapes_of(state), _shapes_of(model.state_dict()), head, arch, what, error)
+    model.load_state_dict({k: v for k, v in state.items() if k not in head}, strict=False)
+
+
+def check_fit(
+    given: dict[str, tuple],
+    wanted: dict[str, tuple],
+    head: set[str],
+    arch: Architecture,
+    what: str,
+    error: type[Exception],
+) -> None:
+    """Raise `error` if tensors of the `given` shapes do not fill every tensor of the network
+    but its head (ConfigError for weights by name, InputError for a file)."""
+    problems = _misfit(given, wanted, head)
+    if problems:
+        raise error(
+            f"{what} do not fit model {arch.name} with "
+            f"model.kwargs={arch.kwargs}: {problems}. Give weights of this architecture (and the "
+            "builder arguments they were trained with), or model.weights=null to train from "
+            "scratch"
+        )
+
+
+def _misfit(given: dict[str, tuple], wanted: dict[str, tuple], head: set[str]) -> str:
+    """What keeps tensors of `given` shapes from loading into `wanted` (head aside); '' if
+    nothing."""
+    given = {k: s for k, s in given.items() if k not in head}
+    missing = sorted(wanted.keys() - given.keys() - head)
+    unexpected = sorted(given.keys() - wanted.keys())
+    shaped = sorted(k for k in given.keys() & wanted.keys() if given[k] != wanted[k])
+    found = [
+        (missing, "tensors missing", str),
+        (unexpected, "unexpected", str),
+        (shaped, "of another shape", lambda k: f"{k} {list(given[k])} for {list(wanted[k])}"),
+    ]
+    parts = []
+    for keys, said, shown in found:
+        if keys:
+            more = ", ..." if len(keys) > 3 else ""
+            parts.append(f"{len(keys)} {said} ({', '.join(map(shown, keys[:3]))}{more})")
+    return "; ".join(parts)
+
+
+def _shapes_of(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def _shapes(build: Callable[[], torch.nn.Module]) -> dict[str, tuple]:
+    return _shapes_of(_on_meta(build).state_dict())
+
+
+def _on_meta(fn: Callable[[], Any]) -> Any:
+    """`fn()` with tensors on the meta device (shapes, no memory, no compute), else on the CPU:
+    some builders read their tensors' values (RegNet's widths)."""
+    try:
+        with torch.device("meta"):
+            return fn()
+    except Exception:  # what needs values; a real error is raised again, on the CPU
+        return fn()
+
+
+# --- the model's input --------------------------------------------------------------------------
+
+
+def resolve_input(
+    cfg: ModelConfig, arch: Architecture, *, stored_size: int, mean: tuple, std: tuple
+) -> tuple[ModelInput, dict[str, str]]:
+    """What the network takes, each part from model.input, else the named weights' metadata,
+    else the dataset (its stored size, its normalisation, bilinear); and where each came from."""
+    named = cfg.weights if cfg.weights and not is_weights_file(cfg.weights) else None
+    from_weights = arch.weights_input(named) if named else {}
+    if from_weights.get("interpolation") not in (None, "bilinear", "bicubic"):
+        log.warning(
+            "weights %s resize with %s, which this bundle does not: bilinear instead",
+            *(named, from_weights.pop("interpolation")),
+        )
+    dataset = {"image_size": stored_size, "interpolation": "bilinear", "mean": mean, "std": std}
+    chosen, source = {}, {}
+    for key, fallback in dataset.items():
+        given = getattr(cfg.input, key)
+        if given is not None:
+            chosen[key], source[key] = given, "model.input"
+        elif key in from_weights:
+            chosen[key], source[key] = from_weights[key], f"weights {named}"
+        else:
+            chosen[key], source[key] = fallback, "the dataset"
+    chosen["mean"], chosen["std"] = tuple(chosen["mean"]), tuple(chosen["std"])
+    return ModelInput(**chosen), source
+
+
+def check_model(cfg: ModelConfig, *, num_classes: int, stored_size: int, mean, std, dataset: str):
+    """On the driver, before any worker starts: the name, the builder arguments, the weights
+    (a name is looked up, a file is read and fitted; nothing downloads), the head, and a forward
+    pass at the input size. Returns the model's input (ModelInput)."""
+    arch = architecture(cfg.name, cfg.kwargs)
+    if cfg.weights and not is_weights_file(cfg.weights):
+        arch.check_weights_name(cfg.weights)
+    inputs, source = resolve_input(cfg, arch, stored_size=stored_size, mean=mean, std=std)
+    if inputs.image_size > stored_size:
+        raise InputError(
+            f"dataset {dataset} stores {stored_size} px images, smaller than the "
+            f"{inputs.image_size} px model {cfg.name} takes (from {source['image_size']}): "
+            f"preprocess it with image_size={inputs.image_size} or more, or set "
+            f"model.input.image_size={stored_size}"
+        )
+    if cfg.weights and is_weights_file(cfg.weights):
+        state = read_state_dict(Location.parse(cfg.weights))
+        wanted = _shapes(lambda: arch.build(num_classes))
+        head = head_keys(arch, num_classes)
+        what = f"model.weights {cfg.weights}"
+        check_fit(_shapes_of(state), wanted, head, arch, what, InputError)
+    _check_forward(arch, num_classes, inputs.image_size)
+    log.info(
+        "model %s%s: %d px (from %s), %s (from %s), mean %s std %s (from %s)",
+        cfg.name,
+        f" with weights {cfg.weights}" if cfg.weights else "",
+        *(inputs.image_size, source["image_size"], inputs.interpolation, source["interpolation"]),
+        *(list(inputs.mean), list(inputs.std), source["mean"]),
+    )
+    return inputs
+
+
+def _check_forward(arch: Architecture, num_classes: int, size: int) -> None:
+    """Two images through the network in training mode must give (2, num_classes) logits."""
+
+    def forward():
+        model = arch.build(num_classes).train()
+        return model(torch.zeros(2, 3, size, size))
+
+    try:
+        out = _on_meta(forward)
+    except (ConfigError, InputError):
+        raise
+    except Exception as e:
+        raise ConfigError(
+            f"model {arch.name} does not take {size} px images: {type(e).__name__}: {e}. Set "
+            "model.input.image_size to a size it takes, or model.kwargs for this size (a ViT's "
+            "image_size)"
+        ) from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        got = f"shape {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(
+            f"model {arch.name} returns {got} for 2 images in training mode; training needs "
+            f"logits of shape [2, {num_classes}] (one per class). Turn auxiliary outputs off in "
+            "model.kwargs (aux_logits: false), or make the function size its head by num_classes"
+        )
+
+
+# --- checkpoints --------------------------------------------------------------------------------
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -72,10 +469,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def load_model(
     checkpoint: Location, *, weights: str | None = None
 ) -> tuple[torch.nn.Module, CheckpointMeta]:
-    """The checkpoint's model (local or on storage) on the CPU in eval mode, and its metadata.
-    `weights`: "raw" or "ema"; by default the better on val of those it holds
-    (`served_weights`)."""
+    """The checkpoint's model (local or on storage) on the CPU in eval mode, and its metadata:
+    rebuilt from the checkpoint alone. `weights`: "raw" or "ema"; by default the better on val
+    of those it holds (`served_weights`)."""
     meta = read_meta(checkpoint)
-    model = build_model(len(meta.classes))
+    spec = meta.model
+    model = build_model(len(meta.classes), name=spec.name, kwargs=spec.kwargs)
     model.load_state_dict(load_weights(checkpoint, meta, weights or served_weights(meta)))
     return model.eval(), meta

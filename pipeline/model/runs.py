@@ -134,13 +134,26 @@ FIXED_ON_RESUME = {
 }
 
 
+# A run goes on with the network it started with, fed as it was: its checkpoint holds them.
+MODEL_FIXED = "the run's weights belong to its network and its input"
+# What a run recorded before the model section trained: ResNet-18 (its `pretrained` aside).
+RECORDED_BEFORE_MODELS = {"name": "resnet18", "kwargs": {}}
+
+
 def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     """The settings `cfg` changes against the run's recorded config, as 'key: old -> new'.
     Raises ConfigError for what a resume cannot change."""
-    old, new = _flatten(recorded), _flatten(cfg.model_dump(mode="json"))
+    now = cfg.model_dump(mode="json")
+    was_model, now_model = recorded.get("model", RECORDED_BEFORE_MODELS), now.pop("model")
+    old, new = _flatten({k: v for k, v in recorded.items() if k != "model"}), _flatten(now)
     changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
     problems = [f"{k}: {a} -> {b} ({FIXED_ON_RESUME[k]})" for k, (a, b) in changed.items()
                 if k in FIXED_ON_RESUME]  # fmt: skip  # a filter that reads as one sentence
+    problems += [
+        f"model.{k}: {was_model[k]} -> {v} ({MODEL_FIXED})"
+        for k, v in now_model.items()
+        if k in was_model and was_model[k] != v
+    ]
     a, b = old.get("precision"), new["precision"]
     if a != b and "fp16" in (a, b):
         problems.append(

@@ -1,8 +1,9 @@
-"""Fault-tolerant distributed training of ResNet-18 with Ray Train's TorchTrainer: the driver.
+"""Fault-tolerant distributed training with Ray Train's TorchTrainer: the driver.
 
-`train` checks the config, the dataset and any run to resume before `fit()`: Ray retries failed
-workers `max_failures` times, and a deterministic error would only fail again. The workers run
-`pipeline.train.worker`; the run's record (best checkpoint, reports) is `pipeline.model.runs`.
+`train` checks the config, the model, the dataset and any run to resume before `fit()`: Ray
+retries failed workers `max_failures` times, and a deterministic error would only fail again.
+The workers run `pipeline.train.worker`; the run's record (best checkpoint, reports) is
+`pipeline.model.runs`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pipeline.core.ray_internals import (
 )
 from pipeline.core.storage import Location, retry
 from pipeline.data.dataset import VERSIONS, Manifest, committed_versions, read_manifest
-from pipeline.model.checkpoint import CheckpointMeta, read_meta
+from pipeline.model.checkpoint import CheckpointMeta, ModelInput, read_meta
 from pipeline.model.runs import (
     RUN_SUMMARY,
     SCORE,
@@ -112,6 +113,23 @@ def check_dataset(cfg: TrainConfig, dataset: Location, version: str) -> Manifest
     return manifest
 
 
+def check_model(cfg: TrainConfig, manifest: Manifest, dataset: Location) -> ModelInput:
+    """The model's name, builder arguments, weights and head, checked once here rather than
+    failing on every worker; returns what the network takes (its input size and
+    normalisation)."""
+    # Imports torchvision (and timm for its models), which the driver needs only here.
+    from pipeline.model.networks import check_model
+
+    return check_model(
+        cfg.model,
+        num_classes=len(manifest.classes),
+        stored_size=manifest.image_size,
+        mean=manifest.mean,
+        std=manifest.std,
+        dataset=dataset.uri,
+    )
+
+
 def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
     """Train (or resume) the run `<runs>/<name>`; return its summary (Ray initialised)."""
     started = time.monotonic()
@@ -136,17 +154,14 @@ def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
             "run %s has %d of %d epochs: resuming from %s, on dataset version %s",
             *(run_dir.uri, meta.epoch + 1, cfg.epochs, latest.uri, version),
         )
+        inputs = meta.model_input  # the run goes on as it started, whatever the defaults now
     else:
         log.info("new run %s on dataset version %s", run_dir.uri, version)
-        if cfg.pretrained:
-            # Imports torchvision: only when pretrained weights are asked for.
-            from pipeline.model.networks import check_pretrained
-
-            check_pretrained(cfg.pretrained)
+        inputs = check_model(cfg, manifest, dataset)
 
     if run_dir.child(RUN_SUMMARY).exists():
         mark_training(run_dir)  # until write_reports: inference must not take it as finished
-    fit(cfg, manifest, dataset=dataset, runs=runs)
+    fit(cfg, manifest, inputs, dataset=dataset, runs=runs)
     return write_reports(run_dir, wall_time_s=time.monotonic() - started)
 
 
@@ -226,7 +241,9 @@ class ElasticWaitLimit(ControllerCallback):
             )
 
 
-def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Location) -> None:
+def fit(
+    cfg: TrainConfig, manifest: Manifest, inputs: ModelInput, *, dataset: Location, runs: Location
+) -> None:
     from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
     s = cfg.scaling
@@ -260,6 +277,7 @@ def fit(cfg: TrainConfig, manifest: Manifest, *, dataset: Location, runs: Locati
             "config": cfg.model_dump(mode="json"),
             "dataset": dataset,
             "dataset_version": manifest.version,
+            "model_input": inputs,
             "run_dir": runs.child(cfg.name),
         },
         scaling_config=ray.train.ScalingConfig(

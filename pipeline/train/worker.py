@@ -33,6 +33,8 @@ from pipeline.model.checkpoint import (
     EMA,
     EMA_SCORE,
     CheckpointMeta,
+    ModelInput,
+    ModelSpec,
     load_train_state,
     load_weights,
     read_meta,
@@ -279,6 +281,7 @@ class Worker:
     dataset: Location
     run_dir: Location
     manifest: Manifest
+    inputs: ModelInput  # what the network takes: its size and normalisation (the driver's)
     rank: int
     world: int
     start_epoch: int = 0
@@ -298,11 +301,10 @@ def train_loop_per_worker(config: dict) -> None:
     # resizes every rank reads the same data.
     manifest = read_manifest(dataset, config["dataset_version"])
     device = ray.train.torch.get_device()
-    policy = DevicePolicy(
-        device, pick_precision(cfg.precision, device), manifest.mean, manifest.std
-    )
+    inputs: ModelInput = config["model_input"]
+    policy = DevicePolicy.for_input(device, pick_precision(cfg.precision, device), inputs)
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    w = Worker(cfg, dataset, config["run_dir"], manifest, rank, world)
+    w = Worker(cfg, dataset, config["run_dir"], manifest, inputs, rank, world)
     if rank == 0:
         log.info(
             "%d workers on %s, precision %s (precision=%s), %d images per worker batch",
@@ -316,7 +318,10 @@ def train_loop_per_worker(config: dict) -> None:
         )
 
     torch.manual_seed(cfg.seed)
-    model = build_model(len(manifest.classes), pretrained=cfg.pretrained)
+    # A resumed run's weights come from its checkpoint: no need to fetch the initial ones.
+    weights = None if ray.train.get_checkpoint() else cfg.model.weights
+    m = cfg.model
+    model = build_model(len(manifest.classes), name=m.name, kwargs=m.kwargs, weights=weights)
     train_state = restore(w, model)
     model = ray.train.torch.prepare_model(policy.prepare(model))  # to the device, then DDP
     ema = build_ema(w, unwrap(model), train_state)
@@ -518,11 +523,14 @@ def save_and_report(
         *(m["lr"], m["images_per_s"]),
     )
     meta = CheckpointMeta(
+        model=ModelSpec(name=w.cfg.model.name, kwargs=w.cfg.model.kwargs),
         epoch=epoch,
         classes=w.manifest.classes,
         image_size=w.manifest.image_size,
-        mean=w.manifest.mean,
-        std=w.manifest.std,
+        input_size=w.inputs.image_size,
+        interpolation=w.inputs.interpolation,
+        mean=w.inputs.mean,
+        std=w.inputs.std,
         dataset_fingerprint=w.manifest.fingerprint,
         dataset_version=w.manifest.version,
         metrics=metrics,

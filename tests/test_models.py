@@ -1,0 +1,282 @@
+"""Models by name, without a cluster: each architecture checked as the driver checks it, trained
+by the workers' own loop (`train_loop_per_worker`, one worker in this process), checkpointed,
+resumed, and classified by the inference predictor exactly as by the model in memory. Weights by
+file and by name (from caches made here: no network). The bad inputs: test_bad_inputs. On a
+cluster: test_s3's chain trains a MobileNet and infers with it."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torchvision
+from helpers import generated_dataset
+
+from harness.cluster import BUNDLE_ROOT
+from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.infer.batch import Predictor
+from pipeline.model.checkpoint import ModelInput, ModelSpec, read_meta
+from pipeline.model.device import DevicePolicy
+from pipeline.model.networks import architecture, build_model, head_keys
+from pipeline.model.runs import checkpoint_dir_name
+from pipeline.train import driver, worker
+from pipeline.train.torch_input import RowGroupStream
+
+timm = pytest.importorskip("timm")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+USER_MODEL = "examples.custom_model.tiny_cnn:build"
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> Path:
+    """3 classes of generated 32 px images: one step of 8 images an epoch, 6 val images."""
+    out = tmp_path_factory.mktemp("small") / "dataset"
+    generated_dataset(
+        out,
+        "source.synthetic.num_classes=3",
+        "source.synthetic.images_per_class=6",
+        "source.synthetic.raw_size=40",
+        "image_size=32",
+        "val_fraction=0.3",
+    )
+    return out
+
+
+class OneWorker:
+    """Ray Train's worker API for one worker in this process, as train_loop_per_worker uses
+    it: checkpoints reported go to `run_dir/<name>`, and the model it prepares is kept."""
+
+    def __init__(self, monkeypatch, run_dir: Path):
+        self.run_dir, self.resume_from, self.model = run_dir, None, None
+        context = SimpleNamespace(get_world_rank=lambda: 0, get_world_size=lambda: 1)
+        monkeypatch.setattr(worker, "setup_logging", lambda: None)
+        monkeypatch.setattr(worker, "quiet_train_reports", lambda: None)
+        monkeypatch.setattr(ray.train, "get_context", lambda: context)
+        monkeypatch.setattr(ray.train, "get_checkpoint", lambda: self.resume_from)
+        monkeypatch.setattr(ray.train, "report", self.report)
+        monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cpu"))
+        monkeypatch.setattr(ray.train.torch, "prepare_model", self.prepare)
+
+    def prepare(self, model):
+        self.model = model
+        return model
+
+    def report(self, metrics, *, checkpoint, checkpoint_dir_name, **_):
+        (self.run_dir / checkpoint_dir_name).mkdir(parents=True)
+        for file in Path(checkpoint.path).iterdir():  # moved: as the upload, without a copy
+            file.replace(self.run_dir / checkpoint_dir_name / file.name)
+
+    def run(self, cfg: TrainConfig, inputs: ModelInput, *, resume_from: str | None = None):
+        self.resume_from = resume_from and ray.train.Checkpoint(str(self.run_dir / resume_from))
+        dataset = Location.parse(cfg.dataset)
+        worker.train_loop_per_worker(
+            {
+                "config": cfg.model_dump(mode="json"),
+                "dataset": dataset,
+                "dataset_version": read_manifest(dataset).version,
+                "model_input": inputs,
+                "run_dir": Location.parse(str(self.run_dir)),
+            }
+        )
+
+
+def config(dataset: Path, storage: Path, *overrides: str) -> TrainConfig:
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"dataset={dataset}",
+            f"storage_path={storage}",
+            "global_batch_size=8",
+            "scaling.num_workers=1",
+            "scaling.loader_workers=0",
+            # Plain SGD: no optimizer state as large as the model to save and load.
+            "optimizer.momentum=0",
+            "optimizer.lr=0.01",
+            "augment=crop_flip",
+            *overrides,
+        ],
+    )
+
+
+def weights_file(name: str, directory: Path) -> Path:
+    """A state_dict of `name` as it would be downloaded: its builder's own head (1000
+    classes), a torch.save file for torchvision, .safetensors for timm."""
+    torch.manual_seed(123)
+    if name.startswith("timm/"):
+        path = directory / f"{name[5:]}.safetensors"
+        safetensors_torch.save_file(timm.create_model(name[5:]).state_dict(), str(path))
+    else:
+        path = directory / f"{name}.pth"
+        torch.save(torchvision.models.get_model(name).state_dict(), path)
+    return path
+
+
+def assert_backbone_from(model: torch.nn.Module, state: dict, name: str, kwargs: dict, n: int):
+    head = head_keys(architecture(name, kwargs), n)
+    assert head and all(model.state_dict()[k].shape[0] == n for k in head if "weight" in k)
+    for key, value in model.state_dict().items():
+        if key not in head:
+            assert torch.equal(value, state[key]), key
+
+
+def val_rows(dataset: Path) -> dict:
+    manifest = read_manifest(Location.parse(str(dataset)))
+    tables = [pq.read_table(dataset / f.path) for f in manifest.splits["val"].files]
+    return {
+        "data": np.concatenate([t["image"].to_numpy() for t in tables]),
+        "source_id": np.concatenate([t["source_id"].to_numpy() for t in tables]),
+        "label_name": np.concatenate([t["label_name"].to_numpy() for t in tables]),
+    }
+
+
+MODELS = [
+    # model.* settings; whether the run starts from a weights file of that architecture
+    pytest.param(["model.name=resnet18"], True, id="resnet18"),
+    pytest.param(["model.name=mobilenet_v3_small"], True, id="mobilenet_v3_small"),
+    pytest.param(["model.name=efficientnet_b0"], False, id="efficientnet_b0"),
+    pytest.param(["model.name=convnext_tiny"], False, id="convnext_tiny"),
+    # A small ViT, for 16 px squares: the stored 32 px images are resized to them on the device.
+    pytest.param(
+        ["model.name=timm/test_vit", "model.kwargs.img_size=16", "model.input.image_size=16"],
+        False,
+        id="vit",
+    ),
+    pytest.param(["model.name=timm/test_convnext"], True, id="timm"),
+    pytest.param([f"model.name={USER_MODEL}", "model.kwargs.width=8"], False, id="user"),
+]
+
+
+@pytest.mark.parametrize(("settings", "from_file"), MODELS)
+def test_a_model_trains_resumes_and_infers_as_in_memory(
+    small_dataset, tmp_path, monkeypatch, settings, from_file
+):
+    storage = tmp_path / "runs"
+    cfg = config(small_dataset, storage, "epochs=1", *settings)
+    name, kwargs = cfg.model.name, cfg.model.kwargs
+    if from_file:
+        path = weights_file(name, tmp_path)
+        cfg = config(small_dataset, storage, "epochs=1", *settings, f"model.weights={path}")
+        state = safetensors_torch.load_file(str(path)) if path.suffix == ".safetensors" else None
+        state = state or torch.load(path, weights_only=True)
+        assert_backbone_from(
+            build_model(3, name=name, kwargs=kwargs, weights=str(path)), state, name, kwargs, 3
+        )
+    root = Location.parse(str(small_dataset))
+    manifest = read_manifest(root)
+    inputs = driver.check_model(cfg, manifest, root)
+    assert inputs.image_size == (16 if name == "timm/test_vit" else 32)
+
+    run = OneWorker(monkeypatch, storage / "run")
+    run.run(cfg, inputs)
+    first = run.run_dir / checkpoint_dir_name(0)
+    meta = read_meta(Location.parse(str(first)))
+    assert meta.model == ModelSpec(name=name, kwargs=kwargs)
+    assert meta.model_input == inputs and meta.image_size == 32
+    assert meta.config["model"]["name"] == name
+
+    # Resumed for a second epoch from the checkpoint, the weights file gone: a resumed run
+    # needs only its checkpoint.
+    if from_file:
+        path.unlink()
+    run.run(config(small_dataset, storage, "epochs=2", *settings), inputs, resume_from=first.name)
+    last = Location.parse(str(run.run_dir / checkpoint_dir_name(1)))
+    resumed = read_meta(last)
+    assert [h["epoch"] for h in resumed.history] == [0, 1] and resumed.history[0] == meta.metrics
+
+    # The inference predictor rebuilds the network from the checkpoint alone and gives what
+    # the model in memory gives, image for image.
+    rows = val_rows(small_dataset)
+    predictor = Predictor(last, use_gpu=False, precision="fp32", top_k=3, decode_size=32)
+    table = predictor(rows)
+    assert table.num_rows == manifest.splits["val"].rows
+    policy = DevicePolicy.for_input(torch.device("cpu"), "fp32", inputs)
+    val = RowGroupStream(root, manifest, "val", batch_size=64)
+    model = run.model.eval()
+    with torch.no_grad():
+        expected = torch.cat([model(policy.inputs(x)).softmax(dim=1) for x, _ in val])
+    probs, top = expected.topk(3, dim=1)
+    assert table["top_k"].to_pylist() == top.tolist()
+    assert np.allclose(table["top_k_prob"].to_pylist(), probs.numpy(), atol=1e-5)
+    # ...and what training measured on the val split.
+    accuracy = np.mean(np.array(table["pred"]) == np.array(table["label"]))
+    assert accuracy == pytest.approx(resumed.metrics["val_accuracy"], abs=1e-6)
+
+
+def test_the_examples_config_names_the_examples_module(small_dataset):
+    example = BUNDLE_ROOT / "examples" / "custom_model" / "train.yaml"
+    cfg = load_config(TrainConfig, example, [f"dataset={small_dataset}", "storage_path=/runs"])
+    assert cfg.model.name == USER_MODEL
+    root = Location.parse(str(small_dataset))
+    assert driver.check_model(cfg, read_manifest(root), root).image_size == 32
+
+
+def test_a_vision_transformer_by_name_for_small_images(small_dataset):
+    # torchvision's ViT-B/16 (86M parameters: checked, not trained here) for 32 px squares.
+    root = Location.parse(str(small_dataset))
+    vit = ["model.name=vit_b_16", "model.kwargs.image_size=32"]
+    cfg = config(small_dataset, small_dataset.parent, *vit)
+    assert driver.check_model(cfg, read_manifest(root), root).image_size == 32
+    assert head_keys(architecture("vit_b_16", {"image_size": 32}), 3) == {
+        "heads.head.weight",
+        "heads.head.bias",
+    }
+
+
+def test_torchvision_weights_by_name_come_from_the_torch_hub_cache(tmp_path, monkeypatch):
+    # What `model.weights=IMAGENET1K_V1` downloads once per node, placed in the cache first.
+    weights = torchvision.models.MobileNet_V3_Small_Weights.IMAGENET1K_V1
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    cached = tmp_path / "hub" / "checkpoints" / Path(weights.url).name
+    cached.parent.mkdir(parents=True)
+    shutil.copy(weights_file("mobilenet_v3_small", tmp_path), cached)
+    model = build_model(3, name="mobilenet_v3_small", weights="IMAGENET1K_V1")
+    state = torch.load(cached, weights_only=True)
+    assert_backbone_from(model, state, "mobilenet_v3_small", {}, 3)
+    # The same name through DEFAULT, its alias.
+    model = build_model(3, name="mobilenet_v3_small", weights="DEFAULT")
+    assert_backbone_from(model, state, "mobilenet_v3_small", {}, 3)
+
+
+def test_timm_weights_by_name_come_from_the_hugging_face_hub(tmp_path, monkeypatch, small_dataset):
+    # timm's own pretrained=True path: hf_hub_download finds the file in the hub's cache (offline
+    # here), as it does on a node that downloaded it before.
+    from huggingface_hub import constants
+
+    repo = timm.models.get_pretrained_cfg("test_convnext").hf_hub_id  # timm/test_convnext.<tag>
+    revision = hashlib.sha1(b"r").hexdigest()
+    snapshot = tmp_path / f"models--{repo.replace('/', '--')}" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(revision)
+    shutil.copy(weights_file("timm/test_convnext", tmp_path), snapshot / "model.safetensors")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    model = build_model(3, name="timm/test_convnext", weights="DEFAULT")
+    state = safetensors_torch.load_file(str(snapshot / "model.safetensors"))
+    assert_backbone_from(model, state, "timm/test_convnext", {}, 3)
+
+    # The weights' metadata (timm's pretrained_cfg) sets the input: 160 px, bicubic, mean 0.5.
+    root = Location.parse(str(small_dataset))
+    manifest = read_manifest(root)
+    timm_default = ["model.name=timm/test_convnext", "model.weights=DEFAULT"]
+    cfg = config(small_dataset, tmp_path, *timm_default)
+    with pytest.raises(InputError, match=r"stores 32 px .* the 160 px model timm/test_convnext"):
+        driver.check_model(cfg, manifest, root)
+    cfg = config(small_dataset, tmp_path, *timm_default, "model.input.image_size=32")
+    expected = ModelInput(32, "bicubic", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    assert driver.check_model(cfg, manifest, root) == expected
