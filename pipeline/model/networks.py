@@ -360,13 +360,24 @@ def _shapes(build: Callable[[], torch.nn.Module]) -> dict[str, tuple]:
 
 
 def _on_meta(fn: Callable[[], Any]) -> Any:
-    """`fn()` with tensors on the meta device (shapes, no memory, no compute), else on the CPU:
-    some builders read their tensors' values (RegNet's widths)."""
+    """`fn()` with tensors on the meta device (shapes, no memory, no compute), else on the CPU
+    where it needs their values (RegNet's builder computes its widths with tensors)."""
     try:
         with torch.device("meta"):
             return fn()
-    except Exception:  # what needs values; a real error is raised again, on the CPU
-        return fn()
+    except Exception as e:
+        if not _needs_values(e):
+            raise  # a shape, an argument: the same on any device
+    return fn()
+
+
+def _needs_values(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) came from reading a meta tensor's values."""
+    while error is not None:
+        if isinstance(error, NotImplementedError) or "meta" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 # --- the model's input --------------------------------------------------------------------------
