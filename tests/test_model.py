@@ -215,9 +215,8 @@ def test_a_resume_restores_the_ema(tmp_path):
         None,
         ["dataset=/d", "storage_path=/s", "ema.enabled=true", "ema.decay=0.9", "ema.every_steps=2"],
     )
-    w = Worker(
-        cfg, None, None, None, rank=0, world=1, ema_weights=load_weights(checkpoint, meta, EMA)
-    )
+    ema_weights = load_weights(checkpoint, meta, EMA)
+    w = Worker(cfg, None, None, None, meta.model_input, rank=0, world=1, ema_weights=ema_weights)
     resumed_model = torch.nn.Linear(4, 2)
     resumed_model.load_state_dict(load_weights(checkpoint))
     resumed = build_ema(w, resumed_model, train_state)
