@@ -183,7 +183,15 @@ def generated_dataset(out: Path, *overrides: str):
 
     args = [f"output={out}", "source.kind=synthetic", *overrides]
     cfg = load_config(PreprocessConfig, None, args)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as e:
+            # Ray waits a fixed 30 s for its raylet, which a loaded machine can exceed: once more.
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
     try:
         return preprocess(cfg, output=Location.parse(str(out)))
     finally:
