@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) -m bench.loader
 	$(PY) -m bench.train_throughput --repeat 3
 	$(PY) -m bench.infer_throughput
+	$(PY) -m bench.serve
 	$(PY) -m bench.startup --repeat 3
 
 ## The same at the dataset sizes users have (1k, 10k, 100k images; local disk and S3): about an hour.

@@ -100,7 +100,7 @@ def test_the_application_args_are_checked_when_it_is_built(checkpoints, tmp_path
     checkpoint, config = deployment.init_args
     assert checkpoint == str(checkpoints["a"])
     assert ServeConfig(**config).max_batch_size == 8 and config["top_k"] == 2
-    assert deployment.max_ongoing_requests == 16  # a full batch running, the next one filling
+    assert deployment.max_ongoing_requests == 32  # 4 batches: the replica queues, not the proxy
 
 
 # --- on the cluster ----------------------------------------------------------------------------
