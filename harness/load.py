@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-# What a client retries: the server's transient failures and the gateway's. Classifying an
-# image changes nothing on the server, so a retried POST is safe.
-RETRYABLE = frozenset({500, 502, 503, 504})
+# What a client retries: the proxy's timeout, the server's transient failures and the
+# gateway's. Classifying an image changes nothing on the server, so a retried POST is safe.
+RETRYABLE = frozenset({408, 500, 502, 503, 504})
 
 
 @dataclass

@@ -48,11 +48,16 @@ class ServeApp:
         return proc.stdout
 
     def config(
-        self, model: str | Path, args: dict[str, Any] | None = None, deployment: dict | None = None
+        self,
+        model: str | Path,
+        args: dict[str, Any] | None = None,
+        deployment: dict | None = None,
+        http: dict | None = None,
     ) -> dict:
-        """configs/serve.yaml for this cluster: `model`, `args` and `deployment` set."""
+        """configs/serve.yaml for this cluster: `model`, `args`, `deployment` options and
+        `http` options set."""
         cfg = yaml.safe_load((BUNDLE_ROOT / "configs" / "serve.yaml").read_text())
-        cfg["http_options"]["port"] = self.port
+        cfg["http_options"] |= {**(http or {}), "port": self.port}
         [app] = cfg["applications"]
         assert app["name"] == APP, app["name"]
         app["args"] |= {"model": str(model), **(args or {})}
@@ -64,13 +69,12 @@ class ServeApp:
             options[key] = options[key] | value if isinstance(value, dict) else value
         return cfg
 
-    def deploy(
-        self, model: str | Path, args: dict[str, Any] | None = None, deployment: dict | None = None
-    ) -> None:
-        """`serve deploy` of `config(...)`; returns once Serve took it (not once it runs)."""
+    def deploy(self, model: str | Path, **changes) -> None:
+        """`serve deploy` of `config(model, **changes)`; returns once Serve took it (not once it
+        runs). Serve takes `http` options at its first deploy on a cluster only."""
         self.deploys += 1
         path = self.directory / f"serve-{self.deploys}.yaml"
-        path.write_text(yaml.safe_dump(self.config(model, args, deployment), sort_keys=False))
+        path.write_text(yaml.safe_dump(self.config(model, **changes), sort_keys=False))
         self.serve("deploy", str(path))
 
     def status(self) -> dict:

@@ -161,6 +161,8 @@ class TestApp(ServeApp):
                     "look_back_period_s": 2,
                 },
             },
+            # A request a killed replica leaves unanswered ends within the test.
+            http={"request_timeout_s": 10},
         )
 
 
@@ -278,9 +280,10 @@ def test_load_scales_to_the_max_replicas_and_a_killed_replica_is_replaced(app, i
     )
     assert len(answers) > 50
     # Only the requests the killed replica held, or was sent before the proxy knew it dead,
-    # fail: a 500 from Serve's proxy, answered at its death. Each can be retried.
+    # fail: a 500 from Serve's proxy at its death or, now and then, a 408 at the proxy's
+    # request_timeout_s for one it never answered. Each can be retried.
     assert len(failed) <= 8
-    assert all(a.status == 500 and a.retryable for a in failed)
+    assert all(a.status in (500, 408) and a.retryable for a in failed)
     assert all(a.sent_at < killed_at + 2 < a.sent_at + a.latency_s + 2.5 for a in failed)
     for a in failed:
         assert post(app.url, a.request).status == 200
