@@ -224,7 +224,7 @@ def test_answers_are_the_batch_jobs_for_the_same_images(
 
 @pytest.mark.slow
 def test_a_bad_request_gets_its_status_and_message_and_the_replica_serves_on(app, images):
-    before = {r["actor_id"] for r in app.replicas()}
+    before = {r["replica_id"] for r in app.replicas()}
     good = next(images.rglob("*.png")).read_bytes()
     for what, status, message, body in BAD_REQUESTS:
         answer = post(app.url, body()) if body else Client(app.url).request("PUT", b"x")
@@ -233,7 +233,8 @@ def test_a_bad_request_gets_its_status_and_message_and_the_replica_serves_on(app
         assert re.match(pattern(message), error), (what, error)
         assert "curl --data-binary @photo.jpg" in error or status == 413, error
         assert post(app.url, good).status == 200, what
-    assert {r["actor_id"] for r in app.replicas()} == before
+    # None was replaced (the autoscaler may have added one after the previous test's burst).
+    assert before <= {r["replica_id"] for r in app.replicas()}
 
 
 def pattern(message: str) -> str:
@@ -265,7 +266,7 @@ def test_load_scales_to_the_max_replicas_and_a_killed_replica_is_replaced(app, i
 
         def replaced() -> bool:
             # Serve lists the killed replica as running until its controller notices.
-            names = {r["actor_name"] for r in app.replicas()}
+            names = {r.get("actor_name") for r in app.replicas()}
             return killed not in names and app.running(2)
 
         wait_for(replaced, "a replacement replica", 180)
