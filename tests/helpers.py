@@ -213,3 +213,15 @@ def checkpoint_meta(**changes) -> CheckpointMeta:
         config={"epochs": 5},
     )
     return CheckpointMeta(**(fields | changes))
+
+
+def errors_table(section: str) -> list[tuple[str, int, str]]:
+    """The rows of a table in docs/errors.md's `## <section>`: (what, code, message start)."""
+    page = (BUNDLE_ROOT / "docs" / "errors.md").read_text()
+    text = page.split(f"## {section}\n", 1)[1].split("\n#", 1)[0]
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[1].isdigit():
+            rows.append((cells[0], int(cells[1]), cells[2].strip("`")))
+    return rows

@@ -18,7 +18,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 import torchvision
-from helpers import checkpoint_meta, make_image_folder
+from helpers import checkpoint_meta, errors_table, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT
 from harness.counting import FlakyHandler
@@ -485,20 +485,9 @@ def test_a_bad_input_run_as_a_job_is_asserted_by_the_test_named(case):
         assert words.strip() in body, (case.test, words)
 
 
-def docs_table() -> list[tuple[str, int, str]]:
-    page = (BUNDLE_ROOT / "docs" / "errors.md").read_text()
-    section = page.split("## Bad input, exit codes and messages\n", 1)[1].split("\n#", 1)[0]
-    rows = []
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("|") and cells[1].isdigit():
-            rows.append((cells[0], int(cells[1]), cells[2].strip("`")))
-    return rows
-
-
 def test_the_docs_table_lists_every_case():
     expected = [(c.what, c.exit_code, c.message.split("\n")[0]) for c in CASES]
-    assert docs_table() == expected
+    assert errors_table("Bad input, exit codes and messages") == expected
     assert len(CASES) >= 15
 
 

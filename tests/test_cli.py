@@ -54,6 +54,14 @@ def test_inference_imports_no_training_code():
     assert not {m for m in loaded if m.startswith(("pipeline.train", "torchmetrics", "matplotlib"))}
 
 
+def test_serving_imports_neither_batch_inference_nor_training():
+    # Wings import the core and model/, never each other: the replicas classify through
+    # pipeline.model.classifier, as the batch path does.
+    loaded = imported_by("pipeline.serve.app")
+    assert "pipeline.model.classifier" in loaded and "pipeline.model.source" in loaded
+    assert not {m for m in loaded if m.startswith(("pipeline.infer", "pipeline.train"))}
+
+
 def test_inference_reads_and_writes_import_no_torch():
     # Their tasks take no CPU and run in worker processes of their own: torch would cost each
     # one seconds of start-up, taken from the CPUs the predictor actors hold.

@@ -522,6 +522,29 @@ class InferConfig(_Strict):
     )
 
 
+class ServeConfig(_Strict):
+    """The online classifier's `args` in a Serve config file (configs/serve.yaml). Replicas,
+    autoscaling, CPUs and GPUs are Serve's own deployment options, beside them in that file."""
+
+    model: AbsolutePathOrURI = Field(
+        description="A training run directory (its best checkpoint by val accuracy) or one "
+        "checkpoint directory; resolved once per deploy, so every replica serves one checkpoint."
+    )
+    top_k: int = Field(5, ge=1, description="Most likely classes in each answer.")
+    max_batch_size: int = Field(
+        16, ge=1, description="Most images per model call: requests that arrive together."
+    )
+    batch_wait_timeout_s: float = Field(
+        0.005, ge=0, description="Longest wait for a batch to fill once its first image is in."
+    )
+    max_request_bytes: int = Field(
+        10 * 2**20, ge=1, description="Largest request body accepted; a larger one gets 413."
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 (else fp16) on a replica with a GPU, fp32 on CPU."
+    )
+
+
 C = TypeVar("C", bound=BaseModel)
 
 

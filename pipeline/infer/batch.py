@@ -22,11 +22,11 @@ import torch
 
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.config import InferConfig
-from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.errors import InputError
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.plots import plot_confusion
 from pipeline.core.storage import Location
-from pipeline.data.images import BadImageError, decode_image, resize_center_crop
+from pipeline.data.images import BadImageError, decode_image
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import (
     PREDICTIONS,
@@ -38,68 +38,12 @@ from pipeline.infer.predictions import (
     publish,
     start_version,
 )
-from pipeline.model.checkpoint import METADATA, read_meta, served_weights, weights_scores
-from pipeline.model.device import DevicePolicy, pick_precision
-from pipeline.model.networks import load_model
-from pipeline.model.runs import (
-    RUN_SUMMARY,
-    SCORE,
-    SNAPSHOT,
-    best_checkpoint,
-    load_result,
-    training_since,
-)
+from pipeline.model.checkpoint import read_meta, served_weights, weights_scores
+from pipeline.model.classifier import Classifier, prepare_image, top_classes
+from pipeline.model.runs import SCORE
+from pipeline.model.source import resolve_checkpoint
 
 log = logging.getLogger(__name__)
-
-
-def resolve_checkpoint(model: Location) -> Location:
-    """`model` itself if it is a checkpoint, else the best checkpoint of the run it names."""
-    if model.child(METADATA).exists():
-        return model
-    if model.child(SNAPSHOT).exists():
-        if not model.child(RUN_SUMMARY).exists():
-            # A scheduler that retries inference must not classify with a half-trained model.
-            raise InputError(
-                f"run {model.uri} has not finished training (no {RUN_SUMMARY}): let its train "
-                "job finish (submitting it again resumes it), or pass one checkpoint directory "
-                f"as model={model.uri}/epoch_NNNN"
-            )
-        since = training_since(model)
-        if since is not None:
-            # Retention may delete the best checkpoint of now while the run trains on.
-            raise ConfigError(
-                f"model={model.uri} is a run that a train job has been training again since "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(since))}: its best "
-                "checkpoint is not settled yet. Run inference once that job has finished, or "
-                f"pass one checkpoint directory as model={model.uri}/epoch_NNNN"
-            )
-        result = load_result(model)
-        if not result.best_checkpoints:
-            raise InputError(f"run {model.uri} has no checkpoint yet: train it first")
-        best, metrics = best_checkpoint(model, result)
-        log.info(
-            "run %s: best checkpoint %s (epoch %d, %s %.4f)",
-            model.uri,
-            best.uri,
-            metrics["epoch"],
-            SCORE,
-            metrics[SCORE],
-        )
-        return best
-    if not model.exists():
-        raise InputError(f"model={model.uri} does not exist")
-    raise InputError(
-        f"model={model.uri} is neither a training run (no {SNAPSHOT}) nor a checkpoint (no "
-        f"{METADATA}): point it at <storage_path>/<name> of a train job, or one epoch_* in it"
-    )
-
-
-def prepare_image(data: bytes, *, image_size: int) -> np.ndarray:
-    """Encoded image -> uint8 (3, S, S), exactly as preprocessing shaped the training images
-    (the model's `DevicePolicy` then resizes them to the network's input, as in training)."""
-    img = resize_center_crop(decode_image(data), size=image_size)
-    return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1)
 
 
 def prepare_batch(batch: dict, *, image_size: int) -> dict:
@@ -118,30 +62,6 @@ def prepare_batch(batch: dict, *, image_size: int) -> dict:
         "label_name": batch["label_name"],
         "error": errors,
     }
-
-
-class Classifier:
-    """A checkpoint's model on one device: uint8 pixels in, class probabilities out. Batches go
-    through the model as in training (`DevicePolicy`): same normalisation, precision and memory
-    layout."""
-
-    def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str):
-        device = torch.device("cuda" if use_gpu else "cpu")
-        model, self.meta = load_model(checkpoint)
-        self.policy = DevicePolicy.for_input(
-            device, pick_precision(precision, device), self.meta.model_input
-        )
-        self.model = self.policy.prepare(model).to(device).eval()
-
-    @property
-    def precision(self) -> str:
-        return self.policy.precision
-
-    @torch.inference_mode()
-    def probabilities(self, pixels: np.ndarray) -> torch.Tensor:
-        with self.policy.autocast():
-            logits = self.model(self.policy.inputs(torch.from_numpy(pixels)))
-        return logits.float().softmax(dim=1).cpu()
 
 
 class Predictor:
@@ -343,11 +263,7 @@ def summarize(
 def _classify_one(checkpoint: Location, data: bytes, use_gpu: bool, precision: str, k: int):
     classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=precision)
     pixels = prepare_image(data, image_size=classifier.meta.image_size)[None]
-    probs, top = classifier.probabilities(pixels)[0].topk(min(k, len(classifier.meta.classes)))
-    return [
-        {"class": classifier.meta.classes[i], "index": int(i), "probability": float(p)}
-        for p, i in zip(probs, top, strict=True)
-    ]
+    return top_classes(classifier.probabilities(pixels)[0], classifier.meta.classes, k)
 
 
 def classify_image(cfg: InferConfig, *, model: Location, image: Location) -> dict:
