@@ -137,7 +137,7 @@ FIXED_ON_RESUME = {
 def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     """The settings `cfg` changes against the run's recorded config, as 'key: old -> new'.
     Raises ConfigError for what a resume cannot change."""
-    old, new = _flatten(recorded), _flatten(cfg.model_dump(mode="json"))
+    old, new = flatten_config(recorded), flatten_config(cfg.model_dump(mode="json"))
     changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
     problems = [f"{k}: {a} -> {b} ({FIXED_ON_RESUME[k]})" for k, (a, b) in changed.items()
                 if k in FIXED_ON_RESUME]  # fmt: skip  # a filter that reads as one sentence
@@ -155,11 +155,12 @@ def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     return [f"{k}: {a} -> {b}" for k, (a, b) in changed.items()]
 
 
-def _flatten(config: dict, prefix: str = "") -> dict:
+def flatten_config(config: dict, prefix: str = "") -> dict:
+    """A config as one level of dotted keys (`optimizer.lr`), as overrides name them."""
     flat = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            flat |= _flatten(value, f"{prefix}{key}.")
+            flat |= flatten_config(value, f"{prefix}{key}.")
         else:
             flat[prefix + key] = value
     return flat
