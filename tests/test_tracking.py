@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -142,6 +143,24 @@ def test_a_run_tracked_on_another_server_is_not_split_across_two(tmp_path, mlflo
     run_dir.child(RUN_RECORD).write_bytes(json.dumps(record).encode())
     with pytest.raises(ConfigError, match="is tracked in MLflow run abc at http://other:5000"):
         training_tracker(cfg).start(run_dir, cfg, version="v1", changes=[])
+
+
+def test_a_deleted_run_or_experiment_is_not_tracked_into(tmp_path, mlflow_server):
+    cfg = train_config(
+        tmp_path, f"tracking.uri={mlflow_server.uri}", "tracking.experiment=gone", "name=gone"
+    )
+    run_dir = Location.parse(f"{tmp_path}/runs/gone")
+    sink = training_tracker(cfg).start(run_dir, cfg, version="v1", changes=[])
+    client = mlflow_server.client()
+    client.delete_run(sink.run_id)
+    record = run_dir.child(RUN_RECORD).uri
+    said = f"MLflow run {sink.run_id}, which {record} names, is gone from {mlflow_server.uri}"
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        training_tracker(cfg).start(run_dir, cfg, version="v1", changes=[])
+    client.delete_experiment(client.get_experiment_by_name("gone").experiment_id)
+    said = f"MLflow experiment 'gone' at {mlflow_server.uri} is deleted"
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        training_tracker(cfg)
 
 
 def small_checkpoint(directory) -> Location:
