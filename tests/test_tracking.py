@@ -115,8 +115,11 @@ def test_one_mlflow_run_per_training_run_and_each_epoch_once(tmp_path, mlflow_se
     sink.log_epochs(history[:2])
     # A restarted rank 0 (a new copy of the sink, as Ray sends it) with the checkpoint's history:
     # the server's epochs are not logged again.
+    # Epoch 1 trained again (its checkpoint lost before Ray recorded it) is not logged again:
+    # the values logged first stay.
     restarted = pickle.loads(pickle.dumps(sink))
-    restarted.log_epochs(history[:2])
+    retrained = [history[0], history[1] | {"train_loss": 9.0}]
+    restarted.log_epochs(retrained)
     restarted.log_epochs(history)
     # A submission of the same run continues the same MLflow run; a setting it changes is a tag
     # (the run's params stay those it started with).
