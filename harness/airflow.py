@@ -8,13 +8,11 @@ the bundle's: Airflow's environment holds no Ray and no torch.
 
 from __future__ import annotations
 
-import hashlib
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from harness.cluster import BUNDLE_ROOT
+from harness.venvs import uv_venv
 
 AIRFLOW_VERSION = "3.3.2"
 DAGS_FOLDER = BUNDLE_ROOT / "examples" / "airflow"
@@ -25,21 +23,8 @@ VENV = BUNDLE_ROOT / ".venv-airflow"
 def ensure_venv(venv: Path = VENV) -> Path:
     """The virtualenv with apache-airflow installed under CONSTRAINTS: built when missing or
     when the constraints changed since, reused otherwise. Returns its `bin/airflow`."""
-    digest = hashlib.sha256(CONSTRAINTS.read_bytes()).hexdigest()[:12]
-    stamp = venv / f".installed-{digest}"  # written last: a half-built venv is rebuilt
-    if not stamp.exists():
-        shutil.rmtree(venv, ignore_errors=True)
-        # uv (a dev dependency): the same pinned install as pip's, in seconds rather than minutes.
-        uv = str(Path(sys.executable).with_name("uv"))
-        subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True)
-        install = [uv, "pip", "install", "--quiet", "--python", str(venv / "bin" / "python")]
-        subprocess.run(
-            [*install, f"apache-airflow=={AIRFLOW_VERSION}", "--constraint", str(CONSTRAINTS)],
-            check=True,
-            timeout=1800,
-        )
-        stamp.touch()
-    return venv / "bin" / "airflow"
+    install = [f"apache-airflow=={AIRFLOW_VERSION}", "--constraint", str(CONSTRAINTS)]
+    return uv_venv(venv, CONSTRAINTS, *install) / "airflow"
 
 
 class Airflow:

@@ -5,10 +5,11 @@
 Classify a preprocessed dataset split or an image folder with the best checkpoint of a training
 run (or a given checkpoint), on Ray Data; writes the predictions as a new version below output
 and commits it with output/summary.json (accuracy, per-class precision and recall, confusion
-matrix when labels are known, the files that hold the predictions). Given one image file as
-input, prints its top-k classes as JSON instead. Exit codes: 0 done, 1 unusable
-input (run, checkpoint, images), 2 invalid config, 3 the cluster cannot run it (no GPU for
-use_gpu=true, fewer CPUs than cpus_per_actor).
+matrix when labels are known, the files that hold the predictions); with a tracking URI, logs
+them to MLflow, linked to the training run (docs/tracking.md). Given one image file as input,
+prints its top-k classes as JSON instead. Exit codes: 0 done, 1 unusable input (run,
+checkpoint, images), 2 invalid config, 3 the cluster cannot run it (no GPU for use_gpu=true,
+fewer CPUs than cpus_per_actor) or the tracking server does not answer.
 """
 
 import json
@@ -27,6 +28,7 @@ log = logging.getLogger("jobs.infer")
 def main(cfg: InferConfig) -> str:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
     from pipeline.infer import batch, predictions
+    from pipeline.tracking import predictions_tracker
 
     model, source = Location.parse(cfg.model), Location.parse(cfg.input)
     if not source.exists():
@@ -37,8 +39,11 @@ def main(cfg: InferConfig) -> str:
     if cfg.output is None:
         raise InputError("output= is required for a dataset or a folder (where to write)")
     output = Location.parse(cfg.output)
+    tracking = predictions_tracker(cfg)  # None when off; a server that does not answer: exit 3
     ray.init()
     summary = batch.infer(cfg, model=model, source=source, output=output)
+    if tracking is not None:
+        tracking.log_predictions(cfg, output, summary)
     accuracy = summary.get("accuracy")
     log.info(
         "%d images, %.1f images/s, %d skipped%s",

@@ -6,10 +6,11 @@ Train an image classifier (model.name: ResNet-18 by default, any torchvision cla
 timm/<name> or module:function; docs/models.md) on a preprocessed dataset with Ray Train,
 fault-tolerant: failed workers are restarted from the latest checkpoint (max_failures), and
 submitting the same run name again resumes it. Writes summary.json, history.csv and curves.png
-into <storage_path>/<name> and prints the best checkpoint's path last. Exit codes: 0 done,
-1 unusable input (dataset, checkpoint, weights file), 2 invalid config (the model's name,
-weights name and builder arguments too), 3 training failed (workers could not be placed, or
-retries used up).
+into <storage_path>/<name> and prints the best checkpoint's path last; with a tracking URI,
+tracks the run in MLflow (docs/tracking.md). Exit codes: 0 done, 1 unusable input (dataset,
+checkpoint, weights file), 2 invalid config (the model's name, weights name and builder
+arguments too), 3 training failed (workers could not be placed, or retries used up) or the
+tracking server does not answer.
 """
 
 import logging
@@ -25,11 +26,13 @@ log = logging.getLogger("jobs.train")
 
 def main(cfg: TrainConfig) -> str:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
+    from pipeline.tracking import training_tracker
     from pipeline.train.driver import train
 
     dataset, runs = Location.parse(cfg.dataset), Location.parse(cfg.storage_path)
+    tracking = training_tracker(cfg)  # None when off; a server that does not answer: exit 3
     ray.init()
-    summary = train(cfg, dataset=dataset, runs=runs)
+    summary = train(cfg, dataset=dataset, runs=runs, tracking=tracking)
     best = summary["best_metrics"]
     log.info(
         "%d epochs, final val accuracy %.4f; best val accuracy %.4f at epoch %d; %.1f images/s",

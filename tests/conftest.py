@@ -25,11 +25,13 @@ from helpers import (
     kill_worker,
     latest_recorded,
     png_bytes,
+    tracked,
     train_job,
     wait_for,
 )
 
 from harness.cluster import LocalCluster
+from harness.mlflow_server import MLflowServer
 from harness.s3 import S3Server
 from pipeline.core import faults
 
@@ -123,6 +125,14 @@ def s3_server():
 
 
 @pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (SQLite, artifacts on local disk) on loopback for the whole
+    session: the tracked jobs log to it, and the tests read back through MLflow's client."""
+    with MLflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def cluster_2cpu(s3_server):
     """A real single-node cluster of 2 CPUs (`ray start`), for jobs sent with `ray job submit`:
     one for the whole session, shared by the modules whose jobs leave it as they found it. Its
@@ -136,18 +146,18 @@ MAIN_RUN_RECIPE = ("ema.enabled=true", "ema.every_steps=2", "ema.decay=0.8", "mi
 
 
 @pytest.fixture(scope="session")
-def main_run(cluster_2cpu, tiny_dataset, tmp_path_factory):
+def main_run(cluster_2cpu, tiny_dataset, tmp_path_factory, mlflow_server):
     """One 2-worker training run of 4 epochs, num_to_keep=1, with a training worker SIGKILLed
     once Ray has recorded the checkpoint of epoch 0 and before epoch 1's: what a real fault
     looks like, at a defined point. It keeps an EMA of the weights and accumulates each step
-    over two micro-batches, so that both go through DDP, the kill and the resume. test_train
-    checks one claim about it per test; test_infer classifies with it. Returns (the job's
-    output, the run directory)."""
+    over two micro-batches, so that both go through DDP, the kill and the resume, and it is
+    tracked in `mlflow_server`. test_train checks one claim about it per test; test_infer
+    classifies with it. Returns (the job's output, the run directory)."""
     storage = tmp_path_factory.mktemp("runs")
     run = storage / "main"
     fault = tmp_path_factory.mktemp("fault")
     runtime_env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
-    args = ("name=main", "epochs=4", "num_to_keep=1", *MAIN_RUN_RECIPE)
+    args = ("name=main", "epochs=4", "num_to_keep=1", *MAIN_RUN_RECIPE, *tracked(mlflow_server))
     submit = {"submission_id": "train-main", "runtime_env": runtime_env}
     job = in_background(train_job, cluster_2cpu, tiny_dataset, storage, *args, **submit)
     pid = held_worker(marker, job)

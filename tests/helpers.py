@@ -73,6 +73,31 @@ def train_job(cluster, dataset, storage, *overrides, **submit):
     return cluster.submit(args, capture=True, timeout_s=600, **submit)
 
 
+def tracked(server) -> tuple[str, ...]:
+    """A job's overrides that track it in `server` (a harness.mlflow_server.MLflowServer)."""
+    return (f"tracking.uri={server.uri}",)
+
+
+def mlflow_run(server, run: Path):
+    """The MLflow run a training run's directory names (its mlflow_run.json), read back."""
+    record = json.loads((run / "mlflow_run.json").read_text())
+    assert record["tracking_uri"] == server.uri
+    return server.client().get_run(record["run_id"])
+
+
+def metric_steps(server, run_id: str, history: list[dict]) -> dict[str, list[int]]:
+    """Each numeric key of `history`: the steps the MLflow run holds it at, in order, repeats
+    kept; and the values must be the history's."""
+    client, steps = server.client(), {}
+    for key in [k for k in history[0] if k not in ("epoch", "dataset_version")]:
+        logged = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+        steps[key] = [m.step for m in logged]
+        by_epoch = {int(r["epoch"]): r[key] for r in history}
+        for m in logged:
+            assert abs(m.value - float(by_epoch[m.step])) <= 1e-6 * max(1, abs(m.value)), key
+    return steps
+
+
 def history(run: Path) -> list[dict]:
     """history.csv's rows, numbers as floats (the dataset version stays a name)."""
     with open(run / HISTORY_CSV) as f:

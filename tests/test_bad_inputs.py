@@ -20,7 +20,7 @@ import torch
 import torchvision
 from helpers import checkpoint_meta, errors_table, make_image_folder
 
-from harness.cluster import BUNDLE_ROOT
+from harness.cluster import BUNDLE_ROOT, free_port
 from harness.counting import FlakyHandler
 from jobs.submit import plan
 from pipeline.core import storage
@@ -39,6 +39,7 @@ from pipeline.infer.batch import resolve_checkpoint
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import Tally, publish, start_version
 from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
+from pipeline.tracking import training_tracker
 from pipeline.train.driver import check_dataset, check_model, pick_dataset_version
 
 
@@ -172,6 +173,14 @@ def replaced_predictions(tmp_path, _):
 
 
 DROPPED = OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28")
+
+
+def tracked_by(uri: str):
+    def run(tmp_path, dataset):
+        training_tracker(train_config(tmp_path, dataset, f"tracking.uri={uri}"))
+
+    return run
+
 
 CASES = [
     # Configs: exit 2.
@@ -456,6 +465,42 @@ CASES = [
         3,
         "cpus_per_actor=<n> asks for <n> CPU(s) on one node, but the largest node the cluster has",
         test="tests/test_capacity.py::test_a_bundle_no_node_type_holds_is_refused_at_once",
+    ),
+    Case(
+        "a tracking server that does not answer when a job starts",
+        3,
+        "the tracking server <uri> does not answer",
+        tracked_by(f"http://127.0.0.1:{free_port()}"),  # nothing listens there
+    ),
+    Case(
+        "a tracking URI that is no MLflow server (a 404, an unknown scheme)",
+        2,
+        "the tracking URI <uri> is not an MLflow tracking server",
+        tracked_by("nonsense://mlflow"),
+    ),
+    Case(
+        "a tracked run resumed with another tracking server",
+        2,
+        "run <path> is tracked in MLflow run <id> at <uri>",
+        test="tests/test_tracking.py::test_a_run_tracked_on_another_server_is_not_split_across_two",
+    ),
+    Case(
+        "a tracked run whose MLflow run was deleted",
+        2,
+        "MLflow run <id>, which <path> names, is gone from <uri>",
+        test="tests/test_tracking.py::test_a_deleted_run_or_experiment_is_not_tracked_into",
+    ),
+    Case(
+        "a deleted MLflow experiment",
+        2,
+        "MLflow experiment <name> at <uri> is deleted",
+        test="tests/test_tracking.py::test_a_deleted_run_or_experiment_is_not_tracked_into",
+    ),
+    Case(
+        "a `models:/` URI of no registered model version",
+        1,
+        "models:/<name>/<version> is no registered model version",
+        test="tests/test_tracking.py::test_a_registered_version_resolves_to_its_checkpoint",
     ),
 ]
 

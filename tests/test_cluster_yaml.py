@@ -191,11 +191,12 @@ def test_nodes_install_the_ray_the_client_pins(any_cluster, project):
 
 
 def test_the_lock_is_compiled_from_exactly_the_runtime_deps(project):
-    # Runtime deps plus the hf extra (preprocessing's Hugging Face source) and timm (models by
-    # name); never the bundle, never dev tools.
+    # Runtime deps plus the hf extra (preprocessing's Hugging Face source), timm (models by
+    # name) and the tracking extra (MLflow's client); never the bundle, never dev tools.
     runtime = [
         *project["dependencies"],
         *project["optional-dependencies"]["hf"],
+        *project["optional-dependencies"]["tracking"],
         *[str(r) for r in requirements_file(ROOT / "requirements/timm.txt")],
     ]
     expected = {key(Requirement(d)) for d in runtime}

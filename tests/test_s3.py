@@ -87,24 +87,20 @@ CHAIN_SETTINGS = [
 
 
 @pytest.fixture(scope="module")
-def steps(cluster_2cpu) -> dict[str, list[str]]:
-    """Each step's command line: what the Airflow example's task for it runs."""
-    return {
-        step: step_command(
-            cluster_2cpu.address,
-            CHAIN_ROOT,
-            step,
-            profile="demo",
-            sets=CHAIN_SETTINGS,
-            recipe=RECIPE,
-        )
-        for step in STEPS
-    }
+def tracking(mlflow_server) -> list[str]:
+    """The chain's option that tracks its jobs in `mlflow_server`, through their environment."""
+    return [f"--env=MLFLOW_TRACKING_URI={mlflow_server.uri}"]
 
 
-def command(cluster: LocalCluster, step: str, *sets: str) -> list[str]:
+@pytest.fixture(scope="module")
+def steps(cluster_2cpu, tracking) -> dict[str, list[str]]:
+    """Each step's command line: what the Airflow example's task for it runs, tracked."""
+    return {step: command(cluster_2cpu, step, tracking=tracking) for step in STEPS}
+
+
+def command(cluster: LocalCluster, step: str, *sets: str, tracking: list[str]) -> list[str]:
     """A step's command line with settings over CHAIN_SETTINGS."""
-    return step_command(
+    *options, step = step_command(
         cluster.address,
         CHAIN_ROOT,
         step,
@@ -112,6 +108,7 @@ def command(cluster: LocalCluster, step: str, *sets: str) -> list[str]:
         sets=[*CHAIN_SETTINGS, *sets],
         recipe=RECIPE,
     )
+    return [*options, *tracking, step]
 
 
 def run_task(cmd: list[str], cluster: LocalCluster) -> tuple[int, str]:
@@ -120,7 +117,9 @@ def run_task(cmd: list[str], cluster: LocalCluster) -> tuple[int, str]:
     return proc.wait(), "".join(lines)
 
 
-def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu, steps, tmp_path):
+def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(
+    s3, cluster_2cpu, steps, tracking, mlflow_server, tmp_path
+):
     # Preprocessing: an image folder on S3 (with files that are not images) -> Parquet on S3.
     bad = make_image_folder(tmp_path / "src", per_class=40)
     upload(s3, tmp_path / "src", f"{BUCKET}/raw")
@@ -166,7 +165,8 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     # Meanwhile the preprocess step runs again with other settings: a new version of the
     # dataset, committed beside the one the run reads, which stays whole.
     code, out = run_task(
-        command(cluster_2cpu, "preprocess", "preprocess.image_size=40"), cluster_2cpu
+        command(cluster_2cpu, "preprocess", "preprocess.image_size=40", tracking=tracking),
+        cluster_2cpu,
     )
     assert code == 0, out
     newer = read_manifest(dataset)
@@ -184,7 +184,9 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     assert f"Pass dataset_version={manifest.version} to finish on the data it started on" in out
     # Pinned to the run's version, the retry resumes from the checkpoint on S3.
     pin = f"dataset_version={manifest.version}"
-    code, out = run_task(command(cluster_2cpu, "train", f"train.{pin}"), cluster_2cpu)
+    code, out = run_task(
+        command(cluster_2cpu, "train", f"train.{pin}", tracking=tracking), cluster_2cpu
+    )
     assert code == 0, out
     resumed = re.search(rf"resuming from {CHAIN_ROOT}/runs/s3run/epoch_(\d+)", out)
     assert resumed, out
@@ -204,7 +206,9 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
 
     # Inference reads the best checkpoint from S3 and writes its predictions there: the network
     # from the checkpoint, with no model setting of its own.
-    code, out = run_task(command(cluster_2cpu, "infer", f"infer.{pin}"), cluster_2cpu)
+    code, out = run_task(
+        command(cluster_2cpu, "infer", f"infer.{pin}", tracking=tracking), cluster_2cpu
+    )
     assert code == 0, out
     predictions = Location.parse(f"{CHAIN_ROOT}/predictions/s3run")
     result = json.loads(predictions.child(SUMMARY).read_bytes())
@@ -223,6 +227,37 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(s3, cluster_2cpu
     assert sorted(files) == sorted(
         [SUMMARY, f"{version}/{VERSION_MARKER}", f"{version}/{CONFUSION_PNG}", *parts]
     )
+
+    # In MLflow: each dataset version's preprocess run; one training run through the stop, the
+    # refused retry and the resume, with each epoch once; the inference run, linked to it.
+    client = mlflow_server.client()
+    experiment = client.get_experiment_by_name("ray-cv-bundle").experiment_id
+
+    def runs(job: str, **tags: str) -> list:
+        query = " and ".join(f"tags.`ray_cv.{k}` = '{v}'" for k, v in {"job": job, **tags}.items())
+        return client.search_runs([experiment], query)
+
+    (prepared,) = runs("preprocess", dataset=dataset.uri, dataset_version=manifest.version)
+    assert prepared.info.status == "FINISHED"
+    counts = {k: prepared.data.metrics[f"{k}_images"] for k in ("train", "val")}
+    assert counts == {k: manifest.splits[k].rows for k in ("train", "val")}
+    assert len(runs("preprocess", dataset=dataset.uri, dataset_version=newer.version)) == 1
+    record = json.loads(run.child("mlflow_run.json").read_bytes())
+    (trained,) = runs("train", run_dir=run.uri)
+    assert trained.info.run_id == record["run_id"] and trained.info.status == "FINISHED"
+    assert trained.data.tags["ray_cv.preprocess_run_id"] == prepared.info.run_id
+    history = list(csv.DictReader(io.StringIO(run.child(HISTORY_CSV).read_bytes().decode())))
+    for key in ("train_loss", "val_accuracy"):
+        logged = client.get_metric_history(trained.info.run_id, key)
+        assert sorted(m.step for m in logged) == [0, 1], key
+        assert [m.value for m in sorted(logged, key=lambda m: m.step)] == [
+            float(r[key]) for r in history
+        ]
+    (inferred,) = runs("infer", output=predictions.uri)
+    assert inferred.data.tags["ray_cv.training_run_id"] == trained.info.run_id
+    assert inferred.data.tags["ray_cv.checkpoint"] == result["checkpoint"]
+    assert inferred.data.metrics["images"] == val_rows
+    assert inferred.data.metrics["accuracy"] == pytest.approx(result["accuracy"])
 
     # The same model on the same images, written to local disk: the same predictions.
     local = tmp_path / "predictions"

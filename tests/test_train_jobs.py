@@ -19,6 +19,9 @@ from helpers import (
     in_background,
     kill_worker,
     latest_recorded,
+    metric_steps,
+    mlflow_run,
+    tracked,
     train_job,
     wait_for,
 )
@@ -28,15 +31,18 @@ from harness.cluster import LocalCluster
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.data.dataset import committed_versions, read_manifest
-from pipeline.model.checkpoint import read_meta
+from pipeline.model.checkpoint import WEIGHTS, read_meta
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import load_model
 from pipeline.model.runs import (
     CURVES_PNG,
+    HISTORY_CSV,
     RUN_SUMMARY,
     SNAPSHOT,
     checkpoint_dir_name,
 )
+from pipeline.tracking import registered_checkpoint
+from pipeline.tracking.registry import model_spec
 from pipeline.train.torch_input import RowGroupStream
 from pipeline.train.worker import evaluate
 
@@ -124,6 +130,56 @@ def test_submitting_a_finished_run_again_trains_nothing(cluster_2cpu, main_run, 
     assert proc.returncode == 0, proc.stdout
     assert "is complete (4 epochs, epochs=4): nothing to train" in proc.stdout
     assert "RayTrainWorker" not in proc.stdout
+
+
+def test_the_run_is_one_mlflow_run_with_every_epoch_once_through_a_kill_and_a_resubmission(
+    cluster_2cpu, main_run, tiny_dataset, mlflow_server, tmp_path
+):
+    # main_run's rank 0 logged epoch 0, then was killed; the new rank 0 resumed from epoch 0's
+    # checkpoint. The run submitted again (finished: it trains nothing) continues the same
+    # MLflow run, and adds no epoch, no model and no version.
+    proc, run = main_run
+    tracked_run = mlflow_run(mlflow_server, run)
+    run_id = tracked_run.info.run_id
+    assert proc.stdout.count(f"new MLflow run {run_id}") == 1 and "did not take" not in proc.stdout
+    assert f"MLflow run {run_id} at {mlflow_server.uri} has every epoch" in proc.stdout
+    args = ("name=main", "epochs=4", *tracked(mlflow_server))
+    again = train_job(cluster_2cpu, tiny_dataset, run.parent, *args)
+    assert again.returncode == 0, again.stdout
+    assert f"continuing MLflow run {run_id}" in again.stdout
+    assert "ray-cv-classifier version 1 is this checkpoint already" in again.stdout, again.stdout
+
+    client = mlflow_server.client()
+    named = f"tags.`ray_cv.run_dir` = '{run}'"
+    runs = client.search_runs([tracked_run.info.experiment_id], named)
+    assert [r.info.run_id for r in runs] == [run_id]
+    tracked_run = client.get_run(run_id)
+    assert tracked_run.info.status == "FINISHED"
+    h = history(run)
+    steps = metric_steps(mlflow_server, run_id, h)
+    assert {"train_loss", "val_accuracy", "ema_val_accuracy", "lr"} <= set(steps)
+    assert all(s == [0, 1, 2, 3] for s in steps.values()), steps
+    params = tracked_run.data.params
+    assert (params["epochs"], params["micro_batch_size"], params["ema.decay"]) == ("4", "8", "0.8")
+    assert tracked_run.data.tags["ray_cv.dataset_version"] == h[0]["dataset_version"]
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {HISTORY_CSV, CURVES_PNG, RUN_SUMMARY} <= artifacts
+    logged = client.download_artifacts(run_id, HISTORY_CSV, str(tmp_path))
+    assert Path(logged).read_bytes() == (run / HISTORY_CSV).read_bytes()
+
+    # The best checkpoint, registered once, with where it came from; and back to it by name.
+    summary = json.loads((run / RUN_SUMMARY).read_text())
+    (version,) = client.search_model_versions(f"run_id = '{run_id}'")
+    best = Path(summary["best_checkpoint"])
+    tags = version.tags
+    assert (version.name, tags["ray_cv.checkpoint"]) == ("ray-cv-classifier", str(best))
+    meta = read_meta(Location.parse(str(best)))
+    assert tags["ray_cv.dataset_version"] == meta.dataset_version
+    assert tags["ray_cv.model"] == model_spec(meta)
+    assert tags["ray_cv.code_version"].startswith(("git:", "sha256:"))
+    model_uri = f"models:/ray-cv-classifier/{version.version}"
+    copy = registered_checkpoint(model_uri, uri=mlflow_server.uri, dst=tmp_path / "registered")
+    assert copy.child(WEIGHTS).read_bytes() == (best / WEIGHTS).read_bytes()
 
 
 def test_a_kill_between_upload_and_record_trains_the_epoch_again(

@@ -105,6 +105,23 @@ class SourceConfig(_Strict):
         return self
 
 
+class TrackingConfig(_Strict):
+    uri: str | None = Field(
+        None,
+        description="MLflow tracking server (http://host:5000); null: MLFLOW_TRACKING_URI if set, "
+        "else no tracking.",
+    )
+    experiment: str = Field("ray-cv-bundle", description="MLflow experiment of the job's runs.")
+
+
+class TrainTrackingConfig(TrackingConfig):
+    registered_model: str | None = Field(
+        "ray-cv-classifier",
+        description="Registered model the best checkpoint becomes a version of; null: logged, "
+        "not registered.",
+    )
+
+
 # A cloud node takes minutes to boot and run its setup commands (cluster.yaml installs torch).
 CAPACITY_TIMEOUT_S = 600
 
@@ -140,11 +157,13 @@ class PreprocessConfig(_Strict):
             "then exit 3."
         ),
     )
+    tracking: TrackingConfig = TrackingConfig()
 
     def fingerprint(self) -> str:
         """Hash of everything that shapes the output, to tell an up-to-date dataset."""
         data = self.model_dump(
-            mode="json", exclude={"overwrite", "retention_hours", "capacity_timeout_s"}
+            mode="json",
+            exclude={"overwrite", "retention_hours", "capacity_timeout_s", "tracking"},
         )
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -410,6 +429,7 @@ class TrainConfig(_Strict):
     log_every_s: float = Field(
         30, gt=0, description="Seconds between progress lines within an epoch (rank 0)."
     )
+    tracking: TrainTrackingConfig = TrainTrackingConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -520,6 +540,7 @@ class InferConfig(_Strict):
             "then exit 3."
         ),
     )
+    tracking: TrackingConfig = TrackingConfig()
 
 
 class ServeConfig(_Strict):

@@ -145,7 +145,8 @@ def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     Raises ConfigError for what a resume cannot change."""
     now = cfg.model_dump(mode="json")
     was_model, now_model = recorded.get("model", RECORDED_BEFORE_MODELS), now.pop("model")
-    old, new = _flatten({k: v for k, v in recorded.items() if k != "model"}), _flatten(now)
+    old = flatten_config({k: v for k, v in recorded.items() if k != "model"})
+    new = flatten_config(now)
     changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
     problems = [f"{k}: {a} -> {b} ({FIXED_ON_RESUME[k]})" for k, (a, b) in changed.items()
                 if k in FIXED_ON_RESUME]  # fmt: skip  # a filter that reads as one sentence
@@ -168,11 +169,12 @@ def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     return [f"{k}: {a} -> {b}" for k, (a, b) in changed.items()]
 
 
-def _flatten(config: dict, prefix: str = "") -> dict:
+def flatten_config(config: dict, prefix: str = "") -> dict:
+    """A config as one level of dotted keys (`optimizer.lr`), as overrides name them."""
     flat = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            flat |= _flatten(value, f"{prefix}{key}.")
+            flat |= flatten_config(value, f"{prefix}{key}.")
         else:
             flat[prefix + key] = value
     return flat

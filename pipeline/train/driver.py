@@ -29,6 +29,7 @@ from pipeline.core.ray_internals import (
     WorkerGroupStartupTimeoutError,
 )
 from pipeline.core.storage import Location, retry
+from pipeline.core.tracking import EpochSink, TrainingTracker
 from pipeline.data.dataset import VERSIONS, Manifest, committed_versions, read_manifest
 from pipeline.model.checkpoint import CheckpointMeta, ModelInput, read_meta
 from pipeline.model.runs import (
@@ -130,14 +131,22 @@ def check_model(cfg: TrainConfig, manifest: Manifest, dataset: Location) -> Mode
     )
 
 
-def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
-    """Train (or resume) the run `<runs>/<name>`; return its summary (Ray initialised)."""
+def train(
+    cfg: TrainConfig,
+    *,
+    dataset: Location,
+    runs: Location,
+    tracking: TrainingTracker | None = None,
+) -> dict:
+    """Train (or resume) the run `<runs>/<name>`; return its summary (Ray initialised). With
+    `tracking`, the run is tracked too (pipeline.tracking)."""
     started = time.monotonic()
     run_dir = runs.child(cfg.name)
     latest = latest_checkpoint(run_dir)
     meta = read_meta(latest) if latest is not None else None
+    changes = resume_changes(meta.config, cfg) if meta is not None else []
     if meta is not None:
-        for change in resume_changes(meta.config, cfg):
+        for change in changes:
             log.info("changed since the run's last epoch, applied from here on: %s", change)
         if meta.epoch + 1 >= cfg.epochs:
             log.info(
@@ -145,7 +154,12 @@ def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
                 "train on, or pick a new name= for a new run",
                 *(run_dir.uri, meta.epoch + 1, cfg.epochs),
             )
-            return write_reports(run_dir, wall_time_s=time.monotonic() - started)
+            if tracking is not None:  # logs what an earlier job could not
+                tracking.start(run_dir, cfg, version=meta.dataset_version, changes=changes)
+            summary = write_reports(run_dir, wall_time_s=time.monotonic() - started)
+            if tracking is not None:
+                tracking.finish(run_dir, summary)
+            return summary
     version = pick_dataset_version(cfg, dataset, meta, run=run_dir.uri)
     manifest = check_dataset(cfg, dataset, version)
     if meta is not None:
@@ -159,10 +173,20 @@ def train(cfg: TrainConfig, *, dataset: Location, runs: Location) -> dict:
         log.info("new run %s on dataset version %s", run_dir.uri, version)
         inputs = check_model(cfg, manifest, dataset)
 
+    # Before the workers start: a tracking server that cannot take the run fails the job now.
+    sink = tracking.start(run_dir, cfg, version=version, changes=changes) if tracking else None
     if run_dir.child(RUN_SUMMARY).exists():
         mark_training(run_dir)  # until write_reports: inference must not take it as finished
-    fit(cfg, manifest, inputs, dataset=dataset, runs=runs)
-    return write_reports(run_dir, wall_time_s=time.monotonic() - started)
+    try:
+        fit(cfg, manifest, inputs, dataset=dataset, runs=runs, tracking=sink)
+    except ClusterError as e:
+        if tracking is not None:
+            tracking.fail(run_dir, str(e))
+        raise
+    summary = write_reports(run_dir, wall_time_s=time.monotonic() - started)
+    if tracking is not None:
+        tracking.finish(run_dir, summary)
+    return summary
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -242,7 +266,13 @@ class ElasticWaitLimit(ControllerCallback):
 
 
 def fit(
-    cfg: TrainConfig, manifest: Manifest, inputs: ModelInput, *, dataset: Location, runs: Location
+    cfg: TrainConfig,
+    manifest: Manifest,
+    inputs: ModelInput,
+    *,
+    dataset: Location,
+    runs: Location,
+    tracking: EpochSink | None = None,
 ) -> None:
     from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
@@ -279,6 +309,7 @@ def fit(
             "dataset_version": manifest.version,
             "model_input": inputs,
             "run_dir": runs.child(cfg.name),
+            "tracking": tracking,  # rank 0 logs each epoch there
         },
         scaling_config=ray.train.ScalingConfig(
             # A (min, max) range makes Ray Train elastic: it starts with as many workers as

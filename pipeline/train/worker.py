@@ -28,6 +28,7 @@ from pipeline.core import faults
 from pipeline.core.config import TrainConfig, validate_config
 from pipeline.core.logs import quiet_train_reports, setup_logging
 from pipeline.core.storage import Location
+from pipeline.core.tracking import EpochSink
 from pipeline.data.dataset import Manifest, read_manifest
 from pipeline.model.checkpoint import (
     EMA,
@@ -287,6 +288,7 @@ class Worker:
     start_epoch: int = 0
     history: list[dict] = field(default_factory=list)
     ema_weights: dict | None = None  # the resumed checkpoint's EMA weights, if it has them
+    tracking: EpochSink | None = None  # where rank 0 logs each epoch, if the run is tracked
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -305,6 +307,7 @@ def train_loop_per_worker(config: dict) -> None:
     policy = DevicePolicy.for_input(device, pick_precision(cfg.precision, device), inputs)
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     w = Worker(cfg, dataset, config["run_dir"], manifest, inputs, rank, world)
+    w.tracking = config.get("tracking")
     if rank == 0:
         log.info(
             "%d workers on %s, precision %s (precision=%s), %d images per worker batch",
@@ -547,4 +550,8 @@ def save_and_report(
             checkpoint_upload_fn=faults.checkpoint_upload_fn(),
         )
     log.info("checkpoint saved: %s", w.run_dir.child(name).uri)
+    if w.tracking is not None:
+        # Once the checkpoint is reported: with it, every epoch up to this one (those an outage
+        # or a restart left out too), never one twice.
+        w.tracking.log_epochs(w.history)
     faults.point(faults.CHECKPOINT_REPORTED)

@@ -1,0 +1,173 @@
+"""The best checkpoint of a training run as an MLflow model, registered under a name; and back:
+a registered model version (`models:/<name>/<version>`) to a checkpoint a job can load.
+
+The model is the checkpoint directory less its optimizer state (train_state.pt): the weights,
+the EMA's if any, and metadata.json, which says how to rebuild and feed the model. One logged
+model and one model version per best checkpoint of a run: a finished run submitted again finds
+them and adds none; a run trained on to more epochs adds a version if its best checkpoint
+changed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import tempfile
+from pathlib import Path
+
+from mlflow.entities import LoggedModelStatus
+from mlflow.exceptions import MlflowException
+
+from pipeline.core.errors import ClusterError, ConfigError, InputError
+from pipeline.core.storage import Location
+from pipeline.model.checkpoint import SCORE, TRAIN_STATE, CheckpointMeta, read_meta, served_weights
+from pipeline.tracking.client import (
+    CHECKPOINT,
+    CODE_VERSION,
+    DATASET,
+    DATASET_FINGERPRINT,
+    DATASET_VERSION,
+    HTTP_SETTINGS,
+    MODEL_SPEC,
+    Connection,
+    brief,
+    unreachable,
+)
+
+log = logging.getLogger(__name__)
+
+EPOCH, WEIGHTS_SERVED, ACCURACY = "ray_cv.epoch", "ray_cv.weights", f"ray_cv.{SCORE}"
+
+
+def model_spec(meta: CheckpointMeta) -> str:
+    """The checkpoint's model spec (a name, or the fields that build the network) as JSON."""
+    spec = meta.model_dump(mode="json")["model"]
+    return spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True)
+
+
+def model_tags(checkpoint: Location, meta: CheckpointMeta, run_tags: dict[str, str]) -> dict:
+    """What a model version says of where it came from: data, model, code and checkpoint."""
+    return {
+        DATASET: run_tags.get(DATASET, ""),
+        DATASET_VERSION: meta.dataset_version,
+        DATASET_FINGERPRINT: meta.dataset_fingerprint,
+        MODEL_SPEC: model_spec(meta),
+        CODE_VERSION: run_tags.get(CODE_VERSION, ""),
+        CHECKPOINT: checkpoint.uri,
+        EPOCH: str(meta.epoch),
+        ACCURACY: str(meta.metrics.get(SCORE)),
+        WEIGHTS_SERVED: served_weights(meta),
+    }
+
+
+def log_best_model(
+    conn: Connection, run_id: str, checkpoint: Location, registered_model: str | None
+) -> None:
+    """Log `checkpoint` as a model of run `run_id` and register it as a version of
+    `registered_model` (unless None); each only if not done already."""
+    client = conn.client
+    meta = read_meta(checkpoint)
+    tags = model_tags(checkpoint, meta, client.get_run(run_id).data.tags)
+    model = find_logged_model(conn, run_id, tags)
+    if model is None:
+        model = client.create_logged_model(
+            conn.experiment_id,
+            name=posixpath.basename(posixpath.dirname(checkpoint.path)) or "model",
+            source_run_id=run_id,
+            tags=tags,
+            params={"epoch": str(meta.epoch), "classes": json.dumps(meta.classes)},
+        )
+        with tempfile.TemporaryDirectory(prefix="ray-cv-model-") as d:
+            for f in checkpoint.list_files():
+                name = posixpath.relpath(f.path, checkpoint.path)
+                if name != TRAIN_STATE:  # the optimizer's state: for resuming, not for use
+                    (Path(d) / name).parent.mkdir(parents=True, exist_ok=True)
+                    (Path(d) / name).write_bytes(checkpoint.child(name).read_bytes())
+            client.log_model_artifacts(model.model_id, d)
+        client.finalize_logged_model(model.model_id, "READY")
+        log.info("logged checkpoint %s as MLflow model %s", checkpoint.uri, model.model_id)
+    if registered_model is None:
+        return
+    query = f"name = '{registered_model}' and run_id = '{run_id}'"
+    source = f"models:/{model.model_id}"
+    versions = [v for v in client.search_model_versions(query) if v.source == source]
+    if versions:
+        log.info("%s version %s is this checkpoint already", registered_model, versions[0].version)
+        return
+    try:
+        client.create_registered_model(registered_model)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(
+        registered_model,
+        source=source,
+        run_id=run_id,
+        tags=tags,
+        model_id=model.model_id,
+    )
+    log.info(
+        "registered checkpoint %s as models:/%s/%s",
+        checkpoint.uri,
+        registered_model,
+        version.version,
+    )
+
+
+def find_logged_model(conn: Connection, run_id: str, tags: dict):
+    """The run's finished logged model of this checkpoint, if there is one."""
+    query = f"source_run_id = '{run_id}'"
+    for model in conn.client.search_logged_models([conn.experiment_id], filter_string=query):
+        same = all(model.tags.get(k) == tags[k] for k in (CHECKPOINT, EPOCH, ACCURACY))
+        if same and model.status == LoggedModelStatus.READY:
+            return model
+    return None
+
+
+def registered_checkpoint(
+    model_uri: str, *, uri: str | None, dst: str | Path | None = None
+) -> Location:
+    """A registered model version's checkpoint, copied from the server into `dst` (default: a
+    new temporary directory); load it as any checkpoint (pipeline.model)."""
+    if not model_uri.startswith("models:/"):
+        raise ConfigError(
+            f"{model_uri!r} is not a registered model: give models:/<name>/<version> or "
+            "models:/<name>@<alias>"
+        )
+    if not uri:
+        raise ConfigError(
+            f"{model_uri}: no tracking server to read it from: set MLFLOW_TRACKING_URI (or "
+            "tracking.uri) to the MLflow server that holds the registry"
+        )
+    import mlflow.artifacts
+    from mlflow import MlflowClient
+
+    for name, value in HTTP_SETTINGS.items():
+        os.environ.setdefault(name, value)
+    dst = str(dst or tempfile.mkdtemp(prefix="ray-cv-registered-"))
+    name, at, alias = model_uri.removeprefix("models:/").partition("@")
+    if not at:
+        name, _, version = name.rpartition("/")
+    try:
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        if at:
+            version = client.get_model_version_by_alias(name, alias).version
+        source = client.get_model_version_download_uri(name, version)
+        path = mlflow.artifacts.download_artifacts(
+            artifact_uri=source, dst_path=dst, tracking_uri=uri
+        )
+    except (MlflowException, OSError) as e:
+        if unreachable(e):
+            raise ClusterError(
+                f"the tracking server {uri} does not answer ({brief(e)}), so {model_uri} "
+                "cannot be read: start it, or fix MLFLOW_TRACKING_URI"
+            ) from None
+        raise InputError(
+            f"{model_uri} is no registered model version at {uri} ({brief(e)}): check the name "
+            "and version in the registry (mlflow models or the UI's Models page)"
+        ) from None
+    checkpoint = Location.parse(path)
+    read_meta(checkpoint)  # a checkpoint of this bundle's, or an InputError that says it is not
+    return checkpoint

@@ -1,0 +1,199 @@
+"""Tracking in MLflow without a cluster, against a real MLflow server: on only with a URI and
+free when off, a server that cannot be used failing the job at its start, the run record written
+once, each epoch logged once whatever restarts, and a registered version back to its checkpoint.
+(The jobs tracked on a cluster: test_train_jobs, test_s3, test_tracking_jobs.)"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import checkpoint_meta, metric_steps
+
+from harness.cluster import BUNDLE_ROOT, free_port
+from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.errors import ClusterError, ConfigError, InputError
+from pipeline.core.storage import Location
+from pipeline.model.checkpoint import METADATA, TRAIN_STATE, WEIGHTS, save_checkpoint
+from pipeline.tracking import registered_checkpoint, tracking_uri, training_tracker
+from pipeline.tracking.client import RUN_RECORD, connect, write_once
+from pipeline.tracking.registry import log_best_model, model_spec
+
+
+def train_config(tmp_path, *overrides) -> TrainConfig:
+    args = [f"dataset={tmp_path}/dataset", f"storage_path={tmp_path}/runs", *overrides]
+    return load_config(TrainConfig, None, args)
+
+
+def test_off_without_a_uri_and_then_mlflow_is_never_imported(tmp_path):
+    # The clients (the chain, the job entrypoints' imports) never load mlflow; a job without a
+    # URI neither, through opening its tracker.
+    code = (
+        "import sys, jobs.submit, jobs.train, jobs.preprocess, jobs.infer, pipeline.tracking\n"
+        "from pipeline.core.config import TrainConfig, load_config\n"
+        f"cfg = load_config(TrainConfig, None, ['dataset=/d', 'storage_path={tmp_path}'])\n"
+        "assert pipeline.tracking.training_tracker(cfg) is None\n"
+        "print([m for m in sys.modules if m.split('.')[0] == 'mlflow'])"
+    )
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no MLFLOW_TRACKING_URI
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=BUNDLE_ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_the_uri_is_the_configs_else_the_environments(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking_uri(train_config(tmp_path).tracking) is None
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
+    assert tracking_uri(train_config(tmp_path).tracking) == "http://env:5000"
+    cfg = train_config(tmp_path, "tracking.uri=http://config:5000")
+    assert tracking_uri(cfg.tracking) == "http://config:5000"
+
+
+def test_a_server_that_does_not_answer_fails_the_job_at_once_with_exit_3(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match=rf"^the tracking server {uri} does not answer \("):
+        training_tracker(train_config(tmp_path, f"tracking.uri={uri}"))
+    assert time.monotonic() - started < 30  # a few short retries, not MLflow's minutes
+
+
+def test_a_uri_mlflow_cannot_use_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"^the tracking URI nonsense://x is not an MLflow"):
+        training_tracker(train_config(tmp_path, "tracking.uri=nonsense://x"))
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_run_record_is_written_once(where, tmp_path, s3_server):
+    if where == "s3":
+        with s3_server.client_env():
+            s3_server.create_bucket("tracking-record")
+            file = Location.parse(f"s3://tracking-record/runs/r/{RUN_RECORD}")
+            first, second = write_once(file, b"first"), write_once(file, b"second")
+            stored = file.read_bytes()
+    else:
+        file = Location.parse(str(tmp_path / "runs" / "r" / RUN_RECORD))
+        first, second = write_once(file, b"first"), write_once(file, b"second")
+        stored = file.read_bytes()
+        assert [p.name for p in file_dir(tmp_path)] == [RUN_RECORD]  # no temporary file left
+    assert first == second == stored == b"first"
+
+
+def file_dir(tmp_path):
+    return sorted((tmp_path / "runs" / "r").iterdir())
+
+
+def history_of(epochs: int) -> list[dict]:
+    return [
+        {
+            "epoch": e,
+            "train_loss": 1.0 / (e + 1),
+            "val_accuracy": 0.1 * e,
+            "workers": 2,
+            "dataset_version": "v1",
+        }
+        for e in range(epochs)
+    ]
+
+
+def test_one_mlflow_run_per_training_run_and_each_epoch_once(tmp_path, mlflow_server):
+    cfg = train_config(tmp_path, f"tracking.uri={mlflow_server.uri}", "name=once", "epochs=3")
+    run_dir = Location.parse(f"{tmp_path}/runs/once")
+    sink = training_tracker(cfg).start(run_dir, cfg, version="v1", changes=[])
+    run_id = json.loads((tmp_path / "runs" / "once" / RUN_RECORD).read_text())["run_id"]
+    history = history_of(3)
+    sink.log_epochs(history[:1])
+    sink.log_epochs(history[:2])
+    # A restarted rank 0 (a new copy of the sink, as Ray sends it) with the checkpoint's history:
+    # the server's epochs are not logged again.
+    # Epoch 1 trained again (its checkpoint lost before Ray recorded it) is not logged again:
+    # the values logged first stay.
+    restarted = pickle.loads(pickle.dumps(sink))
+    retrained = [history[0], history[1] | {"train_loss": 9.0}]
+    restarted.log_epochs(retrained)
+    restarted.log_epochs(history)
+    # A submission of the same run continues the same MLflow run; a setting it changes is a tag
+    # (the run's params stay those it started with).
+    again = train_config(tmp_path, f"tracking.uri={mlflow_server.uri}", "name=once", "epochs=5")
+    sink = training_tracker(again).start(run_dir, again, version="v1", changes=["epochs: 3 -> 5"])
+    assert sink.run_id == run_id
+    sink.log_epochs(history)
+    steps = metric_steps(mlflow_server, run_id, history)
+    assert steps == {k: [0, 1, 2] for k in ("train_loss", "val_accuracy", "workers")}
+    run = mlflow_server.client().get_run(run_id)
+    assert run.data.params["epochs"] == "3" and run.data.params["name"] == "once"
+    assert run.data.tags["ray_cv.changed.epochs"] == "3 -> 5"
+    assert run.data.tags["ray_cv.run_dir"] == run_dir.uri
+    assert run.data.tags["ray_cv.code_version"].startswith(("git:", "sha256:"))
+    experiment = mlflow_server.client().get_experiment(run.info.experiment_id)
+    named = f"tags.`ray_cv.run_dir` = '{run_dir.uri}'"
+    assert len(mlflow_server.client().search_runs([experiment.experiment_id], named)) == 1
+
+
+def test_a_run_tracked_on_another_server_is_not_split_across_two(tmp_path, mlflow_server):
+    cfg = train_config(tmp_path, f"tracking.uri={mlflow_server.uri}", "name=elsewhere")
+    run_dir = Location.parse(f"{tmp_path}/runs/elsewhere")
+    record = {"tracking_uri": "http://other:5000", "experiment_id": "1", "run_id": "abc"}
+    run_dir.child(RUN_RECORD).write_bytes(json.dumps(record).encode())
+    with pytest.raises(ConfigError, match="is tracked in MLflow run abc at http://other:5000"):
+        training_tracker(cfg).start(run_dir, cfg, version="v1", changes=[])
+
+
+def test_a_deleted_run_or_experiment_is_not_tracked_into(tmp_path, mlflow_server):
+    cfg = train_config(
+        tmp_path, f"tracking.uri={mlflow_server.uri}", "tracking.experiment=gone", "name=gone"
+    )
+    run_dir = Location.parse(f"{tmp_path}/runs/gone")
+    sink = training_tracker(cfg).start(run_dir, cfg, version="v1", changes=[])
+    client = mlflow_server.client()
+    client.delete_run(sink.run_id)
+    record = run_dir.child(RUN_RECORD).uri
+    said = f"MLflow run {sink.run_id}, which {record} names, is gone from {mlflow_server.uri}"
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        training_tracker(cfg).start(run_dir, cfg, version="v1", changes=[])
+    client.delete_experiment(client.get_experiment_by_name("gone").experiment_id)
+    said = f"MLflow experiment 'gone' at {mlflow_server.uri} is deleted"
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        training_tracker(cfg)
+
+
+def small_checkpoint(directory) -> Location:
+    directory.mkdir(parents=True)
+    weights = {"fc.weight": torch.arange(6.0).reshape(3, 2)}
+    save_checkpoint(directory, weights, checkpoint_meta(), {"optimizer": {"step": 1}})
+    return Location.parse(str(directory))
+
+
+def test_a_registered_version_resolves_to_its_checkpoint(tmp_path, mlflow_server):
+    conn = connect(mlflow_server.uri, "registry-test")
+    run_id = conn.client.create_run(conn.experiment_id).info.run_id
+    checkpoint = small_checkpoint(tmp_path / "runs" / "r" / "epoch_0004")
+    log_best_model(conn, run_id, checkpoint, "resolve-test")
+    log_best_model(conn, run_id, checkpoint, "resolve-test")  # a second finish adds nothing
+    (version,) = conn.client.search_model_versions("name = 'resolve-test'")
+    assert version.run_id == run_id
+    assert version.tags["ray_cv.checkpoint"] == checkpoint.uri
+    assert version.tags["ray_cv.dataset_version"] == checkpoint_meta().dataset_version
+    assert version.tags["ray_cv.model"] == model_spec(checkpoint_meta())
+    assert json.loads(version.tags["ray_cv.model"])["name"] == "resnet18"
+    got = registered_checkpoint(
+        f"models:/resolve-test/{version.version}", uri=mlflow_server.uri, dst=tmp_path / "copy"
+    )
+    assert Path(got.path).is_relative_to(tmp_path / "copy")
+    files = sorted(p.name for p in Path(got.path).iterdir())
+    assert files == sorted([METADATA, WEIGHTS]) and TRAIN_STATE not in files
+    assert got.child(WEIGHTS).read_bytes() == checkpoint.child(WEIGHTS).read_bytes()
+    assert got.child(METADATA).read_bytes() == checkpoint.child(METADATA).read_bytes()
+    with pytest.raises(InputError, match=r"^models:/resolve-test/9 is no registered model version"):
+        registered_checkpoint("models:/resolve-test/9", uri=mlflow_server.uri)
+    with pytest.raises(ConfigError, match="is not a registered model: give models:/<name>/"):
+        registered_checkpoint("runs:/abc/model", uri=mlflow_server.uri)
