@@ -53,16 +53,17 @@ class ServeApp:
         args: dict[str, Any] | None = None,
         deployment: dict | None = None,
         http: dict | None = None,
+        env: dict[str, str] | None = None,
     ) -> dict:
-        """configs/serve.yaml for this cluster: `model`, `args`, `deployment` options and
-        `http` options set."""
+        """configs/serve.yaml for this cluster: `model`, `args`, `deployment` options, `http`
+        options and the application's environment variables `env` set."""
         cfg = yaml.safe_load((BUNDLE_ROOT / "configs" / "serve.yaml").read_text())
         cfg["http_options"] |= {**(http or {}), "port": self.port}
         [app] = cfg["applications"]
         assert app["name"] == APP, app["name"]
         app["args"] |= {"model": str(model), **(args or {})}
         # The bundle, in place, as on a cluster whose nodes each hold it at one path.
-        app["runtime_env"] = {"working_dir": f"local://{BUNDLE_ROOT}"}
+        app["runtime_env"] = {"working_dir": f"local://{BUNDLE_ROOT}", "env_vars": env or {}}
         [options] = app["deployments"]
         assert options["name"] == DEPLOYMENT, options["name"]
         for key, value in (deployment or {}).items():

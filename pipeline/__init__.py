@@ -6,8 +6,11 @@ data/    the stored dataset (Parquet shards + manifest), image sources and decod
 train/   the TorchTrainer driver, the worker loop, its two input paths, the optimizer and schedule
 infer/   batch inference on Ray Data: inputs, the predictor, predictions on storage
 model/   the network, its checkpoints, a training run's record, the device-and-precision policy
+tracking/  the runs in MLflow, when a job has a tracking URI; the registered model
+serve/   online inference: the Ray Serve application of configs/serve.yaml
 
-Wings import the core and model/, never each other (infer/ imports no training code). A new
-capability gets a wing of its own beside these (tracking/, serve/); a new architecture goes
-into model/.
+Wings import the core and model/, never each other (infer/ imports no training code), with one
+exception: serve/ reads a registered model version through tracking/'s entry, imported only
+for a `models:/` model. A new capability gets a wing of its own beside these; a new
+architecture goes into model/.
 """

@@ -34,6 +34,8 @@ from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.classifier import Classifier, prepare_image
 from pipeline.model.networks import build_model
 from pipeline.serve.app import build_app
+from pipeline.tracking.client import connect
+from pipeline.tracking.registry import log_best_model
 
 # Small enough for a test to exceed at once, large enough for the test images (a few KiB).
 MAX_REQUEST_BYTES = 100_000
@@ -85,14 +87,27 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def test_the_application_args_are_checked_when_it_is_built(checkpoints, tmp_path):
+@pytest.fixture(scope="module")
+def registered(checkpoints, mlflow_server) -> str:
+    """Checkpoint "b" logged and registered as the train job registers its best checkpoint,
+    version 1 of `serve-test` in `mlflow_server`, with the alias `production`: its URI."""
+    conn = connect(mlflow_server.uri, "serve-test")
+    run_id = conn.client.create_run(conn.experiment_id).info.run_id
+    log_best_model(conn, run_id, Location.parse(str(checkpoints["b"])), "serve-test")
+    conn.client.set_registered_model_alias("serve-test", "production", "1")
+    return "models:/serve-test@production"
+
+
+def test_the_application_args_are_checked_when_it_is_built(
+    checkpoints, registered, mlflow_server, tmp_path
+):
     with pytest.raises(ConfigError, match=r"model: 'runs/x' is relative; use an absolute path"):
         build_app({"model": "runs/x"})
     with pytest.raises(InputError, match=r"model=\S+ does not exist"):
         build_app({"model": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match=r"max_batch_size: Input should be greater than"):
         build_app({"model": str(checkpoints["a"]), "max_batch_size": 0})
-    with pytest.raises(ConfigError, match=r"unknown key \(allowed here: model, top_k"):
+    with pytest.raises(ConfigError, match=r"unknown key \(allowed here: model, tracking_uri, top_k"):
         build_app({"model": str(checkpoints["a"]), "batch_size": 8})
     # `serve run pipeline.serve.app:build_app key=value` passes strings: read as YAML values.
     app = build_app({"model": str(checkpoints["a"]), "max_batch_size": "8", "top_k": "2"})
@@ -101,6 +116,16 @@ def test_the_application_args_are_checked_when_it_is_built(checkpoints, tmp_path
     assert checkpoint == str(checkpoints["a"])
     assert ServeConfig(**config).max_batch_size == 8 and config["top_k"] == 2
     assert deployment.max_ongoing_requests == 32  # 4 batches: the replica queues, not the proxy
+    # A registered model: the alias pinned to its version when built, for every replica.
+    with pytest.raises(ConfigError, match=r"'models:/serve-test' names no version: give"):
+        build_app({"model": "models:/serve-test"})
+    with pytest.raises(ConfigError, match=r"no tracking server to read it from: set MLFLOW_"):
+        build_app({"model": registered})
+    uri = {"tracking_uri": mlflow_server.uri}
+    with pytest.raises(InputError, match=r"^models:/serve-test/9 is no registered model version"):
+        build_app({"model": "models:/serve-test/9", **uri})
+    app = build_app({"model": registered, **uri})
+    assert app._bound_deployment.init_args[0] == "models:/serve-test/1"
 
 
 # --- on the cluster ----------------------------------------------------------------------------
@@ -145,9 +170,10 @@ class TestApp(ServeApp):
 
     __test__ = False
 
-    def deploy(self, model) -> None:
+    def deploy(self, model, env: dict[str, str] | None = None) -> None:
         super().deploy(
             model,
+            env=env,
             args={"max_request_bytes": MAX_REQUEST_BYTES},
             deployment={
                 # Two replicas and a batch job's actor fit in the 2 CPUs.
@@ -291,9 +317,11 @@ def test_load_scales_to_the_max_replicas_and_a_killed_replica_is_replaced(app, i
 
 
 @pytest.mark.slow
-def test_a_new_checkpoint_rolls_out_under_load_without_dropping_a_request(app, checkpoints, images):
+def test_a_registered_version_rolls_out_under_load_without_dropping_a_request(
+    app, checkpoints, registered, mlflow_server, images
+):
     bodies = [f.read_bytes() for f in sorted(images.rglob("*.*"))]
-    # Checkpoint "b", in process: what the new replicas must answer.
+    # Checkpoint "b", registered: what the new replicas must answer, as it does in process.
     b = Classifier(Location.parse(str(checkpoints["b"])), use_gpu=False, precision="fp32")
     expected_b = b.probabilities(
         torch.stack([torch.from_numpy(prepare_image(x, image_size=32)) for x in bodies]).numpy()
@@ -302,11 +330,12 @@ def test_a_new_checkpoint_rolls_out_under_load_without_dropping_a_request(app, c
     with Load(app.url, bodies, concurrency=4, duration_s=600) as load:
         time.sleep(1)
         # A deploy that cannot build leaves the running replicas serving.
-        app.deploy(checkpoints["a"].parent / "missing")
+        tracked = {"MLFLOW_TRACKING_URI": mlflow_server.uri}
+        app.deploy("models:/serve-test/9", env=tracked)
         wait_for(lambda: app.status().get("status") == "DEPLOY_FAILED", "the failed deploy", 180)
-        assert re.search(r"model=\S+/missing does not exist", app.status()["message"])
+        assert "models:/serve-test/9 is no registered model version" in app.status()["message"]
         failed_at = time.monotonic()
-        app.deploy(checkpoints["b"])
+        app.deploy(registered, env=tracked)
         wait_for(lambda: app.status().get("status") == "DEPLOYING", "the rollout's start", 60)
         wait_for(lambda: app.running(2), "the rollout's end", 240)
         rolled_at = time.monotonic()
@@ -320,7 +349,7 @@ def test_a_new_checkpoint_rolls_out_under_load_without_dropping_a_request(app, c
         (a.status, a.error) for a in answers if a.status != 200
     }
     served = [a.json()["checkpoint"] for a in answers]
-    a, b = str(checkpoints["a"]), str(checkpoints["b"])
+    a, b = str(checkpoints["a"]), "models:/serve-test/1"
     print(f"{len(answers)} requests during the rollout: {served.count(a)} by 'a', then 'b'")
     assert served[0] == a and set(served) == {a, b}
     # Every request sent once the rollout was done went to a new replica, and got what

@@ -65,6 +65,25 @@ def _absolute_or_uri(value: str | None) -> str | None:
 
 AbsolutePathOrURI = Annotated[str, AfterValidator(_absolute_or_uri)]
 
+# A model version in MLflow's registry: models:/<name>/<version> or models:/<name>@<alias>.
+REGISTERED_MODEL = "models:/"
+
+
+def _model_source(value: str) -> str:
+    if value.startswith(REGISTERED_MODEL):
+        name, at, alias = value.removeprefix(REGISTERED_MODEL).partition("@")
+        version = alias if at else name.rpartition("/")[2]
+        if not (at or "/" in name) or not name or not version:
+            raise ValueError(
+                f"{value!r} names no version: give models:/<name>/<version> or "
+                "models:/<name>@<alias>"
+            )
+        return value
+    return _absolute_or_uri(value)
+
+
+ModelSource = Annotated[str, AfterValidator(_model_source)]
+
 
 class FolderSourceConfig(_Strict):
     path: AbsolutePathOrURI | None = Field(
@@ -547,9 +566,15 @@ class ServeConfig(_Strict):
     """The online classifier's `args` in a Serve config file (configs/serve.yaml). Replicas,
     autoscaling, CPUs and GPUs are Serve's own deployment options, beside them in that file."""
 
-    model: AbsolutePathOrURI = Field(
-        description="A training run directory (its best checkpoint by val accuracy) or one "
-        "checkpoint directory; resolved once per deploy, so every replica serves one checkpoint."
+    model: ModelSource = Field(
+        description="A training run directory (its best checkpoint by val accuracy), one "
+        "checkpoint directory, or a registered model version (models:/<name>/<version>, "
+        "models:/<name>@<alias>); resolved once per deploy, so every replica serves one "
+        "checkpoint."
+    )
+    tracking_uri: str | None = Field(
+        None,
+        description="MLflow server holding the registered model; null: MLFLOW_TRACKING_URI.",
     )
     top_k: int = Field(5, ge=1, description="Most likely classes in each answer.")
     max_batch_size: int = Field(

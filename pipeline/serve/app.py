@@ -6,13 +6,16 @@
 `POST /` with an image's bytes answers its top-k classes as JSON. Each replica loads the
 checkpoint once; requests that arrive together go through the model as one batch
 (`@serve.batch`). The checkpoint is resolved when the application is built, so every replica,
-including those the autoscaler adds later, serves the same one until the next deploy.
+including those the autoscaler adds later, serves the same one until the next deploy: a run's
+best checkpoint, or a registered model version (an alias pinned to the version it names then),
+which each replica downloads from MLflow for itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 from typing import Any
 
@@ -23,7 +26,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pipeline.core.config import ServeConfig, parse_yaml, validate_config
+from pipeline.core.config import REGISTERED_MODEL, ServeConfig, parse_yaml, validate_config
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
@@ -58,20 +61,31 @@ class ImageClassifier:
     """One replica: the checkpoint's model on this replica's device (a GPU when Ray gave it one),
     classifying the images of concurrent requests in batches."""
 
-    def __init__(self, checkpoint: str, config: dict[str, Any]):
+    def __init__(self, model: str, config: dict[str, Any]):
         self.cfg = validate_config(ServeConfig, config, "the application's args")
         assigned = ray.get_runtime_context().get_assigned_resources()
         use_gpu = bool(ray.get_gpu_ids())
         if not use_gpu:
             use_threads(assigned.get("CPU", 1))
-        self.checkpoint = Location.parse(checkpoint)
-        self.classifier = Classifier(self.checkpoint, use_gpu=use_gpu, precision=self.cfg.precision)
+        # What answers name: the checkpoint, or the registered version as models:/name/version.
+        self.model = model
+        if model.startswith(REGISTERED_MODEL):
+            from pipeline.tracking import registered_checkpoint
+
+            # This replica's own copy, removed with the replica.
+            self.download = tempfile.TemporaryDirectory(prefix="ray-cv-serve-")
+            checkpoint = registered_checkpoint(
+                model, uri=self.cfg.tracking_uri, dst=self.download.name
+            )
+        else:
+            checkpoint = Location.parse(model)
+        self.classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=self.cfg.precision)
         self.meta = self.classifier.meta
         self.classify.set_max_batch_size(self.cfg.max_batch_size)
         self.classify.set_batch_wait_timeout_s(self.cfg.batch_wait_timeout_s)
         log.info(
             "serving %s: %d classes at %d px on %s (%s), batches of up to %d",
-            self.checkpoint.uri,
+            self.model,
             len(self.meta.classes),
             self.meta.image_size,
             "GPU" if use_gpu else f"{assigned.get('CPU', 0):g} CPU",
@@ -93,7 +107,7 @@ class ImageClassifier:
         queued = time.perf_counter()
         probs, batch_started, forward_s, batch_size = await self.classify((pixels, queued))
         answer = {
-            "checkpoint": self.checkpoint.uri,
+            "checkpoint": self.model,
             "top_k": top_classes(probs, self.meta.classes, self.cfg.top_k),
         }
         # Where this request's time went inside the replica, for clients and bench/serve.py.
@@ -132,7 +146,7 @@ class ImageClassifier:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "checkpoint": self.checkpoint.uri,
+            "checkpoint": self.model,
             "classes": self.meta.classes,
             "image_size": self.meta.image_size,
             "precision": self.classifier.precision,
@@ -165,11 +179,19 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     them as strings, read as YAML values, as the jobs read `key=value`)."""
     values = {k: parse_yaml(v) if isinstance(v, str) else v for k, v in args.items()}
     cfg = validate_config(ServeConfig, values, "the application's args")
-    checkpoint = resolve_checkpoint(Location.parse(cfg.model))
+    if cfg.model.startswith(REGISTERED_MODEL):
+        # The registry's metadata now: a version that is missing or not a checkpoint of this
+        # bundle fails the deploy here, and the old replicas serve on.
+        from pipeline.tracking import registered_version
+
+        model, meta = registered_version(cfg.model, uri=cfg.tracking_uri)
+        log.info("%s is %s: %s, %d classes", cfg.model, model, meta.model.name, len(meta.classes))
+    else:
+        model = resolve_checkpoint(Location.parse(cfg.model)).uri
     # Requests past this wait in the proxy, which retries a full replica with a backoff of up to
     # 0.5 s: at 64 clients and twice the batch size, requests/s fell to a fifth of the limit
     # (bench/serve.py). Waiting in the replica's batch queue instead costs nothing; autoscaling
     # still adds replicas by target_ongoing_requests. A deployment option in the config file
     # overrides it.
     deployment = ImageClassifier.options(max_ongoing_requests=4 * cfg.max_batch_size)
-    return deployment.bind(checkpoint.uri, cfg.model_dump(mode="json"))
+    return deployment.bind(model, cfg.model_dump(mode="json"))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pipeline.core.config import InferConfig, PreprocessConfig, TrackingConfig, TrainConfig
     from pipeline.core.storage import Location
+    from pipeline.model.checkpoint import CheckpointMeta
     from pipeline.tracking.outputs import DatasetTracker, PredictionsTracker
     from pipeline.tracking.training import MLflowTraining
 
@@ -74,3 +75,11 @@ def registered_checkpoint(
     from pipeline.tracking.registry import registered_checkpoint
 
     return registered_checkpoint(model_uri, uri=uri or os.environ.get(URI_ENV), dst=dst)
+
+
+def registered_version(model_uri: str, *, uri: str | None = None) -> tuple[str, CheckpointMeta]:
+    """`models:/<name>/<version>` of a registered model version, an alias pinned to the version
+    it names now, and its checkpoint's metadata, read without the weights."""
+    from pipeline.tracking.registry import registered_version
+
+    return registered_version(model_uri, uri=uri or os.environ.get(URI_ENV))

@@ -10,6 +10,7 @@ changed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,14 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.storage import Location
-from pipeline.model.checkpoint import SCORE, TRAIN_STATE, CheckpointMeta, read_meta, served_weights
+from pipeline.model.checkpoint import (
+    METADATA,
+    SCORE,
+    TRAIN_STATE,
+    CheckpointMeta,
+    read_meta,
+    served_weights,
+)
 from pipeline.tracking.client import (
     CHECKPOINT,
     CODE_VERSION,
@@ -126,12 +134,39 @@ def find_logged_model(conn: Connection, run_id: str, tags: dict):
     return None
 
 
+REGISTRY = "models:/"
+
+
+def registered_version(model_uri: str, *, uri: str | None) -> tuple[str, CheckpointMeta]:
+    """`models:/<name>/<version>` for `model_uri` (an alias, `models:/<name>@<alias>`, pinned to
+    the version it names now), and that version's checkpoint metadata, read from the registry
+    without the weights: what a deploy checks before any replica downloads them."""
+    with _registry(model_uri, uri) as (client, name, version):
+        source = client.get_model_version_download_uri(name, version)
+        with tempfile.TemporaryDirectory(prefix="ray-cv-registered-") as d:
+            path = _download(f"{source.rstrip('/')}/{METADATA}", d, uri)
+            meta = read_meta(Location.parse(os.path.dirname(path)))
+    return f"{REGISTRY}{name}/{version}", meta
+
+
 def registered_checkpoint(
     model_uri: str, *, uri: str | None, dst: str | Path | None = None
 ) -> Location:
     """A registered model version's checkpoint, copied from the server into `dst` (default: a
     new temporary directory); load it as any checkpoint (pipeline.model)."""
-    if not model_uri.startswith("models:/"):
+    dst = str(dst or tempfile.mkdtemp(prefix="ray-cv-registered-"))
+    with _registry(model_uri, uri) as (client, name, version):
+        path = _download(client.get_model_version_download_uri(name, version), dst, uri)
+    checkpoint = Location.parse(path)
+    read_meta(checkpoint)  # a checkpoint of this bundle's, or an InputError that says it is not
+    return checkpoint
+
+
+@contextlib.contextmanager
+def _registry(model_uri: str, uri: str | None):
+    """(client, name, version) of `model_uri` on the server `uri`; the registry's errors inside
+    as exit codes: the server not answering is a ClusterError, a version it lacks an InputError."""
+    if not model_uri.startswith(REGISTRY):
         raise ConfigError(
             f"{model_uri!r} is not a registered model: give models:/<name>/<version> or "
             "models:/<name>@<alias>"
@@ -141,23 +176,19 @@ def registered_checkpoint(
             f"{model_uri}: no tracking server to read it from: set MLFLOW_TRACKING_URI (or "
             "tracking.uri) to the MLflow server that holds the registry"
         )
-    import mlflow.artifacts
     from mlflow import MlflowClient
 
     for name, value in HTTP_SETTINGS.items():
         os.environ.setdefault(name, value)
-    dst = str(dst or tempfile.mkdtemp(prefix="ray-cv-registered-"))
-    name, at, alias = model_uri.removeprefix("models:/").partition("@")
+    name, at, alias = model_uri.removeprefix(REGISTRY).partition("@")
+    version = None
     if not at:
         name, _, version = name.rpartition("/")
     try:
         client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         if at:
             version = client.get_model_version_by_alias(name, alias).version
-        source = client.get_model_version_download_uri(name, version)
-        path = mlflow.artifacts.download_artifacts(
-            artifact_uri=source, dst_path=dst, tracking_uri=uri
-        )
+        yield client, name, version
     except (MlflowException, OSError) as e:
         if unreachable(e):
             raise ClusterError(
@@ -168,6 +199,11 @@ def registered_checkpoint(
             f"{model_uri} is no registered model version at {uri} ({brief(e)}): check the name "
             "and version in the registry (mlflow models or the UI's Models page)"
         ) from None
-    checkpoint = Location.parse(path)
-    read_meta(checkpoint)  # a checkpoint of this bundle's, or an InputError that says it is not
-    return checkpoint
+
+
+def _download(artifact_uri: str, dst: str, uri: str) -> str:
+    import mlflow.artifacts
+
+    return mlflow.artifacts.download_artifacts(
+        artifact_uri=artifact_uri, dst_path=dst, tracking_uri=uri
+    )
