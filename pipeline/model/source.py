@@ -1,0 +1,64 @@
+"""Where the model to classify with comes from: what a user names as `model=` (a training run or
+one checkpoint, local or on storage) turned into one checkpoint. Batch inference and serving
+both resolve it here, so a new kind of source is added in one place."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.storage import Location
+from pipeline.model.checkpoint import METADATA
+from pipeline.model.runs import (
+    RUN_SUMMARY,
+    SCORE,
+    SNAPSHOT,
+    best_checkpoint,
+    load_result,
+    training_since,
+)
+
+log = logging.getLogger(__name__)
+
+
+def resolve_checkpoint(model: Location) -> Location:
+    """`model` itself if it is a checkpoint, else the best checkpoint of the run it names."""
+    if model.child(METADATA).exists():
+        return model
+    if model.child(SNAPSHOT).exists():
+        if not model.child(RUN_SUMMARY).exists():
+            # A scheduler that retries inference must not classify with a half-trained model.
+            raise InputError(
+                f"run {model.uri} has not finished training (no {RUN_SUMMARY}): let its train "
+                "job finish (submitting it again resumes it), or pass one checkpoint directory "
+                f"as model={model.uri}/epoch_NNNN"
+            )
+        since = training_since(model)
+        if since is not None:
+            # Retention may delete the best checkpoint of now while the run trains on.
+            raise ConfigError(
+                f"model={model.uri} is a run that a train job has been training again since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(since))}: its best "
+                "checkpoint is not settled yet. Run inference once that job has finished, or "
+                f"pass one checkpoint directory as model={model.uri}/epoch_NNNN"
+            )
+        result = load_result(model)
+        if not result.best_checkpoints:
+            raise InputError(f"run {model.uri} has no checkpoint yet: train it first")
+        best, metrics = best_checkpoint(model, result)
+        log.info(
+            "run %s: best checkpoint %s (epoch %d, %s %.4f)",
+            model.uri,
+            best.uri,
+            metrics["epoch"],
+            SCORE,
+            metrics[SCORE],
+        )
+        return best
+    if not model.exists():
+        raise InputError(f"model={model.uri} does not exist")
+    raise InputError(
+        f"model={model.uri} is neither a training run (no {SNAPSHOT}) nor a checkpoint (no "
+        f"{METADATA}): point it at <storage_path>/<name> of a train job, or one epoch_* in it"
+    )
