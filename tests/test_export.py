@@ -193,6 +193,7 @@ def test_a_failed_parity_check_commits_nothing(trained, monkeypatch):
     # model.onnx made from other weights than the checkpoint's, as a faulty exporter would.
     checkpoint = trained("user")
     output = Location.parse(str(Path(checkpoint.path).parent / "export" / "mismatched"))
+    Path(output.path).parent.mkdir(parents=True, exist_ok=True)
     real = formats.export_onnx
 
     def mismatched(model, example, path, *, opset):
