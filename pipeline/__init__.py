@@ -6,6 +6,7 @@ data/    the stored dataset (Parquet shards + manifest), image sources and decod
 train/   the TorchTrainer driver, the worker loop, its two input paths, the optimizer and schedule
 infer/   batch inference on Ray Data: inputs, the predictor, predictions on storage
 model/   the network, its checkpoints, a training run's record, the device-and-precision policy
+export/  a checkpoint to ONNX and torch.export, checked against PyTorch before it is written
 
 Wings import the core and model/, never each other (infer/ imports no training code). A new
 capability gets a wing of its own beside these (tracking/, serve/); a new architecture goes

@@ -177,6 +177,8 @@ def test_an_export_is_never_replaced_and_a_retried_one_does_nothing(trained, tmp
     files = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     _, summary = exported(checkpoint)  # the same checkpoint and weights: a job retried
     assert summary["already_exported"] and summary["parity"]["images"] > 0
+    # The job's driver finds it before it asks for a task (no Ray in this process).
+    assert exporter.export(export_config(checkpoint))["already_exported"]
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == files
 
     # Another checkpoint into that output: refused, and the export there stays as it was.

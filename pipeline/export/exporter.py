@@ -198,13 +198,10 @@ def export_checkpoint(cfg: ExportConfig, *, checkpoint: Location, output: Locati
             formats.ExportedProgram.name: formats.ExportedProgram(staged / formats.PT2),
         }
         batches = parity.val_batches(root, manifest, images=cfg.images, batch_size=cfg.batch_size)
-        found = parity.compare(model, runtimes, batches, meta.model_input)
+        found = {"dataset": root.uri, "dataset_version": manifest.version, "split": parity.SPLIT}
+        found |= parity.compare(model, runtimes, batches, meta.model_input)
         report = parity.verdict(
-            {"dataset": root.uri, "dataset_version": manifest.version, "split": parity.SPLIT}
-            | found,
-            list(runtimes),
-            tolerance=cfg.tolerance,
-            min_agreement=cfg.min_agreement,
+            found, list(runtimes), tolerance=cfg.tolerance, min_agreement=cfg.min_agreement
         )
         (staged / PARITY).write_text(json.dumps(report, indent=2))
         files = [*sorted(p.name for p in staged.iterdir()), PREPROCESSING]
@@ -246,6 +243,8 @@ def export(cfg: ExportConfig) -> dict:
     checkpoint = resolve_checkpoint(Location.parse(cfg.model))
     output = Location.parse(cfg.output) if cfg.output else default_output(checkpoint)
     meta = read_meta(checkpoint)
+    if check_output(output, checkpoint, served_weights(meta)) is not None:
+        return export_checkpoint(cfg, checkpoint=checkpoint, output=output)  # writes nothing
     parity_dataset(cfg, meta)  # a missing dataset fails here, before any work
     fix = "lower cpus"
     wait_for_capacity({"CPU": cfg.cpus}, cfg.capacity_timeout_s, asked=f"cpus={cfg.cpus}", fix=fix)
