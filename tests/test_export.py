@@ -10,8 +10,10 @@ from __future__ import annotations
 import copy
 import io
 import json
+import posixpath
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +218,24 @@ def test_a_failed_parity_check_commits_nothing(trained, monkeypatch):
     assert "torch.export" not in said
     assert not output.exists()
     assert not [p for p in Path(output.path).parent.iterdir() if p.name.startswith(".")]
+
+
+def test_an_export_to_s3_is_committed_by_its_preprocessing_json(trained, s3_server):
+    checkpoint = trained("user")
+    cfg = export_config(checkpoint)
+    bucket = f"export-{uuid.uuid4().hex[:8]}"
+    with s3_server.client_env():
+        s3_server.create_bucket(bucket)
+        output = Location.parse(f"s3://{bucket}/exports/user")
+        summary = exporter.export_checkpoint(cfg, checkpoint=checkpoint, output=output)
+        names = sorted(posixpath.basename(i.path) for i in output.list_files())
+        assert names == sorted([formats.ONNX, formats.PT2, exporter.PARITY, exporter.PREPROCESSING])
+        assert exporter.committed(output)["checkpoint"] == checkpoint.uri
+        assert summary["parity"]["onnxruntime"]["passed"]
+        # Whole: a retry writes nothing. Stopped before its commit file: exported again.
+        assert exporter.export_checkpoint(cfg, checkpoint=checkpoint, output=output)[
+            "already_exported"
+        ]
+        output.child(exporter.PREPROCESSING).delete()
+        again = exporter.export_checkpoint(cfg, checkpoint=checkpoint, output=output)
+        assert "already_exported" not in again and exporter.committed(output) is not None
