@@ -529,8 +529,7 @@ class ExportConfig(_Strict):
     )
     output: AbsolutePathOrURI | None = Field(
         None,
-        description="Directory to create (it must not exist); default: "
-        "<run>/export/<checkpoint name>.",
+        description="Directory to create, never replaced; default: <run>/export/<checkpoint name>.",
     )
     dataset: AbsolutePathOrURI | None = Field(
         None,
@@ -545,7 +544,11 @@ class ExportConfig(_Strict):
         None, ge=1, description="Val images the parity check compares; null: the whole split."
     )
     opset: int = Field(
-        18, ge=18, description="ONNX opset of model.onnx (the exporter's: 18 or more)."
+        18,
+        ge=18,
+        le=23,
+        description="ONNX opset of model.onnx: from 18 (torch's exporter) to 23 (the bundle's "
+        "ONNX Runtime).",
     )
     tolerance: float = Field(
         1e-4,
