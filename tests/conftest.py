@@ -86,7 +86,7 @@ def hf_dataset(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory) -> Path:
-    """3 classes of generated 32 px images: one step of 8 images an epoch, 6 val images."""
+    """3 classes of generated 32 px images: one step of 8 images an epoch, 3 val images."""
     out = tmp_path_factory.mktemp("small") / "dataset"
     generated_dataset(
         out,
