@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(PY) -m bench.train_throughput --repeat 3
 	$(PY) -m bench.infer_throughput
 	$(PY) -m bench.serve
+	$(PY) -m bench.export
 	$(PY) -m bench.startup --repeat 3
 
 ## What a GPU answers, in one command (bench/README.md): the gpu tests, training images/s per

@@ -3,13 +3,17 @@
     python -m jobs.submit --address http://127.0.0.1:8265 --root s3://bucket/ray-cv all
     python -m jobs.submit --address ... --root ... --set train.epochs=20 train
     python -m jobs.submit --address ... --root ... --recipe finetune all
+    python -m jobs.submit --address ... --root ... export
 
 Every job goes to the cluster with runtime_env.yaml, as `ray job submit` sends it; its log is
 streamed here. Paths come from `--root`: the dataset at <root>/dataset, training runs under
-<root>/runs (the run named by the train config), predictions at <root>/predictions/<run name>.
+<root>/runs (the run named by the train config), predictions at <root>/predictions/<run name>,
+the export of the run's best checkpoint at <root>/runs/<run name>/export/<checkpoint name>.
 `--recipe NAME` layers configs/recipes/NAME.yaml over the train step's config.
+`all` runs preprocess, train and infer; export runs only when named.
 So each step can be retried on its own: preprocessing is a no-op when its dataset is up to date,
-training resumes its run or says it is complete, and inference replaces its output. Run as
+training resumes its run or says it is complete, inference replaces its output, and an export
+already there is left as it is. Run as
 `all`, training and inference read the dataset version the preprocess step left current; a step
 run alone reads the newest (`--set train.dataset_version=...` pins one).
 
@@ -38,13 +42,26 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.core.config import InferConfig, PreprocessConfig, TrainConfig, keys_help, load_config
+from pipeline.core.config import (
+    ExportConfig,
+    InferConfig,
+    PreprocessConfig,
+    TrainConfig,
+    keys_help,
+    load_config,
+)
 from pipeline.core.errors import EXIT_CODES, ConfigError
 from pipeline.core.logs import CURRENT_DATASET_LINE, setup_logging
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
-CONFIGS = {"preprocess": PreprocessConfig, "train": TrainConfig, "infer": InferConfig}
-STEPS = tuple(CONFIGS)
+CONFIGS = {
+    "preprocess": PreprocessConfig,
+    "train": TrainConfig,
+    "infer": InferConfig,
+    "export": ExportConfig,
+}
+# The chain, in order: what `all` runs. An export runs only when named.
+STEPS = ("preprocess", "train", "infer")
 STOPPED_EXIT = 4
 
 
@@ -55,17 +72,17 @@ class Job:
 
 
 def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = "") -> list[Job]:
-    """The three jobs, with their paths under `root` and the `step.key=value` overrides; with
+    """The jobs, with their paths under `root` and the `step.key=value` overrides; with
     `recipe`, the train step's config file, then the recipe's file over it.
 
     Every config is loaded and validated here, so a bad one fails before anything is submitted."""
     root = root.rstrip("/") if "://" in root else str(Path(root).resolve())
-    overrides: dict[str, list[str]] = {step: [] for step in STEPS}
+    overrides: dict[str, list[str]] = {step: [] for step in CONFIGS}
     for item in sets:
         step, dot, rest = item.partition(".")
         if step not in overrides or not dot:
             raise ConfigError(
-                f"--set {item!r}: must start with one of {', '.join(STEPS)}, "
+                f"--set {item!r}: must start with one of {', '.join(CONFIGS)}, "
                 "then the job's key, e.g. train.epochs=20"
             )
         overrides[step].append(rest)
@@ -75,7 +92,7 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
         "train": [f"dataset={dataset}", f"storage_path={runs}", *overrides["train"]],
     }
 
-    files = {step: [_config_file(step, profile)] for step in STEPS}
+    files = {step: [_config_file(step, profile)] for step in CONFIGS}
     if recipe:
         files["train"].append(recipe_file(recipe))
 
@@ -91,6 +108,12 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
         *overrides["infer"],
     ]
     load("infer")
+    args["export"] = [
+        f"model={posixpath.join(runs, name)}",
+        f"dataset={dataset}",
+        *overrides["export"],
+    ]
+    load("export")
     return [
         Job(
             step,
@@ -100,7 +123,7 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
                 *args[step],
             ],
         )
-        for step in STEPS
+        for step in CONFIGS
     ]
 
 
@@ -249,7 +272,7 @@ def _sigterm_as_interrupt():
 
 def steps_help() -> str:
     """The steps in order, and each one's settings for `--set STEP.KEY=VALUE`."""
-    sections = [f"steps, in this order: {', '.join(STEPS)} (or all)"]
+    sections = [f"steps, in this order: {', '.join(STEPS)} (or all); export only when named"]
     for step, cls in CONFIGS.items():
         sections.append(
             f"{step}: python -m jobs.{step}; --set {step}.KEY=VALUE with KEY one of\n"
@@ -290,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="an environment variable for the jobs, over runtime_env.yaml's (repeatable)",
     )
-    parser.add_argument("step", choices=[*STEPS, "all"])
+    parser.add_argument("step", choices=[*CONFIGS, "all"])
     args = parser.parse_args(argv)
     setup_logging()
     logging.getLogger("ray").setLevel(logging.WARNING)  # the SDK's upload and websocket chatter
@@ -304,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CODES[ConfigError]
     version = None
     for job in jobs:
-        if args.step in (job.step, "all"):
+        if args.step == job.step or (args.step == "all" and job.step in STEPS):
             if version is not None:
                 job = pin_dataset(job, version)
             log: list[str] = []

@@ -8,6 +8,7 @@ infer/   batch inference on Ray Data: inputs, the predictor, predictions on stor
 model/   the network, its checkpoints, a training run's record, the device-and-precision policy
 tracking/  the runs in MLflow, when a job has a tracking URI; the registered model
 serve/   online inference: the Ray Serve application of configs/serve.yaml
+export/  a checkpoint to ONNX and torch.export, checked against PyTorch before it is written
 
 Wings import the core and model/, never each other (infer/ imports no training code), with one
 exception: serve/ reads a registered model version through tracking/'s entry, imported only

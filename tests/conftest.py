@@ -87,6 +87,21 @@ def hf_dataset(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> Path:
+    """3 classes of generated 32 px images: one step of 8 images an epoch, 3 val images."""
+    out = tmp_path_factory.mktemp("small") / "dataset"
+    generated_dataset(
+        out,
+        "source.synthetic.num_classes=3",
+        "source.synthetic.images_per_class=6",
+        "source.synthetic.raw_size=40",
+        "image_size=32",
+        "val_fraction=0.3",
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """A preprocessed dataset of generated images: 4 classes, 32 px, several shards of several
     row groups; the val split has an odd number of rows (119), to catch padded evaluation."""

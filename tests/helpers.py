@@ -11,13 +11,17 @@ import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.faults import arm
+from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
 from pipeline.data.sources import render_synthetic
-from pipeline.model.checkpoint import CheckpointMeta
+from pipeline.model.checkpoint import CheckpointMeta, ModelInput
 from pipeline.model.runs import HISTORY_CSV, SNAPSHOT
 
 CLASSES = ("red_circle", "green_square", "blue_triangle")
@@ -250,3 +254,87 @@ def errors_table(section: str) -> list[tuple[str, int, str]]:
         if line.startswith("|") and cells[1].isdigit():
             rows.append((cells[0], int(cells[1]), cells[2].strip("`")))
     return rows
+
+
+# --- each kind of model, trained in this process (test_models, test_export) -------------------
+
+USER_MODEL = "examples.custom_model.tiny_cnn:build"
+# The model.* settings of each architecture the bundle is tested with.
+ARCHITECTURES = {
+    "resnet18": ["model.name=resnet18"],
+    "mobilenet_v3_small": ["model.name=mobilenet_v3_small"],
+    "efficientnet_b0": ["model.name=efficientnet_b0"],
+    "convnext_tiny": ["model.name=convnext_tiny"],
+    # A small ViT, for 16 px squares: the stored 32 px images are resized to them on the device.
+    "vit": ["model.name=timm/test_vit", "model.kwargs.img_size=16", "model.input.image_size=16"],
+    "timm": ["model.name=timm/test_convnext"],
+    "user": [f"model.name={USER_MODEL}", "model.kwargs.width=8"],
+}
+
+
+class OneWorker:
+    """Ray Train's worker API for one worker in this process, as train_loop_per_worker uses
+    it: checkpoints reported go to `run_dir/<name>`, and the model it prepares is kept."""
+
+    def __init__(self, monkeypatch, run_dir: Path):
+        import ray.train
+        import ray.train.torch
+        import torch
+
+        from pipeline.train import worker
+
+        self.run_dir, self.resume_from, self.model = run_dir, None, None
+        context = SimpleNamespace(get_world_rank=lambda: 0, get_world_size=lambda: 1)
+        monkeypatch.setattr(worker, "setup_logging", lambda: None)
+        monkeypatch.setattr(worker, "quiet_train_reports", lambda: None)
+        monkeypatch.setattr(ray.train, "get_context", lambda: context)
+        monkeypatch.setattr(ray.train, "get_checkpoint", lambda: self.resume_from)
+        monkeypatch.setattr(ray.train, "report", self.report)
+        monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cpu"))
+        monkeypatch.setattr(ray.train.torch, "prepare_model", self.prepare)
+
+    def prepare(self, model):
+        self.model = model
+        return model
+
+    def report(self, metrics, *, checkpoint, checkpoint_dir_name, **_):
+        (self.run_dir / checkpoint_dir_name).mkdir(parents=True)
+        for file in Path(checkpoint.path).iterdir():  # moved: as the upload, without a copy
+            file.replace(self.run_dir / checkpoint_dir_name / file.name)
+
+    def run(self, cfg: TrainConfig, inputs: ModelInput, *, resume_from: str | None = None):
+        import ray.train
+
+        from pipeline.train import worker
+
+        self.resume_from = resume_from and ray.train.Checkpoint(str(self.run_dir / resume_from))
+        dataset = Location.parse(cfg.dataset)
+        worker.train_loop_per_worker(
+            {
+                "config": cfg.model_dump(mode="json"),
+                "dataset": dataset,
+                "dataset_version": read_manifest(dataset).version,
+                "model_input": inputs,
+                "run_dir": Location.parse(str(self.run_dir)),
+            }
+        )
+
+
+def small_run_config(dataset: Path, storage: Path, *overrides: str) -> TrainConfig:
+    """A one-worker run on `small_dataset`: one step of 8 images an epoch, plain SGD."""
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"dataset={dataset}",
+            f"storage_path={storage}",
+            "global_batch_size=8",
+            "scaling.num_workers=1",
+            "scaling.loader_workers=0",
+            # Plain SGD: no optimizer state as large as the model to save and load.
+            "optimizer.momentum=0",
+            "optimizer.lr=0.01",
+            "augment=crop_flip",
+            *overrides,
+        ],
+    )

@@ -25,6 +25,7 @@ from harness.counting import FlakyHandler
 from jobs.submit import plan
 from pipeline.core import storage
 from pipeline.core.config import (
+    ExportConfig,
     FolderSourceConfig,
     PreprocessConfig,
     TrainConfig,
@@ -35,6 +36,8 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import VERSIONS, check_replaceable, read_manifest
 from pipeline.data.preprocess import process_items
 from pipeline.data.sources import FolderSource
+from pipeline.export import formats
+from pipeline.export.exporter import check_output, export, parity_dataset
 from pipeline.infer.batch import resolve_checkpoint
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import Tally, publish, start_version
@@ -170,6 +173,19 @@ def replaced_predictions(tmp_path, _):
     older, newer = start_version(output), start_version(output)
     publish(output, newer, Tally.empty(1), {"checkpoint": "b", "input": "in"}, None)
     publish(output, older, Tally.empty(1), {"checkpoint": "a", "input": "in"}, None)
+
+
+def foreign_export_output(tmp_path, _):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    check_output(Location.parse(str(tmp_path / "out")), Location.parse(str(tmp_path)), "raw")
+
+
+class Branching(torch.nn.Module):
+    """A network with no single graph: which branch runs depends on the input's values."""
+
+    def forward(self, x):
+        return x.flatten(1)[:, :3] if x.mean() > 0 else -x.flatten(1)[:, :3]
 
 
 DROPPED = OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28")
@@ -416,6 +432,39 @@ CASES = [
         1,
         "<path> was replaced while this run was writing",
         replaced_predictions,
+    ),
+    Case(
+        "an export `model=` that holds no checkpoint",
+        1,
+        "model=<path> is neither a training run",
+        lambda t, _: export(load_config(ExportConfig, None, [f"model={t}"])),
+    ),
+    Case(
+        "an export `output=` that holds another checkpoint's export, or other files",
+        1,
+        "output <path> holds",
+        foreign_export_output,
+    ),
+    Case(
+        "an export `dataset=` of another image size than the checkpoint's",
+        1,
+        "dataset <path> stores <n> px images, but the checkpoint was trained on <n> px ones",
+        lambda t, d: parity_dataset(
+            load_config(ExportConfig, None, [f"model={t}", f"dataset={d}"]),
+            checkpoint_meta(image_size=64),
+        ),
+    ),
+    Case(
+        "a network that torch.export cannot export (it branches on its tensors' values)",
+        1,
+        "the network does not export with torch.export",
+        lambda t, _: formats.export_pt2(Branching(), torch.ones(2, 3, 8, 8), t / "m.pt2"),
+    ),
+    Case(
+        "an export that ONNX Runtime or torch.export runs otherwise than PyTorch",
+        1,
+        "parity check failed: <runtime>: ",
+        test="tests/test_export.py::test_a_failed_parity_check_commits_nothing",
     ),
     # The cluster or its storage: exit 3.
     Case(

@@ -37,6 +37,32 @@ def test_plan_derives_every_path_from_the_root():
         "output=s3://b/x/predictions/r1",
         "top_k=3",
     } <= set(jobs["infer"])
+    # The export of the run's best checkpoint goes beside it: <run>/export/<checkpoint name>.
+    assert jobs["export"][:5] == [
+        "python",
+        "-m",
+        "jobs.export",
+        "--config",
+        "configs/demo-export.yaml",
+    ]
+    assert {"model=s3://b/x/runs/r1", "dataset=s3://b/x/dataset"} <= set(jobs["export"])
+    assert not [arg for arg in jobs["export"] if arg.startswith("output=")]
+
+
+def test_all_runs_the_chain_and_export_only_when_named(monkeypatch):
+    submitted = []
+
+    def submit(address, job, env_vars=None, log=None):
+        submitted.append(job.step)
+        return 0
+
+    monkeypatch.setattr("jobs.submit.submit_and_wait", submit)
+    args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
+    assert main([*args, "all"]) == 0
+    assert submitted == ["preprocess", "train", "infer"]
+    submitted.clear()
+    assert main([*args, "export"]) == 0
+    assert submitted == ["export"]
 
 
 def test_a_local_root_becomes_absolute(tmp_path, monkeypatch):
@@ -77,16 +103,16 @@ def test_the_chain_pins_the_dataset_version_its_preprocess_step_committed():
     )
     assert committed_version(log) == "20261123T1-aa"
     assert committed_version("no such line\n") is None
-    _, train, infer = plan("s3://b/x", profile="demo")
+    _, train, infer, _ = plan("s3://b/x", profile="demo")
     assert pin_dataset(train, "v1").entrypoint == [*train.entrypoint, "dataset_version=v1"]
     assert pin_dataset(infer, "v1").entrypoint[-1] == "dataset_version=v1"
     # A version the user set stays.
-    _, asked, _ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
+    _, asked, _, _ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
     assert pin_dataset(asked, "v1") == asked
 
 
 def test_a_recipe_layers_its_file_over_the_train_config(capsys):
-    _, train, infer = plan("s3://b/x", profile="demo", recipe="finetune")
+    _, train, infer, _ = plan("s3://b/x", profile="demo", recipe="finetune")
     assert train.entrypoint[3:7] == [
         "--config",
         "configs/demo-train.yaml",

@@ -7,7 +7,13 @@ import textwrap
 import pytest
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline.core.config import InferConfig, PreprocessConfig, TrainConfig, describe_keys
+from pipeline.core.config import (
+    ExportConfig,
+    InferConfig,
+    PreprocessConfig,
+    TrainConfig,
+    describe_keys,
+)
 
 
 def run(*args: str) -> str:
@@ -19,7 +25,12 @@ def run(*args: str) -> str:
 
 @pytest.mark.parametrize(
     ("job", "cls"),
-    [("preprocess", PreprocessConfig), ("train", TrainConfig), ("infer", InferConfig)],
+    [
+        ("preprocess", PreprocessConfig),
+        ("train", TrainConfig),
+        ("infer", InferConfig),
+        ("export", ExportConfig),
+    ],
 )
 def test_job_help_lists_every_key(job, cls):
     text = run("-m", f"jobs.{job}", "--help")
@@ -35,8 +46,12 @@ def test_job_help_lists_every_key(job, cls):
 
 def test_chain_help_lists_steps_and_their_keys():
     text = run("-m", "jobs.submit", "--help")
-    assert "steps, in this order: preprocess, train, infer (or all)" in text
-    for step, cls in [("preprocess", PreprocessConfig), ("train", TrainConfig)]:
+    assert "steps, in this order: preprocess, train, infer (or all); export only when named" in text
+    for step, cls in [
+        ("preprocess", PreprocessConfig),
+        ("train", TrainConfig),
+        ("export", ExportConfig),
+    ]:
         assert f"--set {step}.KEY=VALUE" in text
         assert all(f"  {key} (" in text for key, *_ in describe_keys(cls))
 
@@ -73,6 +88,15 @@ def test_training_driver_imports_neither_torchvision_nor_torchmetrics():
     # The workers need them; the driver only starts the workers.
     loaded = imported_by("pipeline.train.driver")
     assert not {m for m in loaded if m.startswith(("torchvision", "torchmetrics", "matplotlib"))}
+
+
+def test_the_clients_import_no_onnx():
+    # The chain and the job entrypoints run where the bundle's clients run; only the export
+    # wing, on the cluster, loads the exporter and ONNX Runtime (and only when it exports).
+    loaded = imported_by("jobs.submit") | imported_by("jobs.export")
+    loaded |= imported_by("pipeline.export.exporter")
+    assert "pipeline.export.exporter" in loaded
+    assert not {m for m in loaded if m.startswith(("onnx", "onnxruntime", "onnxscript"))}
 
 
 def test_the_chain_imports_neither_pyarrow_nor_torch_nor_ray_data():

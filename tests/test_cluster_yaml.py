@@ -192,11 +192,13 @@ def test_nodes_install_the_ray_the_client_pins(any_cluster, project):
 
 def test_the_lock_is_compiled_from_exactly_the_runtime_deps(project):
     # Runtime deps plus the hf extra (preprocessing's Hugging Face source), timm (models by
-    # name) and the tracking extra (MLflow's client); never the bundle, never dev tools.
+    # name), tracking (MLflow's client) and export (the export job's exporter and runtime);
+    # never the bundle, never dev tools.
     runtime = [
         *project["dependencies"],
         *project["optional-dependencies"]["hf"],
         *project["optional-dependencies"]["tracking"],
+        *project["optional-dependencies"]["export"],
         *[str(r) for r in requirements_file(ROOT / "requirements/timm.txt")],
     ]
     expected = {key(Requirement(d)) for d in runtime}
@@ -408,6 +410,13 @@ def test_worker_types_can_hold_the_default_infer_config(worker_types):
     # The read and decode stages need CPUs beside the GPU actors: at least one per GPU node.
     gpu_nodes = [t for t in worker_types.values() if t["resources"].get("GPU")]
     assert all(t["resources"]["CPU"] >= 2 for t in gpu_nodes)
+
+
+def test_worker_types_can_hold_the_default_export_config(worker_types):
+    from pipeline.core.config import ExportConfig, load_config
+
+    cfg = load_config(ExportConfig, ROOT / "configs/export.yaml")
+    assert workers_fitting(worker_types, {"CPU": cfg.cpus}) >= 1
 
 
 def test_workers_fitting_counts_what_a_node_holds():

@@ -1,4 +1,5 @@
-"""Inference: the real job on a real local Ray cluster, from a run the train job made."""
+"""Inference: the real job on a real local Ray cluster, from a run the train job made; and the
+export job, from the same run (in-process export tests: test_export)."""
 
 from __future__ import annotations
 
@@ -118,6 +119,31 @@ def test_val_split_predictions_match_the_summary_and_training(
     # The demo config's one actor with both CPUs, decoding its own batches; start-up timed apart.
     assert "1 predictor actors with {'num_cpus': 2} each" in proc.stdout
     assert 0 < summary["first_batch_s"] < summary["seconds"] and summary["steady_images_per_s"] > 0
+
+
+def test_the_export_job_exports_the_checkpoint_and_weights_inference_classifies_with(
+    cluster_2cpu, trained, tiny_dataset, val_predictions
+):
+    args = ["python", "-m", "jobs.export", "--config", "configs/demo-export.yaml"]
+    proc = cluster_2cpu.submit(
+        [*args, f"model={trained}", "images=16"], capture=True, timeout_s=600
+    )
+    assert proc.returncode == 0, proc.stdout
+    inference = json.loads((val_predictions[0] / SUMMARY).read_text())
+    out = trained / "export" / Path(inference["checkpoint"]).name  # beside the run's checkpoints
+    spec = json.loads((out / "preprocessing.json").read_text())
+    # The run keeps an EMA: the export holds the weights inference chose, of its checkpoint.
+    assert (spec["checkpoint"], spec["weights"]) == (inference["checkpoint"], inference["weights"])
+    assert spec["classes"] == inference["classes"]
+    parity = json.loads((out / "parity.json").read_text())
+    assert (parity["images"], parity["dataset"]) == (16, str(tiny_dataset))  # the run's own
+    assert parity["onnxruntime"]["passed"] and parity["torch.export"]["passed"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["model.onnx", "model.pt2", "parity.json", "preprocessing.json"]
+    )
+    # The job's last lines: its summary, as JSON.
+    summary, _ = json.JSONDecoder().raw_decode(proc.stdout, proc.stdout.rindex("\n{") + 1)
+    assert summary["output"] == str(out) and summary["parity"] == parity
 
 
 def test_a_run_that_fails_leaves_the_previous_output_as_it_was(

@@ -9,17 +9,13 @@ from __future__ import annotations
 import hashlib
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import ray
-import ray.train
-import ray.train.torch
 import torch
 import torchvision
-from helpers import generated_dataset
+from helpers import ARCHITECTURES, USER_MODEL, OneWorker, small_run_config
 
 from harness.cluster import BUNDLE_ROOT
 from pipeline.core.config import TrainConfig, load_config
@@ -31,85 +27,11 @@ from pipeline.model.checkpoint import ModelInput, ModelSpec, read_meta
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import architecture, build_model, head_keys
 from pipeline.model.runs import checkpoint_dir_name
-from pipeline.train import driver, worker
+from pipeline.train import driver
 from pipeline.train.torch_input import RowGroupStream
 
 timm = pytest.importorskip("timm")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-
-USER_MODEL = "examples.custom_model.tiny_cnn:build"
-
-
-@pytest.fixture(scope="module")
-def small_dataset(tmp_path_factory) -> Path:
-    """3 classes of generated 32 px images: one step of 8 images an epoch, 6 val images."""
-    out = tmp_path_factory.mktemp("small") / "dataset"
-    generated_dataset(
-        out,
-        "source.synthetic.num_classes=3",
-        "source.synthetic.images_per_class=6",
-        "source.synthetic.raw_size=40",
-        "image_size=32",
-        "val_fraction=0.3",
-    )
-    return out
-
-
-class OneWorker:
-    """Ray Train's worker API for one worker in this process, as train_loop_per_worker uses
-    it: checkpoints reported go to `run_dir/<name>`, and the model it prepares is kept."""
-
-    def __init__(self, monkeypatch, run_dir: Path):
-        self.run_dir, self.resume_from, self.model = run_dir, None, None
-        context = SimpleNamespace(get_world_rank=lambda: 0, get_world_size=lambda: 1)
-        monkeypatch.setattr(worker, "setup_logging", lambda: None)
-        monkeypatch.setattr(worker, "quiet_train_reports", lambda: None)
-        monkeypatch.setattr(ray.train, "get_context", lambda: context)
-        monkeypatch.setattr(ray.train, "get_checkpoint", lambda: self.resume_from)
-        monkeypatch.setattr(ray.train, "report", self.report)
-        monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cpu"))
-        monkeypatch.setattr(ray.train.torch, "prepare_model", self.prepare)
-
-    def prepare(self, model):
-        self.model = model
-        return model
-
-    def report(self, metrics, *, checkpoint, checkpoint_dir_name, **_):
-        (self.run_dir / checkpoint_dir_name).mkdir(parents=True)
-        for file in Path(checkpoint.path).iterdir():  # moved: as the upload, without a copy
-            file.replace(self.run_dir / checkpoint_dir_name / file.name)
-
-    def run(self, cfg: TrainConfig, inputs: ModelInput, *, resume_from: str | None = None):
-        self.resume_from = resume_from and ray.train.Checkpoint(str(self.run_dir / resume_from))
-        dataset = Location.parse(cfg.dataset)
-        worker.train_loop_per_worker(
-            {
-                "config": cfg.model_dump(mode="json"),
-                "dataset": dataset,
-                "dataset_version": read_manifest(dataset).version,
-                "model_input": inputs,
-                "run_dir": Location.parse(str(self.run_dir)),
-            }
-        )
-
-
-def config(dataset: Path, storage: Path, *overrides: str) -> TrainConfig:
-    return load_config(
-        TrainConfig,
-        None,
-        [
-            f"dataset={dataset}",
-            f"storage_path={storage}",
-            "global_batch_size=8",
-            "scaling.num_workers=1",
-            "scaling.loader_workers=0",
-            # Plain SGD: no optimizer state as large as the model to save and load.
-            "optimizer.momentum=0",
-            "optimizer.lr=0.01",
-            "augment=crop_flip",
-            *overrides,
-        ],
-    )
 
 
 def weights_file(name: str, directory: Path) -> Path:
@@ -143,21 +65,9 @@ def val_rows(dataset: Path) -> dict:
     }
 
 
-MODELS = [
-    # model.* settings; whether the run starts from a weights file of that architecture
-    pytest.param(["model.name=resnet18"], True, id="resnet18"),
-    pytest.param(["model.name=mobilenet_v3_small"], True, id="mobilenet_v3_small"),
-    pytest.param(["model.name=efficientnet_b0"], False, id="efficientnet_b0"),
-    pytest.param(["model.name=convnext_tiny"], False, id="convnext_tiny"),
-    # A small ViT, for 16 px squares: the stored 32 px images are resized to them on the device.
-    pytest.param(
-        ["model.name=timm/test_vit", "model.kwargs.img_size=16", "model.input.image_size=16"],
-        False,
-        id="vit",
-    ),
-    pytest.param(["model.name=timm/test_convnext"], True, id="timm"),
-    pytest.param([f"model.name={USER_MODEL}", "model.kwargs.width=8"], False, id="user"),
-]
+# Each architecture's settings; whether the run starts from a weights file of it.
+FROM_FILE = {"resnet18", "mobilenet_v3_small", "timm"}
+MODELS = [pytest.param(s, name in FROM_FILE, id=name) for name, s in ARCHITECTURES.items()]
 
 
 @pytest.mark.parametrize(("settings", "from_file"), MODELS)
@@ -165,11 +75,13 @@ def test_a_model_trains_resumes_and_infers_as_in_memory(
     small_dataset, tmp_path, monkeypatch, settings, from_file
 ):
     storage = tmp_path / "runs"
-    cfg = config(small_dataset, storage, "epochs=1", *settings)
+    cfg = small_run_config(small_dataset, storage, "epochs=1", *settings)
     name, kwargs = cfg.model.name, cfg.model.kwargs
     if from_file:
         path = weights_file(name, tmp_path)
-        cfg = config(small_dataset, storage, "epochs=1", *settings, f"model.weights={path}")
+        cfg = small_run_config(
+            small_dataset, storage, "epochs=1", *settings, f"model.weights={path}"
+        )
         state = safetensors_torch.load_file(str(path)) if path.suffix == ".safetensors" else None
         state = state or torch.load(path, weights_only=True)
         assert_backbone_from(
@@ -192,7 +104,11 @@ def test_a_model_trains_resumes_and_infers_as_in_memory(
     # needs only its checkpoint.
     if from_file:
         path.unlink()
-    run.run(config(small_dataset, storage, "epochs=2", *settings), inputs, resume_from=first.name)
+    run.run(
+        small_run_config(small_dataset, storage, "epochs=2", *settings),
+        inputs,
+        resume_from=first.name,
+    )
     last = Location.parse(str(run.run_dir / checkpoint_dir_name(1)))
     resumed = read_meta(last)
     assert [h["epoch"] for h in resumed.history] == [0, 1] and resumed.history[0] == meta.metrics
@@ -228,7 +144,7 @@ def test_a_vision_transformer_by_name_for_small_images(small_dataset):
     # torchvision's ViT-B/16 (86M parameters: checked, not trained here) for 32 px squares.
     root = Location.parse(str(small_dataset))
     vit = ["model.name=vit_b_16", "model.kwargs.image_size=32"]
-    cfg = config(small_dataset, small_dataset.parent, *vit)
+    cfg = small_run_config(small_dataset, small_dataset.parent, *vit)
     assert driver.check_model(cfg, read_manifest(root), root).image_size == 32
     assert head_keys(architecture("vit_b_16", {"image_size": 32}), 3) == {
         "heads.head.weight",
@@ -274,9 +190,9 @@ def test_timm_weights_by_name_come_from_the_hugging_face_hub(tmp_path, monkeypat
     root = Location.parse(str(small_dataset))
     manifest = read_manifest(root)
     timm_default = ["model.name=timm/test_convnext", "model.weights=DEFAULT"]
-    cfg = config(small_dataset, tmp_path, *timm_default)
+    cfg = small_run_config(small_dataset, tmp_path, *timm_default)
     with pytest.raises(InputError, match=r"stores 32 px .* the 160 px model timm/test_convnext"):
         driver.check_model(cfg, manifest, root)
-    cfg = config(small_dataset, tmp_path, *timm_default, "model.input.image_size=32")
+    cfg = small_run_config(small_dataset, tmp_path, *timm_default, "model.input.image_size=32")
     expected = ModelInput(32, "bicubic", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     assert driver.check_model(cfg, manifest, root) == expected

@@ -4,17 +4,18 @@ an image that could not be read into a skipped one."""
 from __future__ import annotations
 
 import logging
+import uuid
 
 import pyarrow.fs as pafs
 import pytest
 from helpers import make_image_folder
 
-from harness.counting import FlakyHandler
+from harness.counting import CountingHandler, FlakyHandler
 from harness.s3 import S3Server
 from pipeline.core import storage
 from pipeline.core.config import FolderSourceConfig, PreprocessConfig, load_config
 from pipeline.core.errors import ClusterError, InputError
-from pipeline.core.storage import Location, is_transient
+from pipeline.core.storage import Location, is_transient, publish_directory
 from pipeline.data.preprocess import process_items
 from pipeline.data.sources import FolderSource
 
@@ -126,3 +127,48 @@ def test_preprocessing_fails_rather_than_skip_an_image_it_could_not_read(tmp_pat
     (tmp_path / "again" / "src" / items[0].source_id).unlink()
     with pytest.raises(InputError, match=rf"cannot read source image {items[0].source_id}"):
         process_items(cfg, source.classes, items, source)
+
+
+class WriteOrder(CountingHandler):
+    """Every call to `inner`; the paths opened for writing, in order, into `written`."""
+
+    def __init__(self, inner: pafs.FileSystem, counts: str, written: list[str]):
+        super().__init__(inner, counts)
+        self.written = written
+
+    def open_output_stream(self, path, metadata):
+        self.written.append(path)
+        return super().open_output_stream(path, metadata)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_published_directory_is_whole_with_its_commit_file_last(tmp_path, s3_server, where):
+    staged = tmp_path / "staged"
+    (staged / "sub").mkdir(parents=True)
+    files = {"a.bin": b"a" * 100_000, "sub/b.bin": b"b", "commit.json": b"{}"}
+    for name, data in files.items():
+        (staged / name).write_bytes(data)
+    with s3_server.client_env():
+        if where == "local":
+            output = Location.parse(str(tmp_path / "out"))
+        else:
+            bucket = f"publish-{uuid.uuid4().hex[:8]}"
+            s3_server.create_bucket(bucket)
+            output = Location.parse(f"s3://{bucket}/runs/out")
+            written: list[str] = []
+            handler = WriteOrder(output.fs, str(tmp_path / "counts"), written)
+            output = Location(pafs.PyFileSystem(handler), output.path, output.uri)
+        publish_directory(staged, output, last="commit.json")
+        assert {name: output.child(name).read_bytes() for name in files} == files
+        if where == "local":
+            # Copied into a temporary sibling, renamed into place: nothing else is left, and a
+            # second publish finds the output there and leaves it.
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "staged"]
+            (staged / "a.bin").write_bytes(b"new")
+            with pytest.raises(OSError):
+                publish_directory(staged, output, last="commit.json")
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "staged"]
+            assert output.child("a.bin").read_bytes() == files["a.bin"]
+        else:
+            # Put in place one by one, the commit file last: whoever finds it finds the rest.
+            assert written[-1] == output.child("commit.json").path and len(written) == 3

@@ -14,10 +14,12 @@ import logging
 import os
 import posixpath
 import random
+import shutil
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import pyarrow.fs as pafs
@@ -116,6 +118,16 @@ class Location:
         uri = posixpath.join(base, *parts) + (sep + query if sep else "")
         return Location(self.fs, posixpath.join(self.path, *parts), uri)
 
+    @property
+    def parent(self) -> Location:
+        base, sep, query = self.uri.partition("?")
+        uri = posixpath.dirname(base.rstrip("/")) + (sep + query if sep else "")
+        return Location(self.fs, posixpath.dirname(self.path), uri)
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
     def info(self) -> pafs.FileInfo:
         return retry(lambda: self.fs.get_file_info(self.path), f"looking up {self.uri}")
 
@@ -192,3 +204,31 @@ def mark_version(directory: Location) -> None:
 def is_marked(directory: Location) -> bool:
     """Whether the bundle made `directory` (mark_version)."""
     return directory.child(VERSION_MARKER).exists()
+
+
+def publish_directory(staged: Path, output: Location, *, last: str) -> None:
+    """Make the files of the local directory `staged` the new directory `output`, so that a
+    reader finds all of them whole or none. On local disk they are copied into a temporary
+    sibling, which one rename(2) then makes `output`; a rename refuses an `output` that has
+    appeared meanwhile, and the sibling is removed. On object stores, where a move is a copy and
+    a delete (neither atomic nor safe to retry), each file is put straight into place, each PUT
+    atomic, and `last` goes last: a reader that finds `last` finds every other file whole."""
+    files = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
+    assert last in files, (last, files)
+    if isinstance(output.fs, pafs.LocalFileSystem):
+        sibling = output.parent.child(f".{output.name}.tmp-{new_version()}")
+        try:
+            shutil.copytree(staged, sibling.path)
+            os.rename(sibling.path, output.path)  # fails on an output that is no empty directory
+        finally:
+            shutil.rmtree(sibling.path, ignore_errors=True)
+        return
+    local = pafs.LocalFileSystem()
+    for name in [*(f for f in files if f != last), last]:
+        target = output.child(name)
+        retry(
+            lambda f=name, t=target: pafs.copy_files(
+                str(staged / f), t.path, source_filesystem=local, destination_filesystem=t.fs
+            ),
+            f"writing {target.uri}",
+        )
