@@ -166,7 +166,7 @@ class LocalCluster:
         self._config_file = path
         return path
 
-    def add_node(self, num_cpus: int, timeout_s: float = 60) -> Node:
+    def add_node(self, num_cpus: int, timeout_s: float = 120) -> Node:
         """Join one more node (`ray start --address`) with its own processes, temp dir and
         resources; returns once the cluster counts it. `stop` stops it with the head."""
         # A resource of its own, to tell this node from the others in the node list.
@@ -176,9 +176,12 @@ class LocalCluster:
         self.nodes.append(node)
         deadline = time.monotonic() + timeout_s
         while tag not in self.alive_resources():
-            if node.proc.poll() is not None or time.monotonic() > deadline:
+            code = node.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                why = f"exited with {code}" if code is not None else f"not in {timeout_s:.0f}s"
+                tail = node.log_tail()  # before remove() deletes its temp dir
                 node.remove()
-                raise RuntimeError(f"node did not join in {timeout_s:.0f}s:\n{node.log_tail()}")
+                raise RuntimeError(f"node did not join: `ray start` {why}:\n{tail}")
             time.sleep(0.5)
         return node
 

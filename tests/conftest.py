@@ -55,6 +55,23 @@ def pytest_unconfigure(config):
         os._exit(config.stash[EXIT_STATUS])
 
 
+# Modules that share an expensive session fixture, run by one xdist worker as one unit, so that
+# it is made once: `make test`'s `--dist loadscope` otherwise sends modules to workers one by
+# one, and each worker would make its own (main_run trains for minutes).
+SHARED_FIXTURES = {"tests/test_train_jobs.py": "main_run", "tests/test_infer.py": "main_run"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_FIXTURES.get(scope, scope)
+
+    return SharedFixtureScheduling(config, log)
+
+
 @pytest.fixture(scope="module")
 def ray_in_process():
     """An in-process Ray instance for library-level tests; stopped after the module."""
