@@ -61,6 +61,7 @@ def pytest_unconfigure(config):
 SHARED_FIXTURES = {"tests/test_train_jobs.py": "main_run", "tests/test_infer.py": "main_run"}
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: unknown under `-p no:xdist`
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
