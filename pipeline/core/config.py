@@ -69,11 +69,20 @@ AbsolutePathOrURI = Annotated[str, AfterValidator(_absolute_or_uri)]
 REGISTERED_MODEL = "models:/"
 
 
+def registered_model(uri: str) -> tuple[str, str, str]:
+    """(name, version, alias) of models:/<name>/<version> (alias "") or models:/<name>@<alias>
+    (version "")."""
+    name, at, alias = uri.removeprefix(REGISTERED_MODEL).partition("@")
+    if at:
+        return name, "", alias
+    name, _, version = name.rpartition("/")
+    return name, version, ""
+
+
 def _model_source(value: str) -> str:
     if value.startswith(REGISTERED_MODEL):
-        name, at, alias = value.removeprefix(REGISTERED_MODEL).partition("@")
-        version = alias if at else name.rpartition("/")[2]
-        if not (at or "/" in name) or not name or not version:
+        name, version, alias = registered_model(value)
+        if not name or not (version or alias):
             raise ValueError(
                 f"{value!r} names no version: give models:/<name>/<version> or "
                 "models:/<name>@<alias>"

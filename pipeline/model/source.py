@@ -1,6 +1,7 @@
 """Where the model to classify with comes from: what a user names as `model=` (a training run or
-one checkpoint, local or on storage) turned into one checkpoint. Batch inference and serving
-both resolve it here, so a new kind of source is added in one place."""
+one checkpoint, local or on storage) turned into one checkpoint. Batch inference, export and
+serving resolve it here; a registered model version (`models:/`), which only serving takes, is
+read through pipeline.tracking."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from mlflow.entities import LoggedModelStatus
 from mlflow.exceptions import MlflowException
 
+from pipeline.core.config import REGISTERED_MODEL, registered_model
 from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import (
@@ -134,9 +135,6 @@ def find_logged_model(conn: Connection, run_id: str, tags: dict):
     return None
 
 
-REGISTRY = "models:/"
-
-
 def registered_version(model_uri: str, *, uri: str | None) -> tuple[str, CheckpointMeta]:
     """`models:/<name>/<version>` for `model_uri` (an alias, `models:/<name>@<alias>`, pinned to
     the version it names now), and that version's checkpoint metadata, read from the registry
@@ -146,7 +144,7 @@ def registered_version(model_uri: str, *, uri: str | None) -> tuple[str, Checkpo
         with tempfile.TemporaryDirectory(prefix="ray-cv-registered-") as d:
             path = _download(f"{source.rstrip('/')}/{METADATA}", d, uri)
             meta = read_meta(Location.parse(os.path.dirname(path)))
-    return f"{REGISTRY}{name}/{version}", meta
+    return f"{REGISTERED_MODEL}{name}/{version}", meta
 
 
 def registered_checkpoint(
@@ -166,7 +164,7 @@ def registered_checkpoint(
 def _registry(model_uri: str, uri: str | None):
     """(client, name, version) of `model_uri` on the server `uri`; the registry's errors inside
     as exit codes: the server not answering is a ClusterError, a version it lacks an InputError."""
-    if not model_uri.startswith(REGISTRY):
+    if not model_uri.startswith(REGISTERED_MODEL):
         raise ConfigError(
             f"{model_uri!r} is not a registered model: give models:/<name>/<version> or "
             "models:/<name>@<alias>"
@@ -180,13 +178,10 @@ def _registry(model_uri: str, uri: str | None):
 
     for name, value in HTTP_SETTINGS.items():
         os.environ.setdefault(name, value)
-    name, at, alias = model_uri.removeprefix(REGISTRY).partition("@")
-    version = None
-    if not at:
-        name, _, version = name.rpartition("/")
+    name, version, alias = registered_model(model_uri)
     try:
         client = MlflowClient(tracking_uri=uri, registry_uri=uri)
-        if at:
+        if not version:
             version = client.get_model_version_by_alias(name, alias).version
         yield client, name, version
     except (MlflowException, OSError) as e:
