@@ -49,13 +49,14 @@ import torchvision
 
 from bench.common import preprocess_generated, random_checkpoint, write_results
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from pipeline.core.config import TrainConfig, load_config, validate_config
+from pipeline.core.config import load_config, validate_config
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.data.images import decode_image
 from pipeline.infer.batch import Classifier
 from pipeline.infer.predictions import SUMMARY
 from pipeline.model.device import DevicePolicy, pick_precision
+from pipeline.train.config import TrainConfig
 from pipeline.train.optim import build_optimizer
 from pipeline.train.worker import train_data, train_one_epoch
 

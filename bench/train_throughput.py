@@ -27,12 +27,13 @@ import torch
 
 from bench.common import preprocess_generated, submit_timed, write_results
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import build_model
 from pipeline.model.runs import HISTORY_CSV
+from pipeline.train.config import TrainConfig
 from pipeline.train.optim import build_optimizer
 from pipeline.train.worker import train_data, train_one_epoch
 

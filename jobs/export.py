@@ -18,7 +18,7 @@ import logging
 import ray
 
 from jobs.cli import job_main
-from pipeline.core.config import ExportConfig
+from pipeline.export.config import ExportConfig
 
 log = logging.getLogger("jobs.export")
 

@@ -18,9 +18,9 @@ import logging
 import ray
 
 from jobs.cli import job_main
-from pipeline.core.config import InferConfig
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
+from pipeline.infer.config import InferConfig
 
 log = logging.getLogger("jobs.infer")
 

@@ -11,9 +11,9 @@ import logging
 import ray
 
 from jobs.cli import job_main
-from pipeline.core.config import PreprocessConfig
 from pipeline.core.logs import CURRENT_DATASET_LINE
 from pipeline.core.storage import Location
+from pipeline.data.config import PreprocessConfig
 
 log = logging.getLogger("jobs.preprocess")
 

@@ -42,16 +42,13 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.core.config import (
-    ExportConfig,
-    InferConfig,
-    PreprocessConfig,
-    TrainConfig,
-    keys_help,
-    load_config,
-)
+from pipeline.core.config import keys_help, load_config
 from pipeline.core.errors import EXIT_CODES, ConfigError
 from pipeline.core.logs import CURRENT_DATASET_LINE, setup_logging
+from pipeline.data.config import PreprocessConfig
+from pipeline.export.config import ExportConfig
+from pipeline.infer.config import InferConfig
+from pipeline.train.config import TrainConfig
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
 CONFIGS = {

@@ -18,8 +18,8 @@ import logging
 import ray
 
 from jobs.cli import job_main
-from pipeline.core.config import TrainConfig
 from pipeline.core.storage import Location
+from pipeline.train.config import TrainConfig
 
 log = logging.getLogger("jobs.train")
 

@@ -17,12 +17,13 @@ import yaml
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.faults import arm
-from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.data.sources import render_synthetic
 from pipeline.model.checkpoint import CheckpointMeta, ModelInput
 from pipeline.model.runs import HISTORY_CSV, SNAPSHOT
+from pipeline.train.config import TrainConfig
 
 CLASSES = ("red_circle", "green_square", "blue_triangle")
 
@@ -206,8 +207,9 @@ def generated_dataset(out: Path, *overrides: str):
     the manifest."""
     import ray
 
-    from pipeline.core.config import PreprocessConfig, load_config
+    from pipeline.core.config import load_config
     from pipeline.core.storage import Location
+    from pipeline.data.config import PreprocessConfig
     from pipeline.data.preprocess import preprocess
 
     args = [f"output={out}", "source.kind=synthetic", *overrides]

@@ -24,25 +24,22 @@ from harness.cluster import BUNDLE_ROOT, free_port
 from harness.counting import FlakyHandler
 from jobs.submit import plan
 from pipeline.core import storage
-from pipeline.core.config import (
-    ExportConfig,
-    FolderSourceConfig,
-    PreprocessConfig,
-    TrainConfig,
-    load_config,
-)
+from pipeline.core.config import load_config
 from pipeline.core.errors import EXIT_CODES
 from pipeline.core.storage import Location
+from pipeline.data.config import FolderSourceConfig, PreprocessConfig
 from pipeline.data.dataset import VERSIONS, check_replaceable, read_manifest
 from pipeline.data.preprocess import process_items
 from pipeline.data.sources import FolderSource
 from pipeline.export import formats
+from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import check_output, export, parity_dataset
 from pipeline.infer.batch import resolve_checkpoint
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import Tally, publish, start_version
 from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
 from pipeline.tracking import training_tracker
+from pipeline.train.config import TrainConfig
 from pipeline.train.driver import check_dataset, check_model, pick_dataset_version
 
 

@@ -7,13 +7,11 @@ import textwrap
 import pytest
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline.core.config import (
-    ExportConfig,
-    InferConfig,
-    PreprocessConfig,
-    TrainConfig,
-    describe_keys,
-)
+from pipeline.core.config import describe_keys
+from pipeline.data.config import PreprocessConfig
+from pipeline.export.config import ExportConfig
+from pipeline.infer.config import InferConfig
+from pipeline.train.config import TrainConfig
 
 
 def run(*args: str) -> str:
@@ -116,7 +114,7 @@ def test_the_chain_imports_neither_pyarrow_nor_torch_nor_ray_data():
 def test_a_storage_error_ends_a_job_with_an_error_line_and_exit_code(error, code):
     body = f"def body(cfg):\n    raise OSError({error!r})"
     main = "job_main('', InferConfig, 'configs/infer.yaml', body, docs_page='docs/infer.md')"
-    imports = "from jobs.cli import job_main\nfrom pipeline.core.config import InferConfig"
+    imports = "from jobs.cli import job_main\nfrom pipeline.infer.config import InferConfig"
     script = f"{imports}\n{body}\n{main}"
     args = [sys.executable, "-c", script, "model=/m", "input=/i"]
     proc = subprocess.run(args, cwd=BUNDLE_ROOT, capture_output=True, text=True)

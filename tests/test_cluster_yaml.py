@@ -391,7 +391,8 @@ def test_gpu_workers_scale_from_zero_one_gpu_each(worker_types):
 
 
 def test_worker_types_can_hold_the_default_train_config(worker_types, cluster):
-    from pipeline.core.config import TrainConfig, load_config
+    from pipeline.core.config import load_config
+    from pipeline.train.config import TrainConfig
 
     cfg = load_config(TrainConfig, ROOT / "configs/train.yaml").scaling
     demand = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})}
@@ -402,7 +403,8 @@ def test_worker_types_can_hold_the_default_train_config(worker_types, cluster):
 
 
 def test_worker_types_can_hold_the_default_infer_config(worker_types):
-    from pipeline.core.config import InferConfig, load_config
+    from pipeline.core.config import load_config
+    from pipeline.infer.config import InferConfig
 
     cfg = load_config(InferConfig, ROOT / "configs/infer.yaml")
     assert cfg.use_gpu
@@ -413,7 +415,8 @@ def test_worker_types_can_hold_the_default_infer_config(worker_types):
 
 
 def test_worker_types_can_hold_the_default_export_config(worker_types):
-    from pipeline.core.config import ExportConfig, load_config
+    from pipeline.core.config import load_config
+    from pipeline.export.config import ExportConfig
 
     cfg = load_config(ExportConfig, ROOT / "configs/export.yaml")
     assert workers_fitting(worker_types, {"CPU": cfg.cpus}) >= 1

@@ -3,18 +3,11 @@ import re
 import pytest
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline.core.config import (
-    FOOD101_LITE_CLASSES,
-    InferConfig,
-    PreprocessConfig,
-    TrainConfig,
-    describe_keys,
-    dump_config,
-    keys_help,
-    load_config,
-    validate_config,
-)
+from pipeline.core.config import describe_keys, dump_config, keys_help, load_config, validate_config
 from pipeline.core.errors import ConfigError
+from pipeline.data.config import FOOD101_LITE_CLASSES, PreprocessConfig
+from pipeline.infer.config import InferConfig
+from pipeline.train.config import TrainConfig
 
 
 def write(tmp_path, text):

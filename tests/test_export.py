@@ -23,11 +23,12 @@ from helpers import ARCHITECTURES, OneWorker, jpeg_bytes, small_run_config
 from PIL import Image
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline.core.config import ExportConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.export import exporter, formats
+from pipeline.export.config import ExportConfig
 from pipeline.infer.batch import Classifier, prepare_image
 from pipeline.model.checkpoint import read_meta, served_weights
 from pipeline.model.device import DevicePolicy

@@ -23,10 +23,11 @@ from helpers import (
 
 from jobs.infer import main as infer_main
 from pipeline.core import faults
-from pipeline.core.config import InferConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import VERSION_MARKER, Location
 from pipeline.infer.batch import Classifier, resolve_checkpoint
+from pipeline.infer.config import InferConfig
 from pipeline.infer.predictions import (
     CONFUSION_PNG,
     PREDICTIONS,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import checkpoint_meta
 
-from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.infer.batch import log_weights, summarize
@@ -27,6 +27,7 @@ from pipeline.model.checkpoint import (
 )
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import build_model, load_model, unwrap
+from pipeline.train.config import TrainConfig
 
 CLASSES = ["a", "b", "c"]
 

@@ -18,7 +18,7 @@ import torchvision
 from helpers import ARCHITECTURES, USER_MODEL, OneWorker, small_run_config
 
 from harness.cluster import BUNDLE_ROOT
-from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
@@ -28,6 +28,7 @@ from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import architecture, build_model, head_keys
 from pipeline.model.runs import checkpoint_dir_name
 from pipeline.train import driver
+from pipeline.train.config import TrainConfig
 from pipeline.train.torch_input import RowGroupStream
 
 timm = pytest.importorskip("timm")

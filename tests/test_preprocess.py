@@ -12,15 +12,11 @@ import ray
 from helpers import CLASSES, make_image_folder
 from PIL import Image
 
-from pipeline.core.config import (
-    FolderSourceConfig,
-    HuggingFaceSourceConfig,
-    PreprocessConfig,
-    load_config,
-)
+from pipeline.core.config import load_config
 from pipeline.core.errors import InputError
 from pipeline.core.storage import VERSION_MARKER, Location, mark_version
 from pipeline.data import preprocess
+from pipeline.data.config import FolderSourceConfig, HuggingFaceSourceConfig, PreprocessConfig
 from pipeline.data.dataset import DATA, SCHEMA, read_manifest
 from pipeline.data.preprocess import in_flight_limit
 from pipeline.data.sources import (

@@ -26,7 +26,6 @@ from PIL import Image
 
 from harness.load import Client, Load, post
 from harness.serving import ServeApp
-from pipeline.core.config import ServeConfig
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.infer.batch import Predictor
@@ -34,6 +33,7 @@ from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.classifier import Classifier, prepare_image
 from pipeline.model.networks import build_model
 from pipeline.serve.app import build_app
+from pipeline.serve.config import ServeConfig
 from pipeline.tracking.client import connect
 from pipeline.tracking.registry import log_best_model
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from helpers import CLASSES, make_image_folder, png_bytes
 
-from pipeline.core.config import FolderSourceConfig, HuggingFaceSourceConfig, SyntheticSourceConfig
 from pipeline.core.errors import InputError
+from pipeline.data.config import FolderSourceConfig, HuggingFaceSourceConfig, SyntheticSourceConfig
 from pipeline.data.images import decode_image
 from pipeline.data.sources import (
     FolderSource,

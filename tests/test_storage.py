@@ -13,9 +13,10 @@ from helpers import make_image_folder
 from harness.counting import CountingHandler, FlakyHandler
 from harness.s3 import S3Server
 from pipeline.core import storage
-from pipeline.core.config import FolderSourceConfig, PreprocessConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.errors import ClusterError, InputError
 from pipeline.core.storage import Location, is_transient, publish_directory
+from pipeline.data.config import FolderSourceConfig, PreprocessConfig
 from pipeline.data.preprocess import process_items
 from pipeline.data.sources import FolderSource
 

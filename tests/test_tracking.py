@@ -18,13 +18,14 @@ import torch
 from helpers import checkpoint_meta, metric_steps
 
 from harness.cluster import BUNDLE_ROOT, free_port
-from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import METADATA, TRAIN_STATE, WEIGHTS, save_checkpoint
 from pipeline.tracking import registered_checkpoint, tracking_uri, training_tracker
 from pipeline.tracking.client import RUN_RECORD, connect, write_once
 from pipeline.tracking.registry import log_best_model, model_spec
+from pipeline.train.config import TrainConfig
 
 
 def train_config(tmp_path, *overrides) -> TrainConfig:
@@ -37,7 +38,8 @@ def test_off_without_a_uri_and_then_mlflow_is_never_imported(tmp_path):
     # URI neither, through opening its tracker.
     code = (
         "import sys, jobs.submit, jobs.train, jobs.preprocess, jobs.infer, pipeline.tracking\n"
-        "from pipeline.core.config import TrainConfig, load_config\n"
+        "from pipeline.core.config import load_config\n"
+        "from pipeline.train.config import TrainConfig\n"
         f"cfg = load_config(TrainConfig, None, ['dataset=/d', 'storage_path={tmp_path}'])\n"
         "assert pipeline.tracking.training_tracker(cfg) is None\n"
         "print([m for m in sys.modules if m.split('.')[0] == 'mlflow'])"

@@ -17,7 +17,7 @@ from helpers import checkpoint_meta
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
-from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import VERSIONS, read_manifest
@@ -35,6 +35,7 @@ from pipeline.model.runs import (
 )
 from pipeline.train import driver
 from pipeline.train.augment import batch_mix
+from pipeline.train.config import TrainConfig
 from pipeline.train.driver import (
     STARTUP_ATTEMPTS_UNLIMITED,
     check_dataset,

@@ -9,7 +9,7 @@ import datetime
 import pytest
 from helpers import checkpoint_meta
 
-from pipeline.core.config import TrainConfig, load_config
+from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location, is_marked, mark_version, new_version
 from pipeline.data import dataset
@@ -25,6 +25,7 @@ from pipeline.data.dataset import (
     remove_expired,
     write_shard,
 )
+from pipeline.train.config import TrainConfig
 from pipeline.train.driver import pick_dataset_version
 
 BUCKET = "versions-test"

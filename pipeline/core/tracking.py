@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from pipeline.core.config import TrainConfig
     from pipeline.core.storage import Location
+    from pipeline.train.config import TrainConfig
 
 
 class EpochSink(Protocol):

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import ray
 
 from pipeline.core.capacity import wait_for_capacity
-from pipeline.core.config import PreprocessConfig, dump_config, validate_config
+from pipeline.core.config import dump_config, validate_config
 from pipeline.core.errors import ClusterError, InputError
 from pipeline.core.storage import Location, is_transient
+from pipeline.data.config import PreprocessConfig
 from pipeline.data.dataset import (
     DATA,
     SPLITS,

@@ -20,14 +20,14 @@ from typing import Protocol
 import numpy as np
 from PIL import Image, ImageDraw
 
-from pipeline.core.config import (
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
+from pipeline.data.config import (
     FolderSourceConfig,
     HuggingFaceSourceConfig,
     SourceConfig,
     SyntheticSourceConfig,
 )
-from pipeline.core.errors import InputError
-from pipeline.core.storage import Location
 
 log = logging.getLogger(__name__)
 

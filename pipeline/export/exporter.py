@@ -31,11 +31,11 @@ import ray
 import torch
 
 from pipeline.core.capacity import wait_for_capacity
-from pipeline.core.config import ExportConfig
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location, publish_directory
 from pipeline.data.dataset import Manifest, read_manifest
 from pipeline.export import formats, parity
+from pipeline.export.config import ExportConfig
 from pipeline.model.checkpoint import CheckpointMeta, read_meta, served_weights, weights_scores
 from pipeline.model.networks import load_model
 from pipeline.model.source import resolve_checkpoint

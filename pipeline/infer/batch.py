@@ -21,12 +21,12 @@ import ray.data
 import torch
 
 from pipeline.core.capacity import wait_for_capacity
-from pipeline.core.config import InferConfig
 from pipeline.core.errors import InputError
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.plots import plot_confusion
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError, decode_image
+from pipeline.infer.config import InferConfig
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import (
     PREDICTIONS,

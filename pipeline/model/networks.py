@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torchvision
 
-from pipeline.core.config import ModelConfig, is_weights_file
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import (
@@ -29,6 +28,7 @@ from pipeline.model.checkpoint import (
     read_meta,
     served_weights,
 )
+from pipeline.model.config import ModelConfig, is_weights_file
 
 log = logging.getLogger(__name__)
 

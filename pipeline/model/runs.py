@@ -15,16 +15,19 @@ import json
 import logging
 import posixpath
 import time
+from typing import TYPE_CHECKING
 
 import ray.train
 
-from pipeline.core.config import TrainConfig
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_curves
 from pipeline.core.ray_internals import CHECKPOINT_MANAGER_LOGGER
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
 from pipeline.model.checkpoint import SCORE, CheckpointMeta, read_meta
+
+if TYPE_CHECKING:  # only a type here: inference reads runs without the train wing
+    from pipeline.train.config import TrainConfig
 
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 RUN_SUMMARY = "summary.json"

@@ -26,11 +26,12 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pipeline.core.config import REGISTERED_MODEL, ServeConfig, parse_yaml, validate_config
+from pipeline.core.config import REGISTERED_MODEL, parse_yaml, validate_config
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
 from pipeline.model.source import resolve_checkpoint
+from pipeline.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)
 

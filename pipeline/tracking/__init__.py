@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.core.config import InferConfig, PreprocessConfig, TrackingConfig, TrainConfig
+    from pipeline.core.config import TrackingConfig
     from pipeline.core.storage import Location
+    from pipeline.data.config import PreprocessConfig
+    from pipeline.infer.config import InferConfig
     from pipeline.model.checkpoint import CheckpointMeta
     from pipeline.tracking.outputs import DatasetTracker, PredictionsTracker
     from pipeline.tracking.training import MLflowTraining
+    from pipeline.train.config import TrainConfig
 
 URI_ENV = "MLFLOW_TRACKING_URI"
 

@@ -13,8 +13,9 @@ import time
 
 from mlflow.entities import Metric
 
-from pipeline.core.config import InferConfig, PreprocessConfig
 from pipeline.core.storage import Location
+from pipeline.data.config import PreprocessConfig
+from pipeline.infer.config import InferConfig
 from pipeline.model.runs import flatten_config
 from pipeline.tracking.client import (
     CHECKPOINT,

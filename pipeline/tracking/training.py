@@ -22,7 +22,6 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
-from pipeline.core.config import TrainConfig
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import SCORE, read_meta
@@ -48,6 +47,7 @@ from pipeline.tracking.client import (
     start_error,
     write_once,
 )
+from pipeline.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

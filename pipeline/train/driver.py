@@ -17,7 +17,6 @@ import ray
 import ray.train
 import ray.train.torch
 
-from pipeline.core.config import TrainConfig
 from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.logs import RAY_TRAIN_LOG_LEVEL
 from pipeline.core.ray_internals import (
@@ -41,6 +40,7 @@ from pipeline.model.runs import (
     resume_changes,
     write_reports,
 )
+from pipeline.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pipeline.core.config import TrainConfig
+from pipeline.train.config import TrainConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
 from pipeline.core import faults
-from pipeline.core.config import TrainConfig, validate_config
+from pipeline.core.config import validate_config
 from pipeline.core.logs import quiet_train_reports, setup_logging
 from pipeline.core.storage import Location
 from pipeline.core.tracking import EpochSink
@@ -45,6 +45,7 @@ from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model, unwrap
 from pipeline.model.runs import SCORE, check_resumable, checkpoint_dir_name
 from pipeline.train.augment import batch_mix, train_transform
+from pipeline.train.config import TrainConfig
 from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
 from pipeline.train.torch_input import Augment, RowGroupStream
