@@ -7,6 +7,8 @@ cluster: test_s3's chain trains a MobileNet and infers with it."""
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torchvision
-from helpers import ARCHITECTURES, USER_MODEL, OneWorker, small_run_config
+from helpers import ARCHITECTURES, USER_MODEL, OneWorker, checkpoint_meta, small_run_config
 
 from harness.cluster import BUNDLE_ROOT
 from pipeline.core.config import load_config
@@ -23,13 +25,20 @@ from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.infer.batch import Predictor
-from pipeline.model.checkpoint import ModelInput, ModelSpec, read_meta
+from pipeline.model.checkpoint import ModelInput, ModelSpec, read_meta, save_checkpoint
 from pipeline.model.device import DevicePolicy
-from pipeline.model.networks import architecture, build_model, head_keys
+from pipeline.model.networks import (
+    architecture,
+    batchnorm_layers,
+    build_model,
+    head_keys,
+    load_model,
+)
 from pipeline.model.runs import checkpoint_dir_name
 from pipeline.train import driver
 from pipeline.train.config import TrainConfig
 from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.worker import warn_if_at_chance
 
 timm = pytest.importorskip("timm")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -197,3 +206,42 @@ def test_timm_weights_by_name_come_from_the_hugging_face_hub(tmp_path, monkeypat
     cfg = small_run_config(small_dataset, tmp_path, *timm_default, "model.input.image_size=32")
     expected = ModelInput(32, "bicubic", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     assert driver.check_model(cfg, manifest, root) == expected
+
+
+# torchvision's MobileNetV3 (momentum 0.01, eps 0.001), timm's BatchNormAct2d, the user's own.
+BATCHNORM_MODELS = ["mobilenet_v3_small", "timm/test_efficientnet", USER_MODEL]
+
+
+@pytest.mark.parametrize("name", BATCHNORM_MODELS)
+def test_model_bn_momentum_and_eps_reach_every_batchnorm_layer_and_the_checkpoint(name, tmp_path):
+    own = batchnorm_layers(build_model(3, name=name))
+    assert own
+    model = build_model(3, name=name, bn_momentum=0.1, bn_eps=2e-3)
+    layers = batchnorm_layers(model)
+    assert len(layers) == len(own)
+    assert {(layer.momentum, layer.eps) for layer in layers} == {(0.1, 2e-3)}
+    unset = build_model(3, name=name, bn_eps=2e-3)  # momentum: the builder's own
+    assert [layer.momentum for layer in batchnorm_layers(unset)] == [b.momentum for b in own]
+
+    # A checkpoint rebuilds the network with them: eps changes what evaluation computes.
+    spec = ModelSpec(name=name, bn_momentum=0.1, bn_eps=2e-3)
+    save_checkpoint(tmp_path, model.state_dict(), checkpoint_meta(model=spec), {})
+    loaded, meta = load_model(Location.parse(str(tmp_path)))
+    assert meta.model == spec
+    assert {(layer.momentum, layer.eps) for layer in batchnorm_layers(loaded)} == {(0.1, 2e-3)}
+
+
+def test_a_val_loss_stuck_at_chance_while_train_loss_falls_names_batchnorm(caplog):
+    mobilenet = build_model(6, name="mobilenet_v3_small")
+    stuck = {"epoch": 2, "train_loss": 0.9, "val_loss": math.log(6) + 0.004}
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.worker"):
+        warn_if_at_chance(stuck, 6, mobilenet)
+    [record] = caplog.records
+    assert "ln(6 classes)" in record.message and "momentum 0.01" in record.message
+    assert "model.bn_momentum=0.1" in record.message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.worker"):
+        warn_if_at_chance({**stuck, "val_loss": 1.2}, 6, mobilenet)  # learning
+        warn_if_at_chance({**stuck, "train_loss": 1.79}, 6, mobilenet)  # not learning at all
+        warn_if_at_chance(stuck, 6, torch.nn.Linear(3, 6))  # no BatchNorm to blame
+    assert not caplog.records

@@ -309,9 +309,13 @@ def test_a_resume_refuses_what_it_cannot_change(tiny_dataset, tmp_path):
         ("model.name=resnet50", r"model.name: resnet18 -> resnet50 \(the run's weights belong"),
         ("model.kwargs.zero_init_residual=true", r"model.kwargs: {} -> {'zero_init_residual'"),
         ("model.input.image_size=24", r"model.input: {'image_size': None, .*'image_size': 24"),
+        ("model.bn_eps=0.001", r"model.bn_eps: None -> 0.001 \(the run's weights belong"),
     ]:
         with pytest.raises(ConfigError, match=said):
             resume_changes(old, config(tiny_dataset, "/s", change))
+    # ...but for how fast BatchNorm's statistics follow: a run stuck at chance goes on.
+    faster = config(tiny_dataset, "/s", "precision=bf16", "model.bn_momentum=0.1")
+    assert resume_changes(old, faster) == ["model.bn_momentum: None -> 0.1"]
     # A run recorded before the model section trained ResNet-18.
     before = {k: v for k, v in old.items() if k != "model"} | {"pretrained": None}
     assert resume_changes(before, config(tiny_dataset, "/s", "precision=bf16")) == []

@@ -36,12 +36,15 @@ RAW, EMA = "raw", "ema"  # the two sets of weights a checkpoint may hold
 
 class ModelSpec(BaseModel):
     """What rebuilds the network, with a head of as many outputs as the checkpoint's classes:
-    `pipeline.model.networks.build_model(len(classes), name=..., kwargs=...)`."""
+    `pipeline.model.networks.build_model(len(classes), name=..., kwargs=..., bn_momentum=...,
+    bn_eps=...)`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = "resnet18"
     kwargs: dict[str, Any] = {}
+    bn_momentum: float | None = None  # set on every BatchNorm layer; None: the builder's own
+    bn_eps: float | None = None
 
 
 def _spec(value: Any) -> Any:

@@ -70,6 +70,16 @@ class ModelConfig(Strict):
     kwargs: dict[str, Any] = Field(
         {}, description="Keyword arguments to the model's builder, e.g. {image_size: 32} for a ViT."
     )
+    bn_momentum: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Every BatchNorm layer's momentum (the weight of each batch in its running "
+        "statistics; PyTorch's default 0.1); null: the architecture's own (MobileNetV3 0.01).",
+    )
+    bn_eps: float | None = Field(
+        None, gt=0, description="Every BatchNorm layer's epsilon; null: the architecture's own."
+    )
     input: ModelInputConfig = ModelInputConfig()
 
     @model_validator(mode="after")

@@ -244,18 +244,30 @@ def build_model(
     name: str = "resnet18",
     kwargs: dict[str, Any] | None = None,
     weights: str | None = None,
+    bn_momentum: float | None = None,
+    bn_eps: float | None = None,
 ) -> torch.nn.Module:
     """The network `name` with a new head of `num_classes`; its other tensors from `weights`
-    (a name, or a state_dict file local or on storage) where given, else randomly initialised."""
+    (a name, or a state_dict file local or on storage) where given, else randomly initialised.
+    `bn_momentum`, `bn_eps`: set on every BatchNorm layer where given."""
     arch = architecture(name, kwargs)
     if weights is None:
-        return arch.build(num_classes)
-    if is_weights_file(weights):
+        model = arch.build(num_classes)
+    elif is_weights_file(weights):
         model = arch.build(num_classes)
         state = read_state_dict(Location.parse(weights))
         load_backbone(model, state, arch, num_classes, what=f"model.weights {weights}")
-        return model
-    return arch.pretrained(weights, num_classes)
+    else:
+        model = arch.pretrained(weights, num_classes)
+    for layer in batchnorm_layers(model):
+        layer.momentum = layer.momentum if bn_momentum is None else bn_momentum
+        layer.eps = layer.eps if bn_eps is None else bn_eps
+    return model
+
+
+def batchnorm_layers(model: torch.nn.Module) -> list[torch.nn.modules.batchnorm._BatchNorm]:
+    """Every BatchNorm layer of `model`, of any dimension (SyncBatchNorm too), timm's included."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
 
 
 def read_state_dict(loc: Location) -> dict[str, torch.Tensor]:
@@ -485,6 +497,12 @@ def load_model(
     of those it holds (`served_weights`)."""
     meta = read_meta(checkpoint)
     spec = meta.model
-    model = build_model(len(meta.classes), name=spec.name, kwargs=spec.kwargs)
+    model = build_model(
+        len(meta.classes),
+        name=spec.name,
+        kwargs=spec.kwargs,
+        bn_momentum=spec.bn_momentum,
+        bn_eps=spec.bn_eps,
+    )
     model.load_state_dict(load_weights(checkpoint, meta, weights or served_weights(meta)))
     return model.eval(), meta

@@ -139,6 +139,9 @@ FIXED_ON_RESUME = {
 
 # A run goes on with the network it started with, fed as it was: its checkpoint holds them.
 MODEL_FIXED = "the run's weights belong to its network and its input"
+# ...but for how fast its BatchNorm statistics follow the batches: a run stuck at chance by them
+# goes on with another momentum.
+MODEL_CHANGES_ON_RESUME = ("bn_momentum",)
 # What a run recorded before the model section trained: ResNet-18 (its `pretrained` aside).
 RECORDED_BEFORE_MODELS = {"name": "resnet18", "kwargs": {}}
 
@@ -151,12 +154,17 @@ def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     old = flatten_config({k: v for k, v in recorded.items() if k != "model"})
     new = flatten_config(now)
     changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
-    problems = [f"{k}: {a} -> {b} ({FIXED_ON_RESUME[k]})" for k, (a, b) in changed.items()
-                if k in FIXED_ON_RESUME]  # fmt: skip  # a filter that reads as one sentence
+    changed |= {
+        f"model.{k}": (was_model.get(k), now_model[k])
+        for k in MODEL_CHANGES_ON_RESUME
+        if was_model.get(k) != now_model.get(k)
+    }
+    fixed = {k: ab for k, ab in changed.items() if k in FIXED_ON_RESUME}
+    problems = [f"{k}: {a} -> {b} ({FIXED_ON_RESUME[k]})" for k, (a, b) in fixed.items()]
     problems += [
         f"model.{k}: {was_model[k]} -> {v} ({MODEL_FIXED})"
         for k, v in now_model.items()
-        if k in was_model and was_model[k] != v
+        if k in was_model and was_model[k] != v and k not in MODEL_CHANGES_ON_RESUME
     ]
     a, b = old.get("precision"), new["precision"]
     if a != b and "fp16" in (a, b):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from pipeline.model.checkpoint import (
     save_checkpoint,
 )
 from pipeline.model.device import DevicePolicy, pick_precision
-from pipeline.model.networks import build_model, unwrap
+from pipeline.model.networks import batchnorm_layers, build_model, unwrap
 from pipeline.model.runs import SCORE, check_resumable, checkpoint_dir_name
 from pipeline.train.augment import batch_mix, train_transform
 from pipeline.train.config import TrainConfig
@@ -325,7 +326,14 @@ def train_loop_per_worker(config: dict) -> None:
     # A resumed run's weights come from its checkpoint: no need to fetch the initial ones.
     weights = None if ray.train.get_checkpoint() else cfg.model.weights
     m = cfg.model
-    model = build_model(len(manifest.classes), name=m.name, kwargs=m.kwargs, weights=weights)
+    model = build_model(
+        len(manifest.classes),
+        name=m.name,
+        kwargs=m.kwargs,
+        weights=weights,
+        bn_momentum=m.bn_momentum,
+        bn_eps=m.bn_eps,
+    )
     train_state = restore(w, model)
     model = ray.train.torch.prepare_model(policy.prepare(model))  # to the device, then DDP
     ema = build_ema(w, unwrap(model), train_state)
@@ -410,6 +418,8 @@ def train_loop_per_worker(config: dict) -> None:
             "dataset_version": manifest.version,  # changes only where the run was told to switch
         }
         w.history.append(metrics)
+        if w.rank == 0:
+            warn_if_at_chance(metrics, len(manifest.classes), unwrap(model))
         train_state = {
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -419,6 +429,23 @@ def train_loop_per_worker(config: dict) -> None:
             train_state["ema"] = ema.state_dict()
         ema_weights = ema.module.state_dict() if ema is not None else None
         save_and_report(w, metrics, unwrap(model).state_dict(), train_state, ema_weights)
+
+
+def warn_if_at_chance(metrics: dict, num_classes: int, model: torch.nn.Module) -> None:
+    """A warning when val loss sits at ln(classes), a uniform guess, while train loss falls:
+    how BatchNorm looks when its running statistics, which evaluation uses, have barely moved."""
+    chance, layers = math.log(num_classes), batchnorm_layers(model)
+    at_chance = abs(metrics["val_loss"] - chance) <= 0.02 * chance
+    if not (layers and at_chance and metrics["train_loss"] < 0.9 * chance):
+        return
+    slowest = min(layer.momentum for layer in layers if layer.momentum is not None)
+    log.warning(
+        "epoch %d: val_loss %.4f is ln(%d classes), a uniform guess, while train_loss fell to "
+        "%.4f: the BatchNorm layers' running statistics, which evaluation uses, may still hold "
+        "their initial values (this network updates them with momentum %.3g); for a short run "
+        "from scratch set model.bn_momentum=0.1, PyTorch's default (docs/models.md)",
+        *(metrics["epoch"], metrics["val_loss"], num_classes, metrics["train_loss"], slowest),
+    )
 
 
 def build_ema(w: Worker, model: torch.nn.Module, train_state: dict | None) -> ModelEMA | None:
@@ -527,7 +554,12 @@ def save_and_report(
         *(m["lr"], m["images_per_s"]),
     )
     meta = CheckpointMeta(
-        model=ModelSpec(name=w.cfg.model.name, kwargs=w.cfg.model.kwargs),
+        model=ModelSpec(
+            name=w.cfg.model.name,
+            kwargs=w.cfg.model.kwargs,
+            bn_momentum=w.cfg.model.bn_momentum,
+            bn_eps=w.cfg.model.bn_eps,
+        ),
         epoch=epoch,
         classes=w.manifest.classes,
         image_size=w.manifest.image_size,
