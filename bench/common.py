@@ -1,6 +1,7 @@
 """What the benchmarks share: generated input data, and where results go."""
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -13,13 +14,22 @@ from pipeline.model.checkpoint import CheckpointMeta, save_checkpoint
 from pipeline.model.networks import build_model
 
 
+def command(line: str, *args: str) -> list[str]:
+    """A command line: its fixed words written as one `line`, then `args` (paths, overrides)
+    each kept whole."""
+    return [*shlex.split(line), *args]
+
+
 def preprocess_generated(
     out: Path, *overrides: str, cpus: int = 2, cluster: LocalCluster | None = None
 ) -> None:
     """The demo's generated dataset at `out` (with `overrides`), by the real preprocess job on
     `cluster`, or on a fresh local cluster of `cpus` CPUs."""
-    args = ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-            f"output={out}", *overrides]  # fmt: skip  # a command line
+    args = command(
+        "python -m jobs.preprocess --config configs/demo-preprocess.yaml",
+        f"output={out}",
+        *overrides,
+    )
     if cluster is None:
         with LocalCluster(num_cpus=cpus) as fresh:
             proc = fresh.submit(args, capture=True)
@@ -64,12 +74,16 @@ def submit_timed(
 ) -> dict[str, float]:
     """Submit `args` as a job of the bundle at `tree`, streaming its log: seconds from the
     submission to the first line that holds each milestone's text. Exits if the job fails."""
-    command = cluster.submit_command(args, runtime_env=tree / "runtime_env.yaml")
+    argv = cluster.submit_command(args, runtime_env=tree / "runtime_env.yaml")
     submitted, seen, output = time.monotonic(), {}, []
     proc = subprocess.Popen(
-        command, cwd=tree, env=cluster.env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip  # Popen's options, two lines not seven
+        argv,
+        cwd=tree,
+        env=cluster.env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     for line in proc.stdout:
         output.append(line)
         for key, text in milestones.items():

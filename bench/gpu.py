@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 import torch
 import torchvision
 
-from bench.common import preprocess_generated, random_checkpoint, write_results
+from bench.common import command, preprocess_generated, random_checkpoint, write_results
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from pipeline.core.config import load_config, validate_config
 from pipeline.core.storage import Location
@@ -206,8 +206,9 @@ def training(cluster: LocalCluster, dataset: Path, sizes: Sizes, cuda: bool, tmp
     # RAY_ADDRESS: Ray Train's helper actors find the cluster by it, where others run here too.
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu", "--ray-train", str(spec)],
-        cwd=BUNDLE_ROOT, env={**cluster.env, "RAY_ADDRESS": cluster.gcs_address},
-    )  # fmt: skip  # run's options, two lines not four
+        cwd=BUNDLE_ROOT,
+        env={**cluster.env, "RAY_ADDRESS": cluster.gcs_address},
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the Ray Train run exited {proc.returncode} (its log is above)")
     metrics = json.loads(out.read_text())
@@ -251,12 +252,15 @@ def inference(cluster: LocalCluster, dataset: Path, sizes: Sizes, cuda: bool, tm
     """The infer job over the train split against the model's forward pass on the device."""
     checkpoint = random_checkpoint(dataset, tmp / "checkpoint")
     cpus = os.cpu_count() or 2
-    args = [
-        "python", "-m", "jobs.infer", "--config", "configs/infer.yaml",
-        f"model={checkpoint}", f"input={dataset}", f"output={tmp / 'predictions'}",
-        "split=train", f"batch_size={sizes.batch_size}", "num_actors=1",
-        f"use_gpu={str(cuda).lower()}", *([] if cuda else [f"cpus_per_actor={cpus}"]),
-    ]  # fmt: skip  # a command line
+    args = command(
+        "python -m jobs.infer --config configs/infer.yaml split=train num_actors=1",
+        f"model={checkpoint}",
+        f"input={dataset}",
+        f"output={tmp / 'predictions'}",
+        f"batch_size={sizes.batch_size}",
+        f"use_gpu={str(cuda).lower()}",
+        *([] if cuda else [f"cpus_per_actor={cpus}"]),
+    )
     proc = cluster.submit(args, capture=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the infer job failed:\n{proc.stdout[-3000:]}")
@@ -355,10 +359,11 @@ def gpu_tests(tmp: Path) -> dict:
     xml, log = tmp / "gpu-tests.xml", tmp / "gpu-tests.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:xdist", "-q",
-             f"--junitxml={xml}"],
-            cwd=BUNDLE_ROOT, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip  # run's options, two lines not seven
+            [sys.executable, *command("-m pytest -m gpu -p no:xdist -q"), f"--junitxml={xml}"],
+            cwd=BUNDLE_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     suite = ET.parse(xml).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import write_results
+from bench.common import command, write_results
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 
 BATCH = 64
@@ -36,8 +36,18 @@ def submit(cluster: LocalCluster, args: list[str]) -> None:
 def train(cluster, dataset: Path, runs: Path, name: str, files: list[str], sets: list[str]):
     """One training run; its summary and its history's last row."""
     configs = [arg for f in ["configs/demo-train.yaml", *files] for arg in ("--config", f)]
-    submit(cluster, ["jobs.train", *configs, f"dataset={dataset}", f"storage_path={runs}",
-                     f"name={name}", f"global_batch_size={BATCH}", *sets])  # fmt: skip
+    submit(
+        cluster,
+        [
+            "jobs.train",
+            *configs,
+            f"dataset={dataset}",
+            f"storage_path={runs}",
+            f"name={name}",
+            f"global_batch_size={BATCH}",
+            *sets,
+        ],
+    )
     summary = json.loads((runs / name / "summary.json").read_text())
     with open(runs / name / "history.csv") as f:
         header, *rows = [line.strip().split(",") for line in f]
@@ -61,9 +71,15 @@ def main() -> None:
     dataset, runs = work / "dataset", work / "runs"
     results = {"recipe": recipe, "epochs": args.epochs, "global_batch_size": BATCH, "runs": []}
     with LocalCluster(num_cpus=2) as cluster:
-        submit(cluster, ["jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-                         "source.kind=folder", f"source.folder.path={photos}", "image_size=32",
-                         f"output={dataset}"])  # fmt: skip
+        submit(
+            cluster,
+            command(
+                "jobs.preprocess --config configs/demo-preprocess.yaml"
+                " source.kind=folder image_size=32",
+                f"source.folder.path={photos}",
+                f"output={dataset}",
+            ),
+        )
         for seed in args.seeds:
             common = [f"epochs={args.epochs}", f"seed={seed}"]
             for name, files, sets in [

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import write_results
+from bench.common import command, write_results
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.s3 import S3Server
 
@@ -32,11 +32,13 @@ DONE = re.compile(r"done in (\d+) s; driver peak memory (\d+) MiB")
 
 def preprocess(cluster: LocalCluster, output: str, images: int) -> dict:
     """The preprocess job over `images` generated images into `output`."""
-    args = ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-            f"output={output}", f"source.synthetic.num_classes={CLASSES}",
-            f"source.synthetic.images_per_class={images // CLASSES}",
-            "source.synthetic.raw_size=32", "image_size=32", "shard_size=1000",
-            "row_group_size=128"]  # fmt: skip  # a command line
+    args = command(
+        "python -m jobs.preprocess --config configs/demo-preprocess.yaml"
+        " source.synthetic.raw_size=32 image_size=32 shard_size=1000 row_group_size=128",
+        f"output={output}",
+        f"source.synthetic.num_classes={CLASSES}",
+        f"source.synthetic.images_per_class={images // CLASSES}",
+    )
     proc = cluster.submit(args, capture=True, timeout_s=3600)
     if proc.returncode != 0:
         sys.exit(f"preprocess of {images} images failed:\n{proc.stdout[-3000:]}")
@@ -69,8 +71,12 @@ def ray_data_epoch(cluster: LocalCluster, dataset: str) -> dict:
     would: its images/s and peak memory."""
     out = subprocess.run(
         [sys.executable, "-c", RAY_DATA_EPOCH, dataset, cluster.gcs_address],
-        cwd=BUNDLE_ROOT, env=cluster.env, capture_output=True, text=True, timeout=3600,
-    )  # fmt: skip  # run's options, two lines not five
+        cwd=BUNDLE_ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if out.returncode != 0:
         sys.exit(f"ray_data epoch over {dataset} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

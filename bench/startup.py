@@ -21,7 +21,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.common import preprocess_generated, submit_timed, write_results
+from bench.common import command, preprocess_generated, submit_timed, write_results
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 
 MILESTONES = {
@@ -34,9 +34,13 @@ MILESTONES = {
 
 def measure(tree: Path, dataset: Path, runs: Path, name: str) -> dict:
     """One submission of `tree`'s train job to a fresh cluster; seconds to each milestone."""
-    args = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml",
-            f"dataset={dataset}", f"storage_path={runs}", f"name={name}", "epochs=1",
-            "global_batch_size=32", "scaling.num_workers=2"]  # fmt: skip  # a command line
+    args = command(
+        "python -m jobs.train --config configs/demo-train.yaml"
+        " epochs=1 global_batch_size=32 scaling.num_workers=2",
+        f"dataset={dataset}",
+        f"storage_path={runs}",
+        f"name={name}",
+    )
     with LocalCluster(num_cpus=2) as cluster:
         return submit_timed(cluster, args, MILESTONES, tree=tree)
 

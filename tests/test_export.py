@@ -149,9 +149,11 @@ def test_an_export_gives_what_the_checkpoint_gives(name, trained, small_dataset)
     assert (spec["checkpoint"], spec["weights"]) == (checkpoint.uri, served_weights(meta))
     assert spec["onnx_opset"] == 18 and spec["versions"]["torch"] == torch.__version__.split("+")[0]
     resized = [s for s in spec["steps"] if s["op"] == "resize"]
-    assert resized == ([] if net.image_size == 32 else [
-        {"op": "resize", "size": 16, "interpolation": net.interpolation, "antialias": True}
-    ])  # fmt: skip
+    assert resized == (
+        []
+        if net.image_size == 32
+        else [{"op": "resize", "size": 16, "interpolation": net.interpolation, "antialias": True}]
+    )
 
 
 def test_the_docs_onnx_example_classifies_a_photo_as_the_bundle_does(trained, tmp_path):
