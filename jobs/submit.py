@@ -60,6 +60,11 @@ CONFIGS = {
 # The chain, in order: what `all` runs. An export runs only when named.
 STEPS = ("preprocess", "train", "infer")
 STOPPED_EXIT = 4
+# Lines of Ray's own that the streamed logs leave out. Ray's core worker logs this once per
+# driver that starts a Ray Data actor pool, whose actors take their arguments by reference
+# (ray-project/ray#53727); the driver holds those for the job's life, so nothing is at risk
+# and nothing is for the user to do. `ray job logs` still has them.
+RAY_NOISE = ("has constructor arguments in the object store and max_restarts > 0",)
 
 
 @dataclass(frozen=True)
@@ -249,9 +254,15 @@ def submit_and_wait(
 
 async def _stream_logs(client, submission_id: str, log: list[str]) -> None:
     async for lines in client.tail_job_logs(submission_id):
-        sys.stdout.write(lines)
+        sys.stdout.write(without_noise(lines))
         sys.stdout.flush()
         log.append(lines)
+
+
+def without_noise(text: str) -> str:
+    """`text` less its lines of RAY_NOISE."""
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if not any(noise in line for noise in RAY_NOISE))
 
 
 @contextlib.contextmanager

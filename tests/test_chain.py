@@ -13,6 +13,7 @@ from jobs.submit import (
     plan,
     runtime_env,
     step_command,
+    without_noise,
 )
 from pipeline.core.errors import ConfigError
 
@@ -129,3 +130,14 @@ def test_a_recipe_layers_its_file_over_the_train_config(capsys):
     args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--recipe", "../train"]
     assert main([*args, "all"]) == 2
     assert "finetune, scratch" in capsys.readouterr().err
+
+
+def test_the_streamed_logs_leave_out_rays_noise():
+    noise = (
+        "[2026-11-24 17:00:00,000 E 1 1] core_worker.cc:2465: Actor with class name: "
+        "'MapWorker(MapBatches(Predictor))' and ID: 'ab' has constructor arguments in the "
+        "object store and max_restarts > 0. If the arguments ... for more details.\n"
+    )
+    ours = "2026-11-24 17:00:01,000 INFO jobs.infer: 119 images classified\n"
+    assert without_noise(ours + noise + ours) == ours + ours
+    assert without_noise(ours.rstrip("\n")) == ours.rstrip("\n")  # a chunk ends mid-line
