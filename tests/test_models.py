@@ -241,6 +241,11 @@ def test_a_val_loss_stuck_at_chance_while_train_loss_falls_names_batchnorm(caplo
     assert "model.bn_momentum=0.1" in record.message
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pipeline.train.worker"):
+        warn_if_at_chance(stuck, 6, build_model(6, name="mobilenet_v3_small", bn_momentum=0.1))
+    [record] = caplog.records  # early in a run: statistics that lag fast-changing weights
+    assert "momentum 0.1)" in record.message and "next epochs" in record.message
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.worker"):
         warn_if_at_chance({**stuck, "val_loss": 1.2}, 6, mobilenet)  # learning
         warn_if_at_chance({**stuck, "train_loss": 1.79}, 6, mobilenet)  # not learning at all
         warn_if_at_chance(stuck, 6, torch.nn.Linear(3, 6))  # no BatchNorm to blame

@@ -438,13 +438,19 @@ def warn_if_at_chance(metrics: dict, num_classes: int, model: torch.nn.Module) -
     at_chance = abs(metrics["val_loss"] - chance) <= 0.02 * chance
     if not (layers and at_chance and metrics["train_loss"] < 0.9 * chance):
         return
-    slowest = min(layer.momentum for layer in layers if layer.momentum is not None)
+    slowest = min((layer.momentum for layer in layers if layer.momentum is not None), default=0)
+    fix = (
+        "for a short run from scratch set model.bn_momentum=0.1, PyTorch's default"
+        if slowest < 0.1
+        else "they follow weights that change fast early in a run: see whether the next epochs "
+        "catch up"
+    )
     log.warning(
         "epoch %d: val_loss %.4f is ln(%d classes), a uniform guess, while train_loss fell to "
         "%.4f: the BatchNorm layers' running statistics, which evaluation uses, may still hold "
-        "their initial values (this network updates them with momentum %.3g); for a short run "
-        "from scratch set model.bn_momentum=0.1, PyTorch's default (docs/models.md)",
-        *(metrics["epoch"], metrics["val_loss"], num_classes, metrics["train_loss"], slowest),
+        "their initial values (this network updates them with momentum %.3g); %s "
+        "(docs/models.md)",
+        *(metrics["epoch"], metrics["val_loss"], num_classes, metrics["train_loss"], slowest, fix),
     )
 
 
