@@ -524,7 +524,8 @@ class InferConfig(_Strict):
     split: Literal["train", "val"] = Field("val", description="Dataset split to classify.")
     dataset_version: str | None = Field(
         None,
-        description="The dataset version to read (a name in <input>/versions/); default: newest.",
+        description="The dataset version to read (a name in <input>/versions/); default: the "
+        "one the run was trained on, for its own dataset, else the newest.",
     )
     output: AbsolutePathOrURI | None = Field(
         None,
@@ -616,7 +617,8 @@ class ExportConfig(_Strict):
     )
     dataset_version: str | None = Field(
         None,
-        description="The dataset version to read (a name in <dataset>/versions/); default: newest.",
+        description="The dataset version to read (a name in <dataset>/versions/); default: the "
+        "one the run was trained on, for its own dataset, else the newest.",
     )
     images: int | None = Field(
         None, ge=1, description="Val images the parity check compares; null: the whole split."
