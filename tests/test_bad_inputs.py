@@ -395,7 +395,7 @@ CASES = [
         "inference or export of a run's own dataset, whose version the run trained on is past "
         "retention",
         1,
-        "input=<path> is the dataset the checkpoint was trained on, but no longer holds "
+        "<key>=<path> is the dataset the checkpoint was trained on, but no longer holds "
         "version <v>",
         lambda t, d: trained_version(
             checkpoint_meta(config={"dataset": str(d)}), Location.parse(str(d)), None, key="input"
