@@ -5,8 +5,9 @@ Export the best checkpoint of a training run (or a given checkpoint), with the w
 would classify with, to ONNX (model.onnx) and torch.export (model.pt2), beside
 preprocessing.json (how to feed them as training fed the network: sizes, resize and crop,
 mean and std, classes) into <run>/export/<checkpoint name> or output=. Before anything is
-written, ONNX Runtime and the exported program classify the val split of the dataset against
-PyTorch (parity.json): an export that disagrees is not written. Prints the summary as JSON.
+written, ONNX Runtime and the exported program classify the val split of the dataset (by
+default the checkpoint's own, at the version it was trained on) against PyTorch (parity.json):
+an export that disagrees is not written. Prints the summary as JSON.
 Exit codes: 0 done (or this export was there already), 1 unusable input (run, checkpoint,
 dataset, an output that holds something else, a model that does not export or fails the parity
 check), 2 invalid config, 3 no node with `cpus` CPUs within capacity_timeout_s.

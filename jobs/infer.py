@@ -2,7 +2,8 @@
     -- python -m jobs.infer --config configs/infer.yaml \
        model=s3://bucket/runs/resnet18-lite input=s3://bucket/food101 output=s3://bucket/preds
 
-Classify a preprocessed dataset split or an image folder with the best checkpoint of a training
+Classify a preprocessed dataset split (of the run's own dataset, the version it was trained on,
+unless dataset_version= says) or an image folder with the best checkpoint of a training
 run (or a given checkpoint), on Ray Data; writes the predictions as a new version below output
 and commits it with output/summary.json (accuracy, per-class precision and recall, confusion
 matrix when labels are known, the files that hold the predictions); with a tracking URI, logs

@@ -14,8 +14,10 @@ the export of the run's best checkpoint at <root>/runs/<run name>/export/<checkp
 So each step can be retried on its own: preprocessing is a no-op when its dataset is up to date,
 training resumes its run or says it is complete, inference replaces its output, and an export
 already there is left as it is. Run as
-`all`, training and inference read the dataset version the preprocess step left current; a step
-run alone reads the newest (`--set train.dataset_version=...` pins one).
+`all`, training reads the dataset version the preprocess step left current; run alone, the
+newest (`--set train.dataset_version=...` pins one). Inference and export of the run's own
+dataset read the version the run was trained on, however they are run; inference of other
+images (`--set infer.input=s3://.../photos`) reads them as they are.
 
 Only a job that SUCCEEDED counts: `ray job submit` itself exits 0 for a job that was stopped.
 Exit codes: 0 every step succeeded; the failed job's own exit code (1 unusable input, 2 invalid
@@ -195,7 +197,7 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 
 def pin_dataset(job: Job, version: str) -> Job:
-    """`job` reading dataset `version`, unless its config is told which already."""
+    """The train `job` reading dataset `version`, unless its config is told which already."""
     if any(arg.startswith("dataset_version=") for arg in job.entrypoint):
         return job
     return Job(job.step, [*job.entrypoint, f"dataset_version={version}"])
@@ -336,15 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     version = None
     for job in jobs:
         if args.step == job.step or (args.step == "all" and job.step in STEPS):
-            if version is not None:
+            if job.step == "train" and version is not None:
                 job = pin_dataset(job, version)
             log: list[str] = []
             code = submit_and_wait(args.address, job, env_vars, log)
             if code != 0:
                 return code
             if job.step == "preprocess":
-                # Training and inference read the version this chain made, even if another
-                # preprocess job commits a newer one meanwhile.
+                # Training reads the version this chain made, even if another preprocess job
+                # commits a newer one meanwhile; inference and export then read the version the
+                # run was trained on, which its checkpoint records.
                 version = committed_version("".join(log))
     return 0
 

@@ -130,6 +130,13 @@ def test_the_dag_runs_the_chain_on_a_ray_cluster_with_s3(chain, cluster_2cpu):
     dataset = Location.parse(f"{ROOT}/dataset")
     manifest = read_manifest(dataset)
     assert manifest.splits["train"].rows + manifest.splits["val"].rows == 120
+    # One dataset version through the tasks, though nothing passes between them: the infer task
+    # reads the version the train task trained on, which the run's checkpoint records.
+    assert f"new run {ROOT}/runs/airflow on dataset version {manifest.version}" in out
+    assert (
+        f"input={ROOT}/dataset is the dataset the checkpoint was trained on: reading version "
+        f"{manifest.version}" in out
+    )
     run = Location.parse(f"{ROOT}/runs/airflow")
     assert run.child(RUN_SUMMARY).exists()
     predictions = Location.parse(f"{ROOT}/predictions/airflow")

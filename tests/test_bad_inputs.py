@@ -38,6 +38,7 @@ from pipeline.infer.batch import resolve_checkpoint
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import Tally, publish, start_version
 from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
+from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import check_dataset, check_model, pick_dataset_version
@@ -386,6 +387,16 @@ CASES = [
         1,
         "dataset_version=<v>, but input=<path> is not a preprocessed dataset",
         lambda t, _: read_input(Location.parse(str(t)), split="val", version="v1"),
+    ),
+    Case(
+        "inference or export of a run's own dataset, whose version the run trained on is past "
+        "retention",
+        1,
+        "<key>=<path> is the dataset the checkpoint was trained on, but no longer holds "
+        "version <v>",
+        lambda t, d: trained_version(
+            checkpoint_meta(config={"dataset": str(d)}), Location.parse(str(d)), None, key="input"
+        ),
     ),
     Case("a dataset whose shard files are missing", 1, "dataset <path> is damaged", damaged),
     Case(

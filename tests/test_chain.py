@@ -1,11 +1,21 @@
-"""`python -m jobs.submit`: the plan it submits. The chain itself runs for real in
-test_s3.py, and under Airflow, through the example DAG, in test_airflow.py."""
+"""`python -m jobs.submit`: the plan it submits, and `all` on a local cluster with each kind of
+inference input. The chain step by step runs for real on S3 in test_s3.py, and under Airflow,
+through the example DAG, in test_airflow.py."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+from helpers import CLASSES, make_image_folder
+
+from harness.cluster import BUNDLE_ROOT
 from jobs.submit import (
+    RAY_NOISE,
     committed_version,
     main,
     parse_env,
@@ -16,6 +26,8 @@ from jobs.submit import (
     without_noise,
 )
 from pipeline.core.errors import ConfigError
+from pipeline.core.storage import Location
+from pipeline.infer.predictions import read_predictions, read_summary
 
 
 def test_plan_derives_every_path_from_the_root():
@@ -51,19 +63,25 @@ def test_plan_derives_every_path_from_the_root():
 
 
 def test_all_runs_the_chain_and_export_only_when_named(monkeypatch):
-    submitted = []
+    submitted = {}
 
     def submit(address, job, env_vars=None, log=None):
-        submitted.append(job.step)
+        submitted[job.step] = job.entrypoint
+        log.append("INFO jobs.preprocess: current dataset version: 20261123T1-aa\n")
         return 0
 
     monkeypatch.setattr("jobs.submit.submit_and_wait", submit)
     args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
     assert main([*args, "all"]) == 0
-    assert submitted == ["preprocess", "train", "infer"]
+    assert list(submitted) == ["preprocess", "train", "infer"]
+    # Training reads the version the preprocess step committed; inference, whatever its input,
+    # is told no version: of the run's own dataset it reads the one the run was trained on.
+    pinned = [step for step, args in submitted.items() if "dataset_version=20261123T1-aa" in args]
+    assert pinned == ["train"]
+    assert not [arg for arg in submitted["infer"] if arg.startswith("dataset_version=")]
     submitted.clear()
     assert main([*args, "export"]) == 0
-    assert submitted == ["export"]
+    assert list(submitted) == ["export"]
 
 
 def test_a_local_root_becomes_absolute(tmp_path, monkeypatch):
@@ -104,9 +122,8 @@ def test_the_chain_pins_the_dataset_version_its_preprocess_step_committed():
     )
     assert committed_version(log) == "20261123T1-aa"
     assert committed_version("no such line\n") is None
-    _, train, infer, _ = plan("s3://b/x", profile="demo")
+    _, train, _, _ = plan("s3://b/x", profile="demo")
     assert pin_dataset(train, "v1").entrypoint == [*train.entrypoint, "dataset_version=v1"]
-    assert pin_dataset(infer, "v1").entrypoint[-1] == "dataset_version=v1"
     # A version the user set stays.
     _, asked, _, _ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
     assert pin_dataset(asked, "v1") == asked
@@ -141,3 +158,67 @@ def test_the_streamed_logs_leave_out_rays_noise():
     ours = "2026-11-24 17:00:01,000 INFO jobs.infer: 119 images classified\n"
     assert without_noise(ours + noise + ours) == ours + ours
     assert without_noise(ours.rstrip("\n")) == ours.rstrip("\n")  # a chunk ends mid-line
+
+
+# --- the chain on a local cluster, classifying other images than its dataset's ----------------
+
+# The demo configs, shrunk: 3 generated classes of 20 images at 32 px, one epoch on one worker.
+TINY = [
+    "preprocess.source.synthetic.num_classes=3",
+    "preprocess.source.synthetic.images_per_class=20",
+    "preprocess.source.synthetic.raw_size=40",
+    "preprocess.image_size=32",
+    "preprocess.shard_size=60",
+    "preprocess.row_group_size=20",
+    "train.name=photos",
+    "train.epochs=1",
+    "train.global_batch_size=16",
+    "train.scaling.num_workers=1",
+    "infer.cpus_per_actor=1",
+]
+
+
+def run_chain(cluster, root, step: str, *sets: str) -> str:
+    cmd = step_command(cluster.address, str(root), step, profile="demo", sets=[*TINY, *sets])
+    proc = subprocess.run(
+        cmd, cwd=BUNDLE_ROOT, env=cluster.env, text=True, capture_output=True, timeout=900
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+@pytest.mark.slow
+def test_all_classifies_a_folder_of_new_images_and_then_one_image(cluster_2cpu, tmp_path):
+    # New photos, <class>/<image>, of other classes than the dataset's: what `all` is for.
+    photos = tmp_path / "photos"
+    make_image_folder(photos, per_class=3, corrupt=False)
+    files = sorted(str(p.relative_to(photos)) for p in photos.rglob("*") if p.is_file())
+    root = tmp_path / "chain"
+    out = run_chain(cluster_2cpu, root, "all", f"infer.input={photos}")
+    (version,) = set(re.findall(r"current dataset version: (\S+)", out))
+    (train,) = re.findall(r"\[train\] submitted \S+: (.*)", out)
+    (infer,) = re.findall(r"\[infer\] submitted \S+: (.*)", out)
+    assert f"dataset_version={version}" in train and "dataset_version" not in infer
+    predictions = root / "predictions" / "photos"
+    assert sorted(read_predictions(str(predictions))["source_id"].to_pylist()) == files
+    summary = read_summary(Location.parse(str(predictions)))
+    assert summary["input"] == str(photos) and "dataset_version" not in summary
+    assert f"input: folder {photos}, {len(files)} files" in out
+    # Ray's actor-restart warning for inference's actor pool is in the job's own log, not here.
+    (infer_id,) = re.findall(r"\[infer\] submitted (\S+):", out)
+    ray = str(Path(sys.executable).with_name("ray"))
+    logs = subprocess.run(
+        [ray, "job", "logs", infer_id, "--address", cluster_2cpu.address],
+        env=cluster_2cpu.env,
+        capture_output=True,
+        text=True,
+    )
+    assert RAY_NOISE[0] in logs.stdout + logs.stderr and RAY_NOISE[0] not in out
+
+    # One image file, the chain's infer step alone: its top-k printed, nothing written.
+    image = photos / CLASSES[1] / "001.jpg"
+    out = run_chain(cluster_2cpu, root, "infer", f"infer.input={image}")
+    printed = json.loads(re.search(r'^\{\n  "input".*?^\}$', out, re.S | re.M)[0])
+    assert printed["input"] == str(image) and len(printed["top_k"]) == 3
+    assert read_summary(Location.parse(str(predictions))) == summary

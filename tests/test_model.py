@@ -177,7 +177,7 @@ def test_inference_serves_the_better_of_the_raw_and_ema_weights(
         f"classifying with the {served} weights (val_accuracy raw {raw_accuracy:.4f}, "
         f"ema {ema_accuracy:.4f})" in caplog.text
     )
-    summary = summarize(meta, checkpoint, checkpoint, Tally.empty(len(CLASSES)), 0.0, 1.0)
+    summary = summarize(meta, checkpoint, checkpoint, None, Tally.empty(len(CLASSES)), 0.0, 1.0)
     assert summary["weights"] == served
     assert summary["weights_val_accuracy"] == {"raw": raw_accuracy, "ema": ema_accuracy}
 

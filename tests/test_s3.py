@@ -205,14 +205,18 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(
     assert kept == {"epoch_0000", "epoch_0001"}
 
     # Inference reads the best checkpoint from S3 and writes its predictions there: the network
-    # from the checkpoint, with no model setting of its own.
-    code, out = run_task(
-        command(cluster_2cpu, "infer", f"infer.{pin}", tracking=tracking), cluster_2cpu
-    )
+    # from the checkpoint, with no model setting of its own. Its step is told no version, and
+    # reads the one the run was trained on, not the newer one committed meanwhile.
+    code, out = run_task(steps["infer"], cluster_2cpu)
     assert code == 0, out
+    assert (
+        f"input={dataset.uri} is the dataset the checkpoint was trained on: reading version "
+        f"{manifest.version}" in out
+    )
     predictions = Location.parse(f"{CHAIN_ROOT}/predictions/s3run")
     result = json.loads(predictions.child(SUMMARY).read_bytes())
     assert result["checkpoint"] == summary["best_checkpoint"]
+    assert result["dataset_version"] == manifest.version
     assert result["images"] == val_rows
     # The recipe keeps an EMA: inference serves the better of the two weights, and says which.
     score = {"raw": "val_accuracy", "ema": "ema_val_accuracy"}[result["weights"]]
@@ -256,6 +260,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(
     (inferred,) = runs("infer", output=predictions.uri)
     assert inferred.data.tags["ray_cv.training_run_id"] == trained.info.run_id
     assert inferred.data.tags["ray_cv.checkpoint"] == result["checkpoint"]
+    assert inferred.data.tags["ray_cv.dataset_version"] == manifest.version
     assert inferred.data.metrics["images"] == val_rows
     assert inferred.data.metrics["accuracy"] == pytest.approx(result["accuracy"])
 

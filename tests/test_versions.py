@@ -1,10 +1,12 @@
 """Dataset versions: commits that cannot race, retention that keeps what readers may still read
-and touches only what the bundle wrote, and a run's pin on the version it trains on. In one
-process, on local disk and on S3 (moto on loopback), with the interleavings forced."""
+and touches only what the bundle wrote, a run's pin on the version it trains on, and inference
+and export of its dataset reading that version. In one process, on local disk and on S3 (moto
+on loopback), with the interleavings forced."""
 
 from __future__ import annotations
 
 import datetime
+import logging
 
 import pytest
 from helpers import checkpoint_meta
@@ -25,6 +27,9 @@ from pipeline.data.dataset import (
     remove_expired,
     write_shard,
 )
+from pipeline.export.config import ExportConfig
+from pipeline.export.exporter import parity_dataset
+from pipeline.model.source import trained_version
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import pick_dataset_version
 
@@ -169,3 +174,42 @@ def test_a_run_trains_on_through_its_version_unless_told_to_switch(tmp_path):
     assert pick_dataset_version(again, root, pinned, run="r") == OLDER
     switch = train_config(tmp_path, "switch_dataset=true")
     assert pick_dataset_version(switch, root, pinned, run="r") == NEWER
+
+
+def test_a_dataset_is_the_same_however_its_path_is_spelled(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    local = Location.parse(str(tmp_path / "d"))
+    for same in ("d", "d/", f"{tmp_path}/x/../d", f"file://{tmp_path}/d", f"{tmp_path}//d"):
+        assert local.same_place(same), same
+    for other in (f"{tmp_path}/e", "s3://bucket/d", f"{tmp_path}/d/versions"):
+        assert not local.same_place(other), other
+    # A URI is compared as written: no storage is reached for it.
+    s3 = Location(local.fs, "b/x/d", "s3://b/x/d")
+    assert s3.same_place("s3://b/x/d/") and s3.same_place("s3://b//x/d")
+    for other in ("s3://c/x/d", "gs://b/x/d", "s3://b/x/d?endpoint_override=h:9", "/b/x/d"):
+        assert not s3.same_place(other), other
+
+
+def test_the_runs_own_dataset_is_read_at_the_version_it_was_trained_on(root, tmp_path, caplog):
+    for version in (OLDER, NEWER):  # NEWER: committed after the run trained on OLDER
+        commit(root, written(root, version), "")
+    meta = checkpoint_meta(dataset_version=OLDER, image_size=32, config={"dataset": root.uri})
+    caplog.set_level(logging.INFO, logger="pipeline.model.source")
+    assert trained_version(meta, root, None, key="input") == OLDER
+    assert f"input={root.uri} is the dataset the checkpoint was trained on: reading version " in (
+        caplog.text
+    )
+    assert trained_version(meta, Location.parse(f"{root.uri}/"), None, key="input") == OLDER
+    # An explicit version wins; another dataset, or a folder, is read at its newest.
+    assert trained_version(meta, root, NEWER, key="input") == NEWER
+    other = root.parent.child("other")
+    assert trained_version(meta, other, None, key="input") is None
+    # The export's parity check reads the same version, by default of the checkpoint's dataset.
+    export = [f"model={tmp_path}/run"]
+    assert parity_dataset(load_config(ExportConfig, None, export), meta)[1].version == OLDER
+    asked = load_config(ExportConfig, None, [*export, f"dataset_version={NEWER}"])
+    assert parity_dataset(asked, meta)[1].version == NEWER
+    # Removed since by retention: said so, not silently another version.
+    root.child(VERSIONS, f"{OLDER}.json").delete()
+    with pytest.raises(InputError, match=rf"no longer holds version {OLDER}, the one it was "):
+        trained_version(meta, root, None, key="input")

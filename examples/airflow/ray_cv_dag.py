@@ -5,6 +5,9 @@ runtime_env.yaml, streams the job's log into the task's log, and fails the task 
 SUCCEEDED (a job stopped with `ray job stop` fails it too, where a bare `ray job submit` would
 exit 0). Killing the task stops the job. Retrying a task is safe: preprocessing is a no-op when
 its dataset is up to date, training resumes its run, inference replaces its output.
+Each task is a process of its own: training reads the dataset version that is newest when it
+starts, and inference the version training read (the run's checkpoint records it), whatever
+was committed since; nothing passes between the tasks.
 
 Set-up on the Airflow workers (Airflow 3; BashOperator is in the standard provider it ships):
   - the bundle checked out at RAY_CV_BUNDLE with its client installed (`pip install -e .` there)

@@ -128,6 +128,12 @@ class Location:
     def name(self) -> str:
         return posixpath.basename(self.path)
 
+    def same_place(self, uri: str) -> bool:
+        """Whether `uri` names this place, however it is spelled (a trailing slash, a relative
+        or file:// local path), decided from the two strings: no storage is touched, so a URI
+        of a store this process cannot reach is simply another place."""
+        return _place(self.uri) == _place(uri)
+
     def info(self) -> pafs.FileInfo:
         return retry(lambda: self.fs.get_file_info(self.path), f"looking up {self.uri}")
 
@@ -187,6 +193,17 @@ class Location:
         selector = pafs.FileSelector(self.path, allow_not_found=True)
         infos = retry(lambda: self.fs.get_file_info(selector), f"listing {self.uri}")
         return sorted((i for i in infos if i.type == pafs.FileType.Directory), key=lambda i: i.path)
+
+
+def _place(uri: str) -> tuple[str, str, str]:
+    """(scheme, normalised path, query) of a local path or a URI."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return "file", os.path.abspath(uri), ""
+    path, _, query = rest.partition("?")
+    if scheme == "file":
+        return "file", os.path.abspath(path), query
+    return scheme, posixpath.normpath(path), query
 
 
 # Written first into each version directory the bundle makes (a dataset's, an inference run's):

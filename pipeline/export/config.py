@@ -23,7 +23,8 @@ class ExportConfig(Strict):
     )
     dataset_version: str | None = Field(
         None,
-        description="The dataset version to read (a name in <dataset>/versions/); default: newest.",
+        description="The dataset version to read (a name in <dataset>/versions/); default: the "
+        "one the run was trained on, for its own dataset, else the newest.",
     )
     images: int | None = Field(
         None, ge=1, description="Val images the parity check compares; null: the whole split."

@@ -38,7 +38,7 @@ from pipeline.export import formats, parity
 from pipeline.export.config import ExportConfig
 from pipeline.model.checkpoint import CheckpointMeta, read_meta, served_weights, weights_scores
 from pipeline.model.networks import load_model
-from pipeline.model.source import resolve_checkpoint
+from pipeline.model.source import resolve_checkpoint, trained_version
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,9 @@ def parity_dataset(cfg: ExportConfig, meta: CheckpointMeta) -> tuple[Location, M
     if not uri:
         raise ConfigError("the checkpoint records no dataset: set dataset= for the parity check")
     root = Location.parse(uri)
-    manifest = read_manifest(root, cfg.dataset_version)
+    # The val split the checkpoint was scored on, where it is its own dataset: a version
+    # committed since may hold other images, or store them at another size.
+    manifest = read_manifest(root, trained_version(meta, root, cfg.dataset_version, key="dataset"))
     if manifest is None:
         raise InputError(
             f"no dataset at dataset={root.uri}, whose val split the parity check classifies: "

@@ -41,7 +41,7 @@ from pipeline.infer.predictions import (
 from pipeline.model.checkpoint import read_meta, served_weights, weights_scores
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
 from pipeline.model.runs import SCORE
-from pipeline.model.source import resolve_checkpoint
+from pipeline.model.source import resolve_checkpoint, trained_version
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     meta = read_meta(checkpoint)
     log_weights(checkpoint, meta)
     quiet_ray_data()
-    ds = read_input(source, split=cfg.split, version=cfg.dataset_version)
+    asked = trained_version(meta, source, cfg.dataset_version, key="input")
+    ds, dataset_version = read_input(source, split=cfg.split, version=asked)
     predictor = {
         "checkpoint": checkpoint,
         "use_gpu": cfg.use_gpu,
@@ -194,7 +195,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     # The write tasks take no CPU, like the reads: on CPUs the actors hold every one.
     ds.write_datasink(sink, ray_remote_args={"num_cpus": 0}, concurrency=WRITE_TASKS)
     seconds = time.time() - started
-    summary = summarize(meta, checkpoint, source, sink.tally, started, seconds)
+    summary = summarize(meta, checkpoint, source, dataset_version, sink.tally, started, seconds)
     png = None
     if "confusion_matrix" in summary:
         png = plot_confusion(summary["confusion_matrix"], meta.classes)
@@ -213,7 +214,13 @@ def driver_usage() -> dict:
 
 
 def summarize(
-    meta, checkpoint: Location, source: Location, tally: Tally, started: float, seconds: float
+    meta,
+    checkpoint: Location,
+    source: Location,
+    dataset_version: str | None,
+    tally: Tally,
+    started: float,
+    seconds: float,
 ) -> dict:
     summary = {
         "checkpoint": checkpoint.uri,
@@ -222,6 +229,7 @@ def summarize(
         "weights": served_weights(meta),
         "weights_val_accuracy": weights_scores(meta),
         "input": source.uri,
+        **({"dataset_version": dataset_version} if dataset_version else {}),
         "classes": meta.classes,
         "images": tally.images,
         "seconds": seconds,

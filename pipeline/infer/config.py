@@ -21,7 +21,8 @@ class InferConfig(Strict):
     split: Literal["train", "val"] = Field("val", description="Dataset split to classify.")
     dataset_version: str | None = Field(
         None,
-        description="The dataset version to read (a name in <input>/versions/); default: newest.",
+        description="The dataset version to read (a name in <input>/versions/); default: the "
+        "one the run was trained on, for its own dataset, else the newest.",
     )
     output: AbsolutePathOrURI | None = Field(
         None,

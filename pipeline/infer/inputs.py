@@ -26,10 +26,12 @@ READ_TASKS = 2
 FILES_PER_READ = 64
 
 
-def read_input(root: Location, *, split: str, version: str | None = None) -> ray.data.Dataset:
+def read_input(
+    root: Location, *, split: str, version: str | None = None
+) -> tuple[ray.data.Dataset, str | None]:
     """Rows of (data: encoded image, source_id, label_name or ''): one read per Parquet shard
     of `split` of a dataset's `version` (by default its newest, resolved once here), or per
-    FILES_PER_READ image files of a folder."""
+    FILES_PER_READ image files of a folder; and the dataset version read (None: a folder)."""
     if versions := committed_versions(root):
         manifest = read_manifest(root, version or versions[-1])
         files = [root.child(f.path).path for f in manifest.splits[split].files]
@@ -39,7 +41,7 @@ def read_input(root: Location, *, split: str, version: str | None = None) -> ray
             "input: dataset %s, version %s, split %s, %d images",
             *(root.uri, manifest.version, split, manifest.splits[split].rows),
         )
-        reader, blocks = read_shard, len(files)
+        reader, blocks, version = read_shard, len(files), manifest.version
     else:
         if version is not None:
             raise InputError(
@@ -53,13 +55,14 @@ def read_input(root: Location, *, split: str, version: str | None = None) -> ray
         log.info("input: folder %s, %d files", root.uri, len(files))
         reader, blocks = read_images, -(-len(files) // FILES_PER_READ)
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=blocks)
-    return ds.map_batches(
+    rows = ds.map_batches(
         reader,
         fn_kwargs={"root": root},
         batch_size=None,
         num_cpus=0,
         compute=ray.data.TaskPoolStrategy(size=READ_TASKS),
     )
+    return rows, version
 
 
 def read_shard(batch: dict, *, root: Location) -> dict:

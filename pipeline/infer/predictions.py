@@ -76,7 +76,7 @@ PREDICTIONS, CONFUSION_PNG = "predictions.parquet", "confusion_matrix.png"
 EMPTY_PART = "part-empty.parquet"
 # The summary's keys that make two runs' predictions the same: a run that finds the same
 # committed by a newer one has nothing to add.
-SAME = ("checkpoint", "input")
+SAME = ("checkpoint", "input", "dataset_version")
 # Retention keeps every version younger than this: a reader that read summary.json before a
 # commit or two may still be reading the version it named.
 KEEP_HOURS = 24

@@ -1,7 +1,8 @@
 """Where the model to classify with comes from: what a user names as `model=` (a training run or
 one checkpoint, local or on storage) turned into one checkpoint. Batch inference, export and
 serving resolve it here; a registered model version (`models:/`), which only serving takes, is
-read through pipeline.tracking."""
+read through pipeline.tracking. And which version of its own dataset a checkpoint is read
+against: the one it was trained on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
-from pipeline.model.checkpoint import METADATA
+from pipeline.data.dataset import committed_versions
+from pipeline.model.checkpoint import METADATA, CheckpointMeta
 from pipeline.model.runs import (
     RUN_SUMMARY,
     SCORE,
@@ -63,3 +65,30 @@ def resolve_checkpoint(model: Location) -> Location:
         f"model={model.uri} is neither a training run (no {SNAPSHOT}) nor a checkpoint (no "
         f"{METADATA}): point it at <storage_path>/<name> of a train job, or one epoch_* in it"
     )
+
+
+def trained_version(
+    meta: CheckpointMeta, dataset: Location, asked: str | None, *, key: str
+) -> str | None:
+    """The version of `dataset` to read with the checkpoint of `meta`: `asked` if given; else,
+    where `dataset` is the dataset it was trained on, the version it was trained on (so a
+    version committed since changes nothing); else None, the newest."""
+    trained_on = meta.config.get("dataset")
+    if asked is not None or not trained_on or not dataset.same_place(trained_on):
+        return asked
+    version, versions = meta.dataset_version, committed_versions(dataset)
+    if not versions:
+        return None  # no dataset there now: the job says so as for any other
+    if version not in versions:
+        raise InputError(
+            f"{key}={dataset.uri} is the dataset the checkpoint was trained on, but no longer "
+            f"holds version {version}, the one it was trained on (removed retention_hours after "
+            f"a newer one was committed). Pass dataset_version= to read another (it has: "
+            f"{', '.join(versions[-3:])})"
+        )
+    log.info(
+        "%s=%s is the dataset the checkpoint was trained on: reading version %s, the one it "
+        "was trained on (dataset_version= reads another)",
+        *(key, dataset.uri, version),
+    )
+    return version

@@ -148,6 +148,8 @@ class PredictionsTracker:
                 PREDICTIONS_VERSION: summary["version"],
                 CODE_VERSION: code_version(),
             }
+            if "dataset_version" in summary:
+                tags[DATASET_VERSION] = summary["dataset_version"]
             training = self.training_run(Location.parse(cfg.model), checkpoint)
             if training:
                 tags[TRAINING_RUN] = training
