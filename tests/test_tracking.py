@@ -22,7 +22,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CLASSES, USER_MODEL, checkpoint_meta, make_image_folder, metric_steps
+from helpers import (
+    CLASSES,
+    USER_MODEL,
+    checkpoint_meta,
+    errors_table,
+    make_image_folder,
+    metric_steps,
+)
 
 from harness.cluster import BUNDLE_ROOT, free_port
 from pipeline.core.config import TrainConfig, load_config
@@ -30,7 +37,12 @@ from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import METADATA, TRAIN_STATE, WEIGHTS, save_checkpoint
 from pipeline.model.networks import build_model
-from pipeline.tracking import registered_checkpoint, tracking_uri, training_tracker
+from pipeline.tracking import (
+    registered_checkpoint,
+    registered_version,
+    tracking_uri,
+    training_tracker,
+)
 from pipeline.tracking.client import RUN_RECORD, connect, write_once
 from pipeline.tracking.registry import log_best_model, model_spec
 from scripts.lock import requirements_file
@@ -206,6 +218,22 @@ def test_a_registered_version_resolves_to_its_checkpoint(tmp_path, mlflow_server
         registered_checkpoint("models:/resolve-test/9", uri=mlflow_server.uri)
     with pytest.raises(ConfigError, match="is not a registered model: give models:/<name>/"):
         registered_checkpoint("runs:/abc/model", uri=mlflow_server.uri)
+
+    # A version logged before the model was an MLflow model: the checkpoint's files alone.
+    (tmp_path / "files").mkdir()
+    for name in (METADATA, WEIGHTS):
+        (tmp_path / "files" / name).write_bytes(checkpoint.child(name).read_bytes())
+    logged = conn.client.create_logged_model(conn.experiment_id, source_run_id=run_id)
+    conn.client.log_model_artifacts(logged.model_id, str(tmp_path / "files"))
+    conn.client.finalize_logged_model(logged.model_id, "READY")
+    source = f"models:/{logged.model_id}"
+    old = conn.client.create_model_version("resolve-test", source, run_id, model_id=logged.model_id)
+    got = registered_checkpoint(f"models:/resolve-test/{old.version}", uri=mlflow_server.uri)
+    assert sorted(p.name for p in Path(got.path).iterdir()) == sorted([METADATA, WEIGHTS])
+    assert (
+        registered_version(f"models:/resolve-test/{old.version}", uri=mlflow_server.uri)[1].epoch
+        == 4
+    )
 
 
 # --- the registered version as an MLflow model, through MLflow's own tools ---------------------
@@ -393,10 +421,19 @@ def test_mlflow_models_serve_answers_as_batch_inference_classifies(
         same_predictions(answer["predictions"], expected)
         found_in_model_code(tmp_path)
 
-        bad = {"dataframe_split": {"columns": ["data"], "data": [rows[0], ["bm90IGFuIGltYWdl"]]}}
-        status, answer = invoke(port, bad)
-        assert status == 400, answer
-        assert "Error: row 1 of column 'data': not an image" in answer["message"], answer
+        # Each bad request of docs/errors.md, with its status and message; the server serves on.
+        bad = {
+            "an image that does not decode": ([rows[0], ["bm90IGFuIGltYWdl"]], {}),
+            "`top_k` below 1": (rows[:1], {"top_k": 0}),
+        }
+        documented = errors_table("MLflow's scoring server: bad requests")
+        assert [what for what, _, _ in documented] == list(bad)
+        for what, status, message in documented:
+            data, params = bad[what]
+            split = {"columns": ["data"], "data": data}
+            got, answer = invoke(port, {"dataframe_split": split, "params": params})
+            assert got == status, answer
+            assert f"Error: {message.replace('<i>', '1')}" in answer["message"], answer
         assert server.poll() is None
     finally:
         os.killpg(server.pid, signal.SIGTERM)

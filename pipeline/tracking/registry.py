@@ -144,12 +144,10 @@ def registered_version(model_uri: str, *, uri: str | None) -> tuple[str, Checkpo
     """`models:/<name>/<version>` for `model_uri` (an alias, `models:/<name>@<alias>`, pinned to
     the version it names now), and that version's checkpoint metadata, read from the registry
     without the weights: what a deploy checks before any replica downloads them."""
-    from pipeline.tracking.pyfunc import CHECKPOINT_PATH
-
     with _registry(model_uri, uri) as (client, name, version):
-        source = client.get_model_version_download_uri(name, version)
+        checkpoint = _checkpoint_in(client.get_model_version_download_uri(name, version), uri)
         with tempfile.TemporaryDirectory(prefix="ray-cv-registered-") as d:
-            path = _download(f"{source.rstrip('/')}/{CHECKPOINT_PATH}/{METADATA}", d, uri)
+            path = _download(f"{checkpoint}/{METADATA}", d, uri)
             meta = read_meta(Location.parse(os.path.dirname(path)))
     return f"{REGISTERED_MODEL}{name}/{version}", meta
 
@@ -160,12 +158,10 @@ def registered_checkpoint(
     """A registered model version's checkpoint, copied from the server into `dst` (default: a
     new temporary directory), the model's artifacts/checkpoint/ alone; load it as any checkpoint
     (pipeline.model)."""
-    from pipeline.tracking.pyfunc import CHECKPOINT_PATH
-
     dst = str(dst or tempfile.mkdtemp(prefix="ray-cv-registered-"))
     with _registry(model_uri, uri) as (client, name, version):
-        source = client.get_model_version_download_uri(name, version)
-        path = _download(f"{source.rstrip('/')}/{CHECKPOINT_PATH}", dst, uri)
+        checkpoint = _checkpoint_in(client.get_model_version_download_uri(name, version), uri)
+        path = _download(checkpoint, dst, uri)
     checkpoint = Location.parse(path)
     read_meta(checkpoint)  # a checkpoint of this bundle's, or an InputError that says it is not
     return checkpoint
@@ -205,6 +201,22 @@ def _registry(model_uri: str, uri: str | None):
             f"{model_uri} is no registered model version at {uri} ({brief(e)}): check the name "
             "and version in the registry (mlflow models or the UI's Models page)"
         ) from None
+
+
+def _checkpoint_in(source: str, uri: str) -> str:
+    """The artifact URI of the checkpoint in a version's model at `source`: its MLflow model's
+    artifacts/checkpoint/, or the model itself for a version logged before it was an MLflow
+    model (the checkpoint's files alone)."""
+    import mlflow.artifacts
+    from mlflow.models.model import MLMODEL_FILE_NAME
+
+    from pipeline.tracking.pyfunc import CHECKPOINT_PATH
+
+    source = source.rstrip("/")
+    files = mlflow.artifacts.list_artifacts(artifact_uri=source, tracking_uri=uri)
+    if any(posixpath.basename(f.path) == MLMODEL_FILE_NAME for f in files):
+        return f"{source}/{CHECKPOINT_PATH}"
+    return source
 
 
 def _download(artifact_uri: str, dst: str, uri: str) -> str:
