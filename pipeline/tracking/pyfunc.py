@@ -33,8 +33,8 @@ from pipeline.model.checkpoint import CheckpointMeta
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoint"  # the artifact's name
-CHECKPOINT_PATH = f"artifacts/{CHECKPOINT}"  # where MLflow puts it in the model
+CHECKPOINT = "checkpoint"  # the artifact's name, and its directory's: MLflow keeps the latter
+CHECKPOINT_PATH = f"artifacts/{CHECKPOINT}"  # where it lies in the model
 IMAGES = "data"  # the input column of encoded image files, as the infer job's input rows name it
 TOP_K = 5  # classes per image unless the `top_k` param says otherwise: the infer job's default
 BATCH = 64  # images through the network at a time
@@ -115,7 +115,9 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
 
 
 def save(checkpoint: Path, path: Path, meta: CheckpointMeta) -> None:
-    """Save the checkpoint in the local directory `checkpoint` as an MLflow model at `path`."""
+    """Save the checkpoint in the local directory `checkpoint` (named CHECKPOINT) as an MLflow
+    model at `path`."""
+    assert checkpoint.name == CHECKPOINT, checkpoint
     from mlflow.models import ModelSignature
     from mlflow.types.schema import Array, ColSpec, DataType, ParamSchema, ParamSpec, Schema
 
