@@ -1,31 +1,52 @@
 """Tracking in MLflow without a cluster, against a real MLflow server: on only with a URI and
 free when off, a server that cannot be used failing the job at its start, the run record written
-once, each epoch logged once whatever restarts, and a registered version back to its checkpoint.
+once, each epoch logged once whatever restarts, a registered version back to its checkpoint, and
+that version loaded and served by MLflow's own tools as batch inference classifies.
 (The jobs tracked on a cluster: test_train_jobs, test_s3, test_tracking_jobs.)"""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import checkpoint_meta, metric_steps
+from helpers import (
+    CLASSES,
+    USER_MODEL,
+    checkpoint_meta,
+    errors_table,
+    make_image_folder,
+    metric_steps,
+)
 
 from harness.cluster import BUNDLE_ROOT, free_port
 from pipeline.core.config import load_config
 from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import METADATA, TRAIN_STATE, WEIGHTS, save_checkpoint
-from pipeline.tracking import registered_checkpoint, tracking_uri, training_tracker
+from pipeline.model.networks import build_model
+from pipeline.tracking import (
+    registered_checkpoint,
+    registered_version,
+    tracking_uri,
+    training_tracker,
+)
 from pipeline.tracking.client import RUN_RECORD, connect, write_once
 from pipeline.tracking.registry import log_best_model, model_spec
 from pipeline.train.config import TrainConfig
+from scripts.lock import requirements_file
 
 
 def train_config(tmp_path, *overrides) -> TrainConfig:
@@ -199,3 +220,244 @@ def test_a_registered_version_resolves_to_its_checkpoint(tmp_path, mlflow_server
         registered_checkpoint("models:/resolve-test/9", uri=mlflow_server.uri)
     with pytest.raises(ConfigError, match="is not a registered model: give models:/<name>/"):
         registered_checkpoint("runs:/abc/model", uri=mlflow_server.uri)
+
+    # A version logged before the model was an MLflow model: the checkpoint's files alone.
+    (tmp_path / "files").mkdir()
+    for name in (METADATA, WEIGHTS):
+        (tmp_path / "files" / name).write_bytes(checkpoint.child(name).read_bytes())
+    logged = conn.client.create_logged_model(conn.experiment_id, source_run_id=run_id)
+    conn.client.log_model_artifacts(logged.model_id, str(tmp_path / "files"))
+    conn.client.finalize_logged_model(logged.model_id, "READY")
+    source = f"models:/{logged.model_id}"
+    old = conn.client.create_model_version("resolve-test", source, run_id, model_id=logged.model_id)
+    got = registered_checkpoint(f"models:/resolve-test/{old.version}", uri=mlflow_server.uri)
+    assert sorted(p.name for p in Path(got.path).iterdir()) == sorted([METADATA, WEIGHTS])
+    assert (
+        registered_version(f"models:/resolve-test/{old.version}", uri=mlflow_server.uri)[1].epoch
+        == 4
+    )
+
+
+# --- the registered version as an MLflow model, through MLflow's own tools ---------------------
+
+# Loaded where `pipeline` can come from the model's code alone: this file, first on PYTHONPATH,
+# drops the finder of the bundle's editable install (a .pth in the venv), and writes where
+# `pipeline` is found to $PIPELINE_FOUND_AT, in every process that imports it.
+SITECUSTOMIZE = """
+import os
+import sys
+from importlib.machinery import PathFinder
+
+sys.meta_path[:] = [
+    f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
+]
+
+
+class Witness:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "pipeline":
+            return None
+        spec = PathFinder.find_spec(name, path)
+        with open(os.environ["PIPELINE_FOUND_AT"], "a") as f:
+            f.write(f"{spec.origin if spec else None}\\n")
+        return spec
+
+
+sys.meta_path.insert(0, Witness)
+"""
+# mlflow.pyfunc.load_model(uri).predict on the images (base64 on stdin), as JSON.
+PYFUNC_PREDICT = """
+import base64, json, sys
+import mlflow.pyfunc, pandas as pd
+images = [base64.b64decode(s) for s in json.load(sys.stdin)]
+out = mlflow.pyfunc.load_model(sys.argv[1]).predict(pd.DataFrame({"data": images}), {"top_k": 2})
+import pipeline
+rows = out.to_dict(orient="records")
+print(json.dumps({"pipeline": pipeline.__file__, "rows": rows}, default=lambda a: a.tolist()))
+"""
+COLUMNS = ["pred", "pred_name", "top_k", "top_k_prob"]  # what the infer job writes of each image
+
+
+@pytest.fixture(scope="module")
+def registered_classifier(tmp_path_factory, mlflow_server):
+    """A version of a registered model, logged as training logs its best checkpoint: an
+    untrained network of the user's own (examples/, shipped as the model's code beside the
+    bundle's), and the images with what batch inference's predictor answers for them (top 2).
+    Returns (models:/ URI, images, the predictor's rows)."""
+    from pipeline.infer.batch import Predictor
+
+    root = tmp_path_factory.mktemp("pyfunc")
+    torch.manual_seed(0)
+    meta = checkpoint_meta(
+        classes=list(CLASSES), model={"name": USER_MODEL, "kwargs": {"width": 8}}
+    )
+    (root / "checkpoint").mkdir()
+    model = build_model(len(CLASSES), name=USER_MODEL, kwargs={"width": 8})
+    save_checkpoint(root / "checkpoint", model.eval().state_dict(), meta, {"optimizer": {}})
+    checkpoint = Location.parse(str(root / "checkpoint"))
+    conn = connect(mlflow_server.uri, "pyfunc-test")
+    run_id = conn.client.create_run(conn.experiment_id).info.run_id
+    log_best_model(conn, run_id, checkpoint, "pyfunc-test")
+    make_image_folder(root / "images", per_class=2, corrupt=False)  # PNG and JPEG, 40 and 48 px
+    images = [p.read_bytes() for p in sorted((root / "images").rglob("*.*"))]
+    predictor = Predictor(checkpoint, use_gpu=False, precision="auto", top_k=2, decode_size=32)
+    batch = {"data": images, "source_id": np.arange(6).astype(str), "label_name": [""] * 6}
+    return "models:/pyfunc-test/1", images, predictor(batch).select(COLUMNS).to_pylist()
+
+
+def isolated_env(tmp_path, mlflow_server) -> dict[str, str]:
+    """An environment where the bundle is not importable (SITECUSTOMIZE), with the venv's
+    tools on PATH and the tracking server's URI."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path),  # where MLflow downloads the model
+        "PYTHONPATH": str(tmp_path / "site"),
+        "PIPELINE_FOUND_AT": str(tmp_path / "found"),
+        "MLFLOW_TRACKING_URI": mlflow_server.uri,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", "import pipeline"], cwd=tmp_path, env=env, capture_output=True
+    )
+    assert b"No module named 'pipeline'" in proc.stderr, proc.stderr
+    (tmp_path / "found").unlink()
+    return env
+
+
+def found_in_model_code(tmp_path) -> None:
+    """Every process that imported `pipeline` found it in a model's code/, downloaded here."""
+    found = (tmp_path / "found").read_text().split()
+    assert found and all(f.endswith("/code/pipeline/__init__.py") for f in found), found
+    assert all(Path(f).is_relative_to(tmp_path) for f in found), found
+
+
+def same_predictions(got: list[dict], expected: list[dict]) -> None:
+    assert [{k: r[k] for k in COLUMNS[:3]} for r in got] == [
+        {k: r[k] for k in COLUMNS[:3]} for r in expected
+    ]
+    for g, e in zip(got, expected, strict=True):
+        assert g["top_k_prob"] == pytest.approx(e["top_k_prob"], abs=1e-6)
+
+
+def test_the_registered_model_loads_with_mlflow_pyfunc_as_batch_inference_classifies(
+    registered_classifier, mlflow_server, tmp_path
+):
+    uri, images, expected = registered_classifier
+    env = isolated_env(tmp_path, mlflow_server)
+    proc = subprocess.run(
+        [sys.executable, "-c", PYFUNC_PREDICT, uri],
+        input=json.dumps([base64.b64encode(i).decode() for i in images]),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    same_predictions(out["rows"], expected)
+    assert out["pipeline"] == (tmp_path / "found").read_text().split()[0]
+    found_in_model_code(tmp_path)
+
+    # What MLflow's tools read: the signature, the example, the lock's pins of what it loads.
+    import mlflow.artifacts
+    from mlflow.models import Model
+
+    def download(name: str) -> Path:
+        source = mlflow_server.client().get_model_version_download_uri("pyfunc-test", "1")
+        path = mlflow.artifacts.download_artifacts(
+            f"{source}/{name}", dst_path=str(tmp_path), tracking_uri=mlflow_server.uri
+        )
+        return Path(path)
+
+    signature = Model.load(download("MLmodel")).signature
+    assert signature.inputs.input_names() == ["data"]
+    assert signature.outputs.input_names() == COLUMNS
+    assert signature.params.to_dict() == [
+        {"name": "top_k", "default": 5, "shape": None, "type": "long"}
+    ]
+    lock = BUNDLE_ROOT / "requirements" / "cluster.lock"
+    pinned = requirements_file(download("requirements.txt"))
+    assert {str(r) for r in pinned} <= {str(r) for r in requirements_file(lock)}
+    names = {r.name for r in pinned}
+    assert {"mlflow-skinny", "torch", "torchvision", "pillow", "pandas", "numpy"} <= names
+    assert not names & {"ray", "timm", "onnx", "matplotlib"}  # not what this model loads
+    example = json.loads(download("serving_input_example.json").read_text())
+    assert example["dataframe_split"]["columns"] == ["data"]
+    assert base64.b64decode(example["dataframe_split"]["data"][0][0]).startswith(b"\x89PNG")
+
+
+def test_mlflow_models_serve_answers_as_batch_inference_classifies(
+    registered_classifier, mlflow_server, tmp_path
+):
+    # The venv's own `mlflow` (mlflow-skinny, as on the nodes) serves: its scoring server needs
+    # fastapi, uvicorn and pandas, which the lock holds, and the model needs torch; the tracking
+    # server's venv (the full mlflow) has no torch. The server runs `uvicorn` from PATH.
+    uri, images, expected = registered_classifier
+    env = isolated_env(tmp_path, mlflow_server)
+    port = free_port()
+    serve = [str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m", uri]
+    serve += ["--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)]
+    with open(tmp_path / "serve.log", "w") as log:
+        server = subprocess.Popen(
+            serve,
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: mlflow and the uvicorn it execs
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while not answers(f"http://127.0.0.1:{port}/ping"):
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+        # Binary columns travel base64 in JSON: the scoring server decodes them by the signature.
+        rows = [[base64.b64encode(i).decode()] for i in images]
+        request = {"dataframe_split": {"columns": ["data"], "data": rows}, "params": {"top_k": 2}}
+        status, answer = invoke(port, request)
+        assert status == 200, answer
+        same_predictions(answer["predictions"], expected)
+        found_in_model_code(tmp_path)
+
+        # Each bad request of docs/errors.md, with its status and message; the server serves on.
+        bad = {
+            "an image that does not decode": ([rows[0], ["bm90IGFuIGltYWdl"]], {}),
+            "`top_k` below 1": (rows[:1], {"top_k": 0}),
+        }
+        documented = errors_table("MLflow's scoring server: bad requests")
+        assert [what for what, _, _ in documented] == list(bad)
+        for what, status, message in documented:
+            data, params = bad[what]
+            split = {"columns": ["data"], "data": data}
+            got, answer = invoke(port, {"dataframe_split": split, "params": params})
+            assert got == status, answer
+            assert f"Error: {message.replace('<i>', '1')}" in answer["message"], answer
+        assert server.poll() is None
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def invoke(port: int, request: dict) -> tuple[int, dict]:
+    post = urllib.request.Request(
+        f"http://127.0.0.1:{port}/invocations",
+        data=json.dumps(request).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(post, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

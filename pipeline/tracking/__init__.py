@@ -9,6 +9,7 @@ stops it.
 client.py     the connection, its short retries, errors sorted into exit codes, the run tags
 training.py   a training run: one MLflow run per run directory, each epoch once, the reports
 registry.py   the best checkpoint as a logged and registered model; `models:/` to a checkpoint
+pyfunc.py     that model as MLflow's tools load and serve it: the pyfunc flavor
 outputs.py    what preprocessing and inference wrote, each linked to the runs it came from
 """
 

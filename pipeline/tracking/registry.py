@@ -1,11 +1,12 @@
 """The best checkpoint of a training run as an MLflow model, registered under a name; and back:
 a registered model version (`models:/<name>/<version>`) to a checkpoint a job can load.
 
-The model is the checkpoint directory less its optimizer state (train_state.pt): the weights,
-the EMA's if any, and metadata.json, which says how to rebuild and feed the model. One logged
-model and one model version per best checkpoint of a run: a finished run submitted again finds
-them and adds none; a run trained on to more epochs adds a version if its best checkpoint
-changed.
+The model is an MLflow model of the pyfunc flavor (pyfunc.py), which MLflow's own tools load
+and serve; its artifacts/checkpoint/ is the checkpoint directory less its optimizer state
+(train_state.pt): the weights, the EMA's if any, and metadata.json, which says how to rebuild
+and feed the model. One logged model and one model version per best checkpoint of a run: a
+finished run submitted again finds them and adds none; a run trained on to more epochs adds a
+version if its best checkpoint changed.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def log_best_model(
 ) -> None:
     """Log `checkpoint` as a model of run `run_id` and register it as a version of
     `registered_model` (unless None); each only if not done already."""
+    from pipeline.tracking import pyfunc  # torch, pandas: only where a model is logged
+
     client = conn.client
     meta = read_meta(checkpoint)
     tags = model_tags(checkpoint, meta, client.get_run(run_id).data.tags)
@@ -89,12 +92,14 @@ def log_best_model(
             params={"epoch": str(meta.epoch), "classes": json.dumps(meta.classes)},
         )
         with tempfile.TemporaryDirectory(prefix="ray-cv-model-") as d:
+            copy = Path(d) / pyfunc.CHECKPOINT
             for f in checkpoint.list_files():
                 name = posixpath.relpath(f.path, checkpoint.path)
                 if name != TRAIN_STATE:  # the optimizer's state: for resuming, not for use
-                    (Path(d) / name).parent.mkdir(parents=True, exist_ok=True)
-                    (Path(d) / name).write_bytes(checkpoint.child(name).read_bytes())
-            client.log_model_artifacts(model.model_id, d)
+                    (copy / name).parent.mkdir(parents=True, exist_ok=True)
+                    (copy / name).write_bytes(checkpoint.child(name).read_bytes())
+            pyfunc.save(copy, Path(d) / "model", meta)
+            client.log_model_artifacts(model.model_id, str(Path(d) / "model"))
         client.finalize_logged_model(model.model_id, "READY")
         log.info("logged checkpoint %s as MLflow model %s", checkpoint.uri, model.model_id)
     if registered_model is None:
@@ -140,9 +145,9 @@ def registered_version(model_uri: str, *, uri: str | None) -> tuple[str, Checkpo
     the version it names now), and that version's checkpoint metadata, read from the registry
     without the weights: what a deploy checks before any replica downloads them."""
     with _registry(model_uri, uri) as (client, name, version):
-        source = client.get_model_version_download_uri(name, version)
+        checkpoint = _checkpoint_in(client.get_model_version_download_uri(name, version), uri)
         with tempfile.TemporaryDirectory(prefix="ray-cv-registered-") as d:
-            path = _download(f"{source.rstrip('/')}/{METADATA}", d, uri)
+            path = _download(f"{checkpoint}/{METADATA}", d, uri)
             meta = read_meta(Location.parse(os.path.dirname(path)))
     return f"{REGISTERED_MODEL}{name}/{version}", meta
 
@@ -151,10 +156,12 @@ def registered_checkpoint(
     model_uri: str, *, uri: str | None, dst: str | Path | None = None
 ) -> Location:
     """A registered model version's checkpoint, copied from the server into `dst` (default: a
-    new temporary directory); load it as any checkpoint (pipeline.model)."""
+    new temporary directory), the model's artifacts/checkpoint/ alone; load it as any checkpoint
+    (pipeline.model)."""
     dst = str(dst or tempfile.mkdtemp(prefix="ray-cv-registered-"))
     with _registry(model_uri, uri) as (client, name, version):
-        path = _download(client.get_model_version_download_uri(name, version), dst, uri)
+        checkpoint = _checkpoint_in(client.get_model_version_download_uri(name, version), uri)
+        path = _download(checkpoint, dst, uri)
     checkpoint = Location.parse(path)
     read_meta(checkpoint)  # a checkpoint of this bundle's, or an InputError that says it is not
     return checkpoint
@@ -194,6 +201,22 @@ def _registry(model_uri: str, uri: str | None):
             f"{model_uri} is no registered model version at {uri} ({brief(e)}): check the name "
             "and version in the registry (mlflow models or the UI's Models page)"
         ) from None
+
+
+def _checkpoint_in(source: str, uri: str) -> str:
+    """The artifact URI of the checkpoint in a version's model at `source`: its MLflow model's
+    artifacts/checkpoint/, or the model itself for a version logged before it was an MLflow
+    model (the checkpoint's files alone)."""
+    import mlflow.artifacts
+    from mlflow.models.model import MLMODEL_FILE_NAME
+
+    from pipeline.tracking.pyfunc import CHECKPOINT_PATH
+
+    source = source.rstrip("/")
+    files = mlflow.artifacts.list_artifacts(artifact_uri=source, tracking_uri=uri)
+    if any(posixpath.basename(f.path) == MLMODEL_FILE_NAME for f in files):
+        return f"{source}/{CHECKPOINT_PATH}"
+    return source
 
 
 def _download(artifact_uri: str, dst: str, uri: str) -> str:
