@@ -187,7 +187,7 @@ def test_a_kill_between_upload_and_record_trains_the_epoch_again(
 ):
     run = tmp_path / "orphan"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
-    args = ("name=orphan", "epochs=2", "num_to_keep=2")  # keeps epoch_0000 to look at
+    args = ("name=orphan", "epochs=2", "checkpoint.num_to_keep=2")  # keeps epoch_0000 to look at
     job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
     pid = held_worker(marker, job)
     # Held inside report: epoch 0's checkpoint is whole on storage, and Ray has no record of
