@@ -528,8 +528,8 @@ class TrainConfig(_Strict):
 
 class InferConfig(_Strict):
     model: AbsolutePathOrURI = Field(
-        description="A training run directory (its best checkpoint by val accuracy is used) or "
-        "one checkpoint directory."
+        description="A training run directory (its best checkpoint by the run's "
+        "checkpoint.metric) or one checkpoint directory."
     )
     input: AbsolutePathOrURI = Field(
         description="A preprocessed dataset (its `split`), an image folder (<class>/<image>), "
@@ -590,7 +590,7 @@ class ServeConfig(_Strict):
     autoscaling, CPUs and GPUs are Serve's own deployment options, beside them in that file."""
 
     model: ModelSource = Field(
-        description="A training run directory (its best checkpoint by val accuracy), one "
+        description="A training run directory (its best checkpoint by its checkpoint.metric), one "
         "checkpoint directory, or a registered model version (models:/<name>/<version>, "
         "models:/<name>@<alias>); resolved once per deploy, so every replica serves one "
         "checkpoint."
