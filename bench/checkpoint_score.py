@@ -1,6 +1,8 @@
 """Which checkpoint to call best: test accuracy of the one picked by each checkpoint.metric.
 
     .venv/bin/python -m bench.checkpoint_score --epochs 6 --seeds 0 1 2
+    .venv/bin/python -m bench.checkpoint_score --datasets photos --set optimizer.schedule=constant \
+        --results checkpoint_score_constant
 
 Two sets of real images, each with a held-out test set that training never sees:
 - fashion: Fashion-MNIST from Debian (`apt-get install -y dataset-fashion-mnist`), the first
@@ -115,6 +117,8 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="+", default=["fashion", "photos"])
     parser.add_argument("--train-per-class", type=int, default=300, help="Fashion-MNIST's")
     parser.add_argument("--photos", type=Path, help="bench.photos' folder (default: made here)")
+    parser.add_argument("--set", nargs="*", default=[], help="train job overrides, key=value")
+    parser.add_argument("--results", default="checkpoint_score", help="bench/results/NAME.json")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="checkpoint-score-"))
@@ -130,7 +134,8 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "bench.photos", "--out", str(photos)], check=True)
         folders["photos"] = split_photos(photos)
 
-    results = {"epochs": args.epochs, "image_size": IMAGE_SIZE, "runs": [], "means": {}}
+    results = {"epochs": args.epochs, "image_size": IMAGE_SIZE, "set": args.set, "runs": []}
+    results["means"] = {}
     with LocalCluster(num_cpus=2) as cluster:
         for name, (train, test) in folders.items():
             dataset, runs = work / f"{name}_{IMAGE_SIZE}", work / f"runs_{name}"
@@ -145,7 +150,7 @@ def main() -> None:
                 submit(cluster, ["jobs.train", "--config", "configs/demo-train.yaml",
                                  f"dataset={dataset}", f"storage_path={runs}", f"name={run}",
                                  f"epochs={args.epochs}", f"seed={seed}",
-                                 f"checkpoint.num_to_keep={args.epochs}"])  # fmt: skip
+                                 f"checkpoint.num_to_keep={args.epochs}", *args.set])  # fmt: skip
                 wall_s = time.monotonic() - started
                 run_dir = Location.parse(str(runs / run))
                 result = load_result(run_dir)
@@ -172,7 +177,7 @@ def main() -> None:
                 for metric in SCORES
             }
             print(json.dumps({name: results["means"][name]}), flush=True)
-    write_results("checkpoint_score", results)
+    write_results(args.results, results)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dic
     best, best_metrics = best_checkpoint(run_dir, result, score)
     latest = in_run(run_dir, result.checkpoint)
     history = read_meta(latest).history
-    log.info("run %s: %s", run_dir.uri, picked(score, best_metrics, history[-1]["epoch"]))
+    why = picked(score, best_metrics, history[-1]["epoch"])
+    log.info("run %s: %s: %s", run_dir.uri, why, best.uri)
     summary = {
         "run": run_dir.uri,
         "status": "finished",
