@@ -35,11 +35,14 @@ def main(cfg: TrainConfig) -> str:
     summary = train(cfg, dataset=dataset, runs=runs, tracking=tracking)
     best = summary["best_metrics"]
     log.info(
-        "%d epochs, final val accuracy %.4f; best val accuracy %.4f at epoch %d; %.1f images/s",
+        "%d epochs, final val accuracy %.4f; best checkpoint (by %s) epoch %d, val loss %.4f, val "
+        "accuracy %.4f; %.1f images/s",
         summary["epochs"],
         summary["final_accuracy"],
-        best["val_accuracy"],
+        summary["checkpoint_metric"],
         best["epoch"],
+        best["val_loss"],
+        best["val_accuracy"],
         summary["images_per_s"],
     )
     return f"best checkpoint: {summary['best_checkpoint']}"

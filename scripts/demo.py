@@ -57,7 +57,8 @@ def main() -> int:
     )
     print(
         f"  best checkpoint {summary['best_checkpoint']} "
-        f"(epoch {best['epoch']}, val accuracy {best['val_accuracy']:.3f})"
+        f"(epoch {best['epoch']} by {summary['checkpoint_metric']}: val loss "
+        f"{best['val_loss']:.3f}, val accuracy {best['val_accuracy']:.3f})"
     )
     infer = json.loads((predictions / SUMMARY).read_text())
     print(f"Inference:       {predictions / infer['predictions']}")

@@ -180,9 +180,9 @@ MAIN_RUN_RECIPE = ("ema.enabled=true", "ema.every_steps=2", "ema.decay=0.8", "mi
 
 @pytest.fixture(scope="session")
 def main_run(cluster_2cpu, tiny_dataset, tmp_path_factory, mlflow_server):
-    """One 2-worker training run of 4 epochs, num_to_keep=1, with a training worker SIGKILLed
-    once Ray has recorded the checkpoint of epoch 0 and before epoch 1's: what a real fault
-    looks like, at a defined point. It keeps an EMA of the weights and accumulates each step
+    """One 2-worker training run of 4 epochs, checkpoint.num_to_keep=1, with a training worker
+    SIGKILLed once Ray has recorded the checkpoint of epoch 0 and before epoch 1's: what a real
+    fault looks like, at a defined point. It keeps an EMA of the weights and accumulates each step
     over two micro-batches, so that both go through DDP, the kill and the resume, and it is
     tracked in `mlflow_server`. test_train checks one claim about it per test; test_infer
     classifies with it. Returns (the job's output, the run directory)."""
@@ -190,7 +190,8 @@ def main_run(cluster_2cpu, tiny_dataset, tmp_path_factory, mlflow_server):
     run = storage / "main"
     fault = tmp_path_factory.mktemp("fault")
     runtime_env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
-    args = ("name=main", "epochs=4", "num_to_keep=1", *MAIN_RUN_RECIPE, *tracked(mlflow_server))
+    keep = "checkpoint.num_to_keep=1"
+    args = ("name=main", "epochs=4", keep, *MAIN_RUN_RECIPE, *tracked(mlflow_server))
     submit = {"submission_id": "train-main", "runtime_env": runtime_env}
     job = in_background(train_job, cluster_2cpu, tiny_dataset, storage, *args, **submit)
     pid = held_worker(marker, job)

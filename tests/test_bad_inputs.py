@@ -118,6 +118,13 @@ def changed_optimizer(tmp_path, dataset):
     resume_changes(old, train_config(tmp_path, dataset, "optimizer.name=adamw"))
 
 
+def changed_metric(tmp_path, dataset):
+    # A run recorded before checkpoint.metric existed was ranked by val accuracy.
+    old = train_config(tmp_path, dataset).model_dump(mode="json")
+    del old["checkpoint"]
+    resume_changes(old, train_config(tmp_path, dataset, "checkpoint.metric=val_loss"))
+
+
 def foreign_output(tmp_path, _):
     (tmp_path / "out" / "data" / "01_raw").mkdir(parents=True)
     check_replaceable(Location.parse(str(tmp_path / "out")), overwrite=False)
@@ -271,6 +278,13 @@ CASES = [
         changed_optimizer,
     ),
     Case(
+        "a resume with another `checkpoint.metric` (a run from before it: `val_accuracy`)",
+        2,
+        "this run cannot resume with these changes:\n  checkpoint.metric: val_accuracy -> "
+        "val_loss (the checkpoints kept so far were chosen by the run's metric",
+        changed_metric,
+    ),
+    Case(
         "an inference `model=` run that a train job trains again",
         2,
         "model=<path> is a run that a train job has been training again since",
@@ -281,6 +295,19 @@ CASES = [
         2,
         "invalid config (<where>): pretrained: this key is now model.weights",
         lambda t, d: train_config(t, d, "pretrained=IMAGENET1K_V1"),
+    ),
+    Case(
+        "the top-level `num_to_keep` of before `checkpoint`",
+        2,
+        "invalid config (<where>): num_to_keep: this key is now checkpoint.num_to_keep",
+        lambda t, d: train_config(t, d, "num_to_keep=3"),
+    ),
+    Case(
+        "a `checkpoint.metric` the bundle does not rank by",
+        2,
+        "invalid config (<where>): checkpoint.metric: Input should be 'val_loss', 'val_accuracy' "
+        "or 'last'",
+        lambda t, d: train_config(t, d, "checkpoint.metric=val_top5"),
     ),
     Case(
         "a model name that torchvision (or timm) does not have",

@@ -1,4 +1,5 @@
 import re
+import typing
 
 import pytest
 
@@ -226,3 +227,20 @@ def test_recipe_keys_default_to_plain_training():
     ]:
         with pytest.raises(ConfigError, match=re.escape(said)):
             load_config(TrainConfig, None, ["dataset=/d", "storage_path=/s", bad])
+
+
+def test_every_checkpoint_metric_has_its_ranking():
+    # The config's choices and the rankings the train, infer, serve and export jobs apply.
+    from pipeline.model.checkpoint import SCORES
+
+    metrics = typing.get_args(
+        TrainConfig.model_fields["checkpoint"].annotation.model_fields["metric"].annotation
+    )
+    assert set(metrics) == set(SCORES)
+    cfg = load_config(
+        TrainConfig, overrides=["dataset=/d", "storage_path=/r", "checkpoint.metric=last"]
+    )
+    assert (cfg.checkpoint.metric, cfg.checkpoint.num_to_keep) == ("last", 2)
+    assert (
+        load_config(TrainConfig, BUNDLE_ROOT / "configs/train.yaml").checkpoint.metric == "val_loss"
+    )

@@ -87,16 +87,19 @@ def test_val_split_predictions_match_the_summary_and_training(
     assert len({r["source_id"] for r in table}) == 119
     recomputed = sum(r["label"] == r["pred"] for r in table) / len(table)
     assert summary["accuracy"] == pytest.approx(recomputed)
-    # The same checkpoint on the same split: what training measured, image for image, of the
-    # weights that scored higher (the run keeps an EMA: conftest.main_run).
+    # The run's best checkpoint by its metric (the default, val loss), and the job says why.
     best = train_summary["best_metrics"]
-    served = "ema" if best["ema_val_accuracy"] > best["val_accuracy"] else "raw"
+    assert train_summary["checkpoint_metric"] == "val_loss"
+    why = f"best checkpoint epoch {best['epoch']} by val_loss (min): {best['val_loss']:.4f}"
+    assert f"{why}; last epoch 3: {summary['checkpoint']}" in proc.stdout
+    # The same checkpoint on the same split: what training measured, image for image, of the
+    # weights of lower val loss (the run keeps an EMA: conftest.main_run).
+    served = "ema" if best["ema_val_loss"] < best["val_loss"] else "raw"
     assert summary["weights"] == served and f"classifying with the {served} weights" in proc.stdout
-    assert summary["weights_val_accuracy"] == {
-        "raw": best["val_accuracy"],
-        "ema": best["ema_val_accuracy"],
-    }
-    assert summary["accuracy"] == pytest.approx(max(summary["weights_val_accuracy"].values()))
+    assert summary["weights_by"] == "val_loss (min)"
+    assert summary["weights_scores"] == {"raw": best["val_loss"], "ema": best["ema_val_loss"]}
+    accuracy = {"raw": "val_accuracy", "ema": "ema_val_accuracy"}[served]
+    assert summary["accuracy"] == pytest.approx(best[accuracy])
     cm = summary["confusion_matrix"]
     assert sum(map(sum, cm)) == 119 and sum(cm[i][i] for i in range(4)) == round(recomputed * 119)
     assert all(r["top_k"][0] == r["pred"] and len(r["top_k"]) == 4 for r in table)

@@ -144,42 +144,57 @@ def test_a_resume_in_fp16_of_a_run_trained_without_it_starts_a_new_scaler(tmp_pa
     assert policy("bf16").load_scaler(trained_fp16)
 
 
-def ema_checkpoint(directory, raw, ema, *, raw_accuracy: float, ema_accuracy: float):
-    metrics = {"epoch": 4, "val_accuracy": raw_accuracy, "ema_val_accuracy": ema_accuracy}
-    save_checkpoint(
-        directory, raw.state_dict(), checkpoint_meta(metrics=metrics), {}, ema=ema.state_dict()
-    )
+def ema_checkpoint(directory, raw, ema, metrics: dict, metric: str | None):
+    config = {"checkpoint": {"metric": metric}} if metric else {}  # None: a run from before it
+    meta = checkpoint_meta(metrics={"epoch": 4, **metrics}, config=config)
+    save_checkpoint(directory, raw.state_dict(), meta, {}, ema=ema.state_dict())
     return Location.parse(str(directory))
 
 
+# The run's checkpoint.metric decides, by its own val metric: accuracy and loss disagree here.
+DISAGREE = {"val_accuracy": 0.75, "ema_val_accuracy": 0.5, "val_loss": 0.6, "ema_val_loss": 0.4}
+
+
 @pytest.mark.parametrize(
-    ("raw_accuracy", "ema_accuracy", "served"),
-    [(0.5, 0.75, "ema"), (0.75, 0.5, "raw"), (0.5, 0.5, "raw")],
+    ("metric", "metrics", "served", "shown"),
+    [
+        (None, {"val_accuracy": 0.5, "ema_val_accuracy": 0.75}, "ema", "val_accuracy (max)"),
+        ("val_accuracy", DISAGREE, "raw", "val_accuracy (max)"),
+        (
+            "val_accuracy",
+            {"val_accuracy": 0.5, "ema_val_accuracy": 0.5},
+            "raw",
+            "val_accuracy (max)",
+        ),
+        ("val_loss", DISAGREE, "ema", "val_loss (min)"),
+        ("val_loss", {"val_loss": 0.4, "ema_val_loss": 0.6}, "raw", "val_loss (min)"),
+        ("last", DISAGREE, "ema", "val_loss (min)"),
+    ],
 )
 def test_inference_serves_the_better_of_the_raw_and_ema_weights(
-    tmp_path, caplog, raw_accuracy, ema_accuracy, served
+    tmp_path, caplog, metric, metrics, served, shown
 ):
     torch.manual_seed(0)
     models = {"raw": build_model(len(CLASSES)).eval(), "ema": build_model(len(CLASSES)).eval()}
-    checkpoint = ema_checkpoint(
-        tmp_path, *models.values(), raw_accuracy=raw_accuracy, ema_accuracy=ema_accuracy
-    )
+    checkpoint = ema_checkpoint(tmp_path, *models.values(), metrics, metric)
     assert (tmp_path / EMA_WEIGHTS).exists() and read_meta(checkpoint).ema_weights == EMA_WEIGHTS
     loaded, meta = load_model(checkpoint)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(loaded(x), models[served](x))
         assert torch.equal(load_model(checkpoint, weights="raw")[0](x), models["raw"](x))
-    # The job's log and the predictions' summary say which, and what each scored.
+    # The job's log and the predictions' summary say which, by what, and what each scored.
+    key = shown.split()[0]
+    scores = {"raw": metrics[key], "ema": metrics[f"ema_{key}"]}
     caplog.set_level(logging.INFO, logger="pipeline.infer.batch")
     log_weights(checkpoint, meta)
     assert (
-        f"classifying with the {served} weights (val_accuracy raw {raw_accuracy:.4f}, "
-        f"ema {ema_accuracy:.4f})" in caplog.text
+        f"classifying with the {served} weights ({shown}: raw {scores['raw']:.4f}, "
+        f"ema {scores['ema']:.4f})" in caplog.text
     )
     summary = summarize(meta, checkpoint, checkpoint, None, Tally.empty(len(CLASSES)), 0.0, 1.0)
     assert summary["weights"] == served
-    assert summary["weights_val_accuracy"] == {"raw": raw_accuracy, "ema": ema_accuracy}
+    assert (summary["weights_by"], summary["weights_scores"]) == (shown, scores)
 
 
 def test_a_checkpoint_without_an_ema_serves_its_weights(tmp_path):

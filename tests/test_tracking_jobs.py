@@ -40,7 +40,7 @@ def test_an_outage_mid_training_costs_no_training_and_a_resubmission_logs_the_re
 ):
     run = tmp_path / "outage"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    args = ("name=outage", "epochs=3", "num_to_keep=1", *tracked(server))
+    args = ("name=outage", "epochs=3", "checkpoint.num_to_keep=1", *tracked(server))
     job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
     held_worker(marker, job)  # rank 0 has logged epoch 0, and waits
     server.stop()

@@ -12,6 +12,7 @@ import math
 import shutil
 
 import pytest
+import ray.train
 import torch
 from helpers import checkpoint_meta
 from torch.utils.data import DataLoader
@@ -23,6 +24,7 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import VERSIONS, read_manifest
 from pipeline.data.images import IMAGENET_MEAN, IMAGENET_STD
 from pipeline.infer.batch import resolve_checkpoint
+from pipeline.model import source
 from pipeline.model.checkpoint import ModelInput, save_checkpoint
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model
@@ -30,6 +32,7 @@ from pipeline.model.runs import (
     RUN_SUMMARY,
     SNAPSHOT,
     check_resumable,
+    checkpoint_dir_name,
     resume_changes,
     training_since,
 )
@@ -316,6 +319,13 @@ def test_a_resume_refuses_what_it_cannot_change(tiny_dataset, tmp_path):
     # ...but for how fast BatchNorm's statistics follow: a run stuck at chance goes on.
     faster = config(tiny_dataset, "/s", "precision=bf16", "model.bn_momentum=0.1")
     assert resume_changes(old, faster) == ["model.bn_momentum: None -> 0.1"]
+    # The checkpoints kept so far were ranked by the run's metric; how many to keep may change.
+    ranked = config(tiny_dataset, "/s", "checkpoint.metric=val_accuracy")
+    ranked = ranked.model_dump(mode="json")
+    with pytest.raises(ConfigError, match=r"checkpoint.metric: val_accuracy -> last \(the chec"):
+        resume_changes(ranked, config(tiny_dataset, "/s", "checkpoint.metric=last"))
+    again = config(tiny_dataset, "/s", "checkpoint.metric=val_accuracy", "checkpoint.num_to_keep=5")
+    assert resume_changes(ranked, again) == ["checkpoint.num_to_keep: 2 -> 5"]
     # A run recorded before the model section trained ResNet-18.
     before = {k: v for k, v in old.items() if k != "model"} | {"pretrained": None}
     assert resume_changes(before, config(tiny_dataset, "/s", "precision=bf16")) == []
@@ -401,6 +411,43 @@ def test_a_run_trained_again_says_so_in_its_summary_while_it_trains(
     (tmp_path / "again" / "epoch_0000").mkdir()
     save_checkpoint(tmp_path / "again" / "epoch_0000", {}, checkpoint_meta(), {})
     assert resolve_checkpoint(run.child("epoch_0000")).path == str(tmp_path / "again/epoch_0000")
+
+
+# (val_loss, val_accuracy) per epoch, as in a user's run: val accuracy best at epochs 1 and 3,
+# val loss lowest at epoch 4, epoch 5 the last.
+HISTORY = [(0.9, 0.7), (0.6, 0.8316), (0.5, 0.8), (0.47, 0.8316), (0.436, 0.8283), (0.464, 0.81)]
+
+
+@pytest.mark.parametrize(
+    ("metric", "epoch", "why"),
+    [
+        ("val_accuracy", 3, "val_accuracy (max): 0.8316"),  # of two tied, the newer, as Ray keeps
+        ("val_loss", 4, "val_loss (min): 0.4360"),
+        ("last", 5, "last: the newest epoch"),
+        (None, 3, "val_accuracy (max): 0.8316"),  # a run from before checkpoint.metric
+    ],
+)
+def test_inference_takes_the_best_checkpoint_by_the_runs_metric(
+    tmp_path, monkeypatch, caplog, metric, epoch, why
+):
+    run = Location.parse(str(tmp_path))
+    checkpoints = [
+        (
+            ray.train.Checkpoint(str(tmp_path / checkpoint_dir_name(e))),
+            {"epoch": e, "val_loss": loss, "val_accuracy": accuracy},
+        )
+        for e, (loss, accuracy) in enumerate(HISTORY)
+    ]
+    # Ray's record of the run, in an order of its own: the pick must not depend on it.
+    record = checkpoints[3:] + checkpoints[:3]
+    result = ray.train.Result(*checkpoints[-1][::-1], None, run.path, best_checkpoints=record)
+    monkeypatch.setattr(source, "load_result", lambda _: result)
+    run.child(SNAPSHOT).write_bytes(b"{}")
+    recorded = {"checkpoint_metric": metric} if metric else {}  # summary.json says how it ranks
+    run.child(RUN_SUMMARY).write_bytes(json.dumps({"status": "finished", **recorded}).encode())
+    caplog.set_level(logging.INFO, logger="pipeline.model.source")
+    assert resolve_checkpoint(run).path == str(tmp_path / checkpoint_dir_name(epoch))
+    assert f": best checkpoint epoch {epoch} by {why}; last epoch 5: " in caplog.text
 
 
 # --- the recipe's ingredients in the training step ----------------------------------------------

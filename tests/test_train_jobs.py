@@ -88,12 +88,18 @@ def test_reports_and_retention(cluster_2cpu, main_run):
     h = history(run)
     assert summary["final_accuracy"] == h[-1]["val_accuracy"] and summary["epochs"] == 4
     assert (run / CURVES_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    last = cluster_2cpu.ray("job", "logs", "train-main").rstrip().splitlines()[-1]
-    assert last == f"best checkpoint: {summary['best_checkpoint']}"
-    # Retention: the best by val accuracy (num_to_keep=1) plus the latest, nothing else.
-    assert summary["best_metrics"]["val_accuracy"] == max(r["val_accuracy"] for r in h)
+    logs = cluster_2cpu.ray("job", "logs", "train-main")
+    assert logs.rstrip().splitlines()[-1] == f"best checkpoint: {summary['best_checkpoint']}"
+    # Retention: the best by the default checkpoint.metric, the lowest val loss (of equal ones
+    # the newest, as Ray keeps), with checkpoint.num_to_keep=1, plus the latest, nothing else.
+    lowest = min(h, key=lambda r: (r["val_loss"], -r["epoch"]))
+    assert (summary["checkpoint_metric"], summary["checkpoint_mode"]) == ("val_loss", "min")
+    assert summary["best_metrics"]["epoch"] == lowest["epoch"]
     kept = {p.name for p in run.glob("epoch_*")}
-    assert kept == {Path(summary["best_checkpoint"]).name, checkpoint_dir_name(3)}
+    assert kept == {checkpoint_dir_name(int(lowest["epoch"])), checkpoint_dir_name(3)}
+    best = summary["best_metrics"]
+    why = f"best checkpoint epoch {best['epoch']} by val_loss (min): {best['val_loss']:.4f}"
+    assert f"{why}; last epoch 3" in logs
 
 
 def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
@@ -187,7 +193,7 @@ def test_a_kill_between_upload_and_record_trains_the_epoch_again(
 ):
     run = tmp_path / "orphan"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
-    args = ("name=orphan", "epochs=2", "num_to_keep=2")  # keeps epoch_0000 to look at
+    args = ("name=orphan", "epochs=2", "checkpoint.num_to_keep=2")  # keeps epoch_0000 to look at
     job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
     pid = held_worker(marker, job)
     # Held inside report: epoch 0's checkpoint is whole on storage, and Ray has no record of

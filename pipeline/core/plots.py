@@ -5,8 +5,9 @@ from __future__ import annotations
 import io
 
 
-def plot_curves(history: list[dict], *, score: str) -> bytes:
-    """Loss and `score` per epoch, as PNG bytes."""
+def plot_curves(history: list[dict], *, best_epoch: int, chosen_by: str) -> bytes:
+    """Loss and val accuracy per epoch, the best checkpoint's epoch (`chosen_by` what) marked,
+    as PNG bytes."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -15,12 +16,13 @@ def plot_curves(history: list[dict], *, score: str) -> bytes:
     left.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
     left.plot(epochs, [h["val_loss"] for h in history], marker="o", label="val")
     left.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
-    left.legend()
-    right.plot(epochs, [h[score] for h in history], marker="o", color="tab:green")
+    right.plot(epochs, [h["val_accuracy"] for h in history], marker="o", color="tab:green")
     right.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="Val accuracy")
     for ax in (left, right):
+        ax.axvline(best_epoch, color="gray", linestyle="--", label=f"best by {chosen_by}")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left.legend()
     return _png(fig)
 
 

@@ -36,7 +36,13 @@ from pipeline.core.storage import Location, publish_directory
 from pipeline.data.dataset import Manifest, read_manifest
 from pipeline.export import formats, parity
 from pipeline.export.config import ExportConfig
-from pipeline.model.checkpoint import CheckpointMeta, read_meta, served_weights, weights_scores
+from pipeline.model.checkpoint import (
+    CheckpointMeta,
+    read_meta,
+    served_weights,
+    weights_by,
+    weights_scores,
+)
 from pipeline.model.networks import load_model
 from pipeline.model.source import resolve_checkpoint, trained_version
 
@@ -165,7 +171,8 @@ def preprocessing_spec(
         "checkpoint": checkpoint.uri,
         "epoch": meta.epoch,
         "weights": weights,
-        "weights_val_accuracy": weights_scores(meta),
+        "weights_by": weights_by(meta),
+        "weights_scores": weights_scores(meta),
         "model": meta.model.model_dump(mode="json"),
         "files": files,
         "onnx_opset": opset,

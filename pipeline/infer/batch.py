@@ -38,9 +38,8 @@ from pipeline.infer.predictions import (
     publish,
     start_version,
 )
-from pipeline.model.checkpoint import read_meta, served_weights, weights_scores
+from pipeline.model.checkpoint import read_meta, served_weights, weights_by, weights_scores
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
-from pipeline.model.runs import SCORE
 from pipeline.model.source import resolve_checkpoint, trained_version
 
 log = logging.getLogger(__name__)
@@ -108,10 +107,10 @@ def log_weights(checkpoint: Location, meta) -> None:
         return
     served = served_weights(meta)
     log.info(
-        "checkpoint %s holds raw and EMA weights: classifying with the %s weights (%s %s)",
+        "checkpoint %s holds raw and EMA weights: classifying with the %s weights (%s: %s)",
         checkpoint.uri,
         served,
-        SCORE,
+        weights_by(meta),
         ", ".join(f"{name} {score:.4f}" for name, score in scores.items()),
     )
 
@@ -224,10 +223,11 @@ def summarize(
 ) -> dict:
     summary = {
         "checkpoint": checkpoint.uri,
-        # Which of its weights classified (raw, or its EMA's where those scored higher on val),
-        # and each one's val accuracy.
+        # Which of its weights classified (raw, or its EMA's where those scored better on val),
+        # and each one's val score that decided it.
         "weights": served_weights(meta),
-        "weights_val_accuracy": weights_scores(meta),
+        "weights_by": weights_by(meta),
+        "weights_scores": weights_scores(meta),
         "input": source.uri,
         **({"dataset_version": dataset_version} if dataset_version else {}),
         "classes": meta.classes,

@@ -11,8 +11,8 @@ from pipeline.core.config import CAPACITY_TIMEOUT_S, AbsolutePathOrURI, Strict, 
 
 class InferConfig(Strict):
     model: AbsolutePathOrURI = Field(
-        description="A training run directory (its best checkpoint by val accuracy is used) or "
-        "one checkpoint directory."
+        description="A training run directory (its best checkpoint by the run's "
+        "checkpoint.metric) or one checkpoint directory."
     )
     input: AbsolutePathOrURI = Field(
         description="A preprocessed dataset (its `split`), an image folder (<class>/<image>), "

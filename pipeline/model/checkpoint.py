@@ -29,9 +29,43 @@ CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)
 WEIGHTS, TRAIN_STATE, METADATA = "model.pt", "train_state.pt", "metadata.json"
 EMA_WEIGHTS = "model_ema.pt"
-SCORE = "val_accuracy"  # what "best" means, for retention, inference and the weights served
-EMA_SCORE = f"ema_{SCORE}"  # the same, of the EMA weights
 RAW, EMA = "raw", "ema"  # the two sets of weights a checkpoint may hold
+
+
+@dataclass(frozen=True)
+class Score:
+    """What "best" means in a run (its checkpoint.metric): checkpoints are ranked by the
+    reported metric `key`, the lowest first where `mode` is min; a checkpoint's raw and EMA
+    weights are compared by `weights_key` (and `ema_<weights_key>`), in `weights_mode`."""
+
+    metric: str
+    key: str
+    mode: Literal["min", "max"]
+    weights_key: str
+    weights_mode: Literal["min", "max"]
+
+    def better(self, a: float, b: float, mode: str | None = None) -> bool:
+        """Whether `a` scores strictly better than `b`, in `mode` (default: the ranking's)."""
+        return a < b if (mode or self.mode) == "min" else a > b
+
+    def __str__(self) -> str:
+        return self.metric if self.key == "epoch" else f"{self.metric} ({self.mode})"
+
+
+# checkpoint.metric -> its Score. `last` ranks by epoch; its weights go by val loss, which with a
+# few hundred val images ties far less often than val accuracy.
+SCORES = {
+    "val_loss": Score("val_loss", "val_loss", "min", "val_loss", "min"),
+    "val_accuracy": Score("val_accuracy", "val_accuracy", "max", "val_accuracy", "max"),
+    "last": Score("last", "epoch", "max", "val_loss", "min"),
+}
+# What runs and checkpoints recorded before checkpoint.metric existed were ranked by.
+RECORDED_BEFORE_SCORES = "val_accuracy"
+
+
+def config_score(config: dict) -> Score:
+    """The Score of a resolved training config (a checkpoint's or a run's record)."""
+    return SCORES[config.get("checkpoint", {}).get("metric", RECORDED_BEFORE_SCORES)]
 
 
 class ModelSpec(BaseModel):
@@ -138,18 +172,28 @@ def load_weights(checkpoint: Location, meta: CheckpointMeta | None = None, which
 
 
 def served_weights(meta: CheckpointMeta) -> str:
-    """The weights of a checkpoint to classify with: its EMA's where they scored higher on val
-    than the raw ones, else the raw weights."""
-    raw, ema = meta.metrics.get(SCORE), meta.metrics.get(EMA_SCORE)
-    if meta.ema_weights and isinstance(raw, float | int) and isinstance(ema, float | int):
-        return EMA if ema > raw else RAW
+    """The weights of a checkpoint to classify with: its EMA's where they scored better on val
+    than the raw ones by its run's score (`Score.weights_key`), else the raw weights."""
+    scores = weights_scores(meta)
+    score = config_score(meta.config)
+    if len(scores) == 2 and score.better(scores[EMA], scores[RAW], score.weights_mode):
+        return EMA
     return RAW
 
 
 def weights_scores(meta: CheckpointMeta) -> dict[str, float]:
-    """Each set of weights the checkpoint holds, and its val accuracy."""
-    scores = {RAW: meta.metrics.get(SCORE), EMA: meta.metrics.get(EMA_SCORE)}
-    return {k: v for k, v in scores.items() if v is not None and (k == RAW or meta.ema_weights)}
+    """Each set of weights the checkpoint holds, and its val score that `served_weights`
+    compares (its run's `Score.weights_key`)."""
+    key = config_score(meta.config).weights_key
+    scores = {RAW: meta.metrics.get(key), EMA: meta.metrics.get(f"ema_{key}")}
+    held = {RAW} | ({EMA} if meta.ema_weights else set())
+    return {k: v for k, v in scores.items() if k in held and isinstance(v, float | int)}
+
+
+def weights_by(meta: CheckpointMeta) -> str:
+    """What `served_weights` compares the weights by: `val_loss (min)`."""
+    score = config_score(meta.config)
+    return f"{score.weights_key} ({score.weights_mode})"
 
 
 def load_train_state(checkpoint: Location) -> dict:

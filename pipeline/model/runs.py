@@ -3,7 +3,8 @@
 epoch_0007/                       a checkpoint (pipeline.model.checkpoint)
 checkpoint_manager_snapshot.json  Ray Train's record of the run's checkpoints and their metrics
 summary.json                      written last: a run with it has finished, unless it says
-                                  "training" (a train job trains it again)
+                                  "training" (a train job trains it again); it records the
+                                  run's checkpoint.metric, which inference reads to pick the best
 history.csv, curves.png           one row per epoch; loss and accuracy curves
 """
 
@@ -24,7 +25,15 @@ from pipeline.core.plots import plot_curves
 from pipeline.core.ray_internals import CHECKPOINT_MANAGER_LOGGER
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
-from pipeline.model.checkpoint import SCORE, CheckpointMeta, read_meta
+from pipeline.model.checkpoint import (
+    RECORDED_BEFORE_SCORES,
+    SCORES,
+    CheckpointMeta,
+    Score,
+    read_meta,
+)
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # only a type here: inference reads runs without the train wing
     from pipeline.train.config import TrainConfig
@@ -57,11 +66,29 @@ def in_run(run_dir: Location, checkpoint: ray.train.Checkpoint) -> Location:
     return run_dir.child(posixpath.basename(checkpoint.path))
 
 
-def best_checkpoint(run_dir: Location, result: ray.train.Result) -> tuple[Location, dict]:
-    """The retained checkpoint with the best score and its metrics (Result.checkpoint is the
-    latest, not the best)."""
-    best, metrics = max(result.best_checkpoints, key=lambda cm: cm[1][SCORE])
+def best_checkpoint(
+    run_dir: Location, result: ray.train.Result, score: Score
+) -> tuple[Location, dict]:
+    """The retained checkpoint that `score` ranks best, and its metrics (Result.checkpoint is
+    the latest, not the best). On a tie, the newest of the tied."""
+    pick = min if score.mode == "min" else max
+    ranked = sorted(result.best_checkpoints, key=lambda cm: -cm[1]["epoch"])  # newest first
+    best, metrics = pick(ranked, key=lambda cm: cm[1][score.key])
     return in_run(run_dir, best), metrics
+
+
+def picked(score: Score, metrics: dict, latest_epoch: int) -> str:
+    """Which checkpoint `score` picked and why, in one line: `best checkpoint epoch 5 by
+    val_loss (min): 0.4360; last epoch 5`."""
+    why = "the newest epoch" if score.key == "epoch" else f"{metrics[score.key]:.4f}"
+    return f"best checkpoint epoch {metrics['epoch']} by {score}: {why}; last epoch {latest_epoch}"
+
+
+def run_score(run_dir: Location) -> Score:
+    """The score a finished run ranked its checkpoints by, as its summary records it (runs
+    from before checkpoint.metric: val accuracy, which they were ranked by)."""
+    summary = json.loads(run_dir.child(RUN_SUMMARY).read_bytes())
+    return SCORES[summary.get("checkpoint_metric", RECORDED_BEFORE_SCORES)]
 
 
 def latest_checkpoint(run_dir: Location) -> Location | None:
@@ -88,20 +115,24 @@ def training_since(run_dir: Location) -> float | None:
     return summary["since"] if summary.get("status") == TRAINING else None
 
 
-def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
+def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dict:
     """summary.json (last), history.csv and curves.png in the run directory; returns the
     summary."""
     result = load_result(run_dir)
-    best, best_metrics = best_checkpoint(run_dir, result)
+    best, best_metrics = best_checkpoint(run_dir, result, score)
     latest = in_run(run_dir, result.checkpoint)
     history = read_meta(latest).history
+    why = picked(score, best_metrics, history[-1]["epoch"])
+    log.info("run %s: %s: %s", run_dir.uri, why, best.uri)
     summary = {
         "run": run_dir.uri,
         "status": "finished",
+        "checkpoint_metric": score.metric,  # what inference, serving and export pick the best by
+        "checkpoint_mode": score.mode,
         "best_checkpoint": best.uri,
         "best_metrics": best_metrics,
         "latest_checkpoint": latest.uri,
-        "final_accuracy": history[-1][SCORE],
+        "final_accuracy": history[-1]["val_accuracy"],
         "epochs": len(history),
         "wall_time_s": wall_time_s,
         "train_time_s": sum(h["train_s"] for h in history),
@@ -109,7 +140,8 @@ def write_reports(run_dir: Location, *, wall_time_s: float) -> dict:
         "images_per_s_per_worker": _mean(h["images_per_s_per_worker"] for h in history),
     }
     run_dir.child(HISTORY_CSV).write_bytes(history_csv(history).encode())
-    run_dir.child(CURVES_PNG).write_bytes(plot_curves(history, score=SCORE))
+    png = plot_curves(history, best_epoch=best_metrics["epoch"], chosen_by=str(score))
+    run_dir.child(CURVES_PNG).write_bytes(png)
     run_dir.child(RUN_SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
     return summary
 
@@ -134,6 +166,8 @@ def _mean(values) -> float:
 # would not fit the new ones. Everything else is applied from the resumed epoch on.
 FIXED_ON_RESUME = {
     "optimizer.name": "the optimizer's state (momentum or Adam moments) belongs to its kind",
+    "checkpoint.metric": "the checkpoints kept so far were chosen by the run's metric, and Ray "
+    "Train goes on ranking them in that order",
 }
 
 
@@ -152,6 +186,7 @@ def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     now = cfg.model_dump(mode="json")
     was_model, now_model = recorded.get("model", RECORDED_BEFORE_MODELS), now.pop("model")
     old = flatten_config({k: v for k, v in recorded.items() if k != "model"})
+    old.setdefault("checkpoint.metric", RECORDED_BEFORE_SCORES)
     new = flatten_config(now)
     changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
     changed |= {

@@ -15,10 +15,11 @@ from pipeline.data.dataset import committed_versions
 from pipeline.model.checkpoint import METADATA, CheckpointMeta
 from pipeline.model.runs import (
     RUN_SUMMARY,
-    SCORE,
     SNAPSHOT,
     best_checkpoint,
     load_result,
+    picked,
+    run_score,
     training_since,
 )
 
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_checkpoint(model: Location) -> Location:
-    """`model` itself if it is a checkpoint, else the best checkpoint of the run it names."""
+    """`model` itself if it is a checkpoint, else the best checkpoint of the run it names, by
+    the score the run recorded (its checkpoint.metric)."""
     if model.child(METADATA).exists():
         return model
     if model.child(SNAPSHOT).exists():
@@ -49,15 +51,10 @@ def resolve_checkpoint(model: Location) -> Location:
         result = load_result(model)
         if not result.best_checkpoints:
             raise InputError(f"run {model.uri} has no checkpoint yet: train it first")
-        best, metrics = best_checkpoint(model, result)
-        log.info(
-            "run %s: best checkpoint %s (epoch %d, %s %.4f)",
-            model.uri,
-            best.uri,
-            metrics["epoch"],
-            SCORE,
-            metrics[SCORE],
-        )
+        score = run_score(model)
+        best, metrics = best_checkpoint(model, result, score)
+        latest = result.metrics["epoch"]
+        log.info("run %s: %s: %s", model.uri, picked(score, metrics, latest), best.uri)
         return best
     if not model.exists():
         raise InputError(f"model={model.uri} does not exist")

@@ -29,7 +29,7 @@ class ServeConfig(Strict):
     autoscaling, CPUs and GPUs are Serve's own deployment options, beside them in that file."""
 
     model: ModelSource = Field(
-        description="A training run directory (its best checkpoint by val accuracy), one "
+        description="A training run directory (its best checkpoint by its checkpoint.metric), one "
         "checkpoint directory, or a registered model version (models:/<name>/<version>, "
         "models:/<name>@<alias>); resolved once per deploy, so every replica serves one "
         "checkpoint."

@@ -27,9 +27,9 @@ from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import (
     METADATA,
-    SCORE,
     TRAIN_STATE,
     CheckpointMeta,
+    config_score,
     read_meta,
     served_weights,
 )
@@ -48,7 +48,8 @@ from pipeline.tracking.client import (
 
 log = logging.getLogger(__name__)
 
-EPOCH, WEIGHTS_SERVED, ACCURACY = "ray_cv.epoch", "ray_cv.weights", f"ray_cv.{SCORE}"
+EPOCH, WEIGHTS_SERVED, ACCURACY = "ray_cv.epoch", "ray_cv.weights", "ray_cv.val_accuracy"
+BEST_BY = "ray_cv.best_by"  # the run's checkpoint.metric and mode: `val_loss (min)`
 
 
 def model_spec(meta: CheckpointMeta) -> str:
@@ -67,7 +68,8 @@ def model_tags(checkpoint: Location, meta: CheckpointMeta, run_tags: dict[str, s
         CODE_VERSION: run_tags.get(CODE_VERSION, ""),
         CHECKPOINT: checkpoint.uri,
         EPOCH: str(meta.epoch),
-        ACCURACY: str(meta.metrics.get(SCORE)),
+        ACCURACY: str(meta.metrics.get("val_accuracy")),
+        BEST_BY: str(config_score(meta.config)),
         WEIGHTS_SERVED: served_weights(meta),
     }
 

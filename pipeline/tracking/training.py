@@ -24,7 +24,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
-from pipeline.model.checkpoint import SCORE, read_meta
+from pipeline.model.checkpoint import read_meta
 from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY, flatten_config
 from pipeline.tracking import registry
 from pipeline.tracking.client import (
@@ -111,7 +111,7 @@ class EpochLog:
     def catch_up(self, history: list[dict]) -> list[int]:
         """Log each epoch of `history` the server does not hold; return those logged now."""
         if self.logged is None:
-            steps = self.client.get_metric_history(self.run_id, SCORE)
+            steps = self.client.get_metric_history(self.run_id, "val_accuracy")
             self.logged = {m.step for m in steps}
         done = []
         for row in history:

@@ -71,6 +71,17 @@ class EMAConfig(Strict):
     every_steps: int = Field(4, ge=1, description="Optimizer steps between two updates of the EMA.")
 
 
+class CheckpointConfig(Strict):
+    metric: Literal["val_loss", "val_accuracy", "last"] = Field(
+        "val_loss",
+        description="What makes a checkpoint best, for retention, inference, serving, export and "
+        "the registry: val_loss (lowest), val_accuracy (highest) or last (the newest epoch).",
+    )
+    num_to_keep: int = Field(
+        2, ge=1, description="Best checkpoints kept by `metric` (the latest is kept too)."
+    )
+
+
 class TrainScalingConfig(Strict):
     num_workers: WorkerCount = Field(
         2,
@@ -195,9 +206,7 @@ class TrainConfig(Strict):
             "max_failures; -1: always."
         ),
     )
-    num_to_keep: int = Field(
-        2, ge=1, description="Best checkpoints kept by val_accuracy (the latest is kept too)."
-    )
+    checkpoint: CheckpointConfig = CheckpointConfig()
     log_every_s: float = Field(
         30, gt=0, description="Seconds between progress lines within an epoch (rank 0)."
     )
@@ -205,11 +214,16 @@ class TrainConfig(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _pretrained_moved(cls, data: Any) -> Any:
+    def _keys_moved(cls, data: Any) -> Any:
         if isinstance(data, dict) and "pretrained" in data:
             raise ValueError(
                 "pretrained: this key is now model.weights (e.g. model.weights=IMAGENET1K_V1, "
                 "or the path of a state_dict file), beside model.name"
+            )
+        if isinstance(data, dict) and "num_to_keep" in data:
+            raise ValueError(
+                "num_to_keep: this key is now checkpoint.num_to_keep (e.g. "
+                "checkpoint.num_to_keep=2), beside checkpoint.metric, what it keeps the best by"
             )
         return data
 

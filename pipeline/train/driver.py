@@ -30,10 +30,9 @@ from pipeline.core.ray_internals import (
 from pipeline.core.storage import Location, retry
 from pipeline.core.tracking import EpochSink, TrainingTracker
 from pipeline.data.dataset import VERSIONS, Manifest, committed_versions, read_manifest
-from pipeline.model.checkpoint import CheckpointMeta, ModelInput, read_meta
+from pipeline.model.checkpoint import SCORES, CheckpointMeta, ModelInput, read_meta
 from pipeline.model.runs import (
     RUN_SUMMARY,
-    SCORE,
     check_resumable,
     latest_checkpoint,
     mark_training,
@@ -142,6 +141,7 @@ def train(
     `tracking`, the run is tracked too (pipeline.tracking)."""
     started = time.monotonic()
     run_dir = runs.child(cfg.name)
+    score = SCORES[cfg.checkpoint.metric]  # a resume keeps the run's: resume_changes checks
     latest = latest_checkpoint(run_dir)
     meta = read_meta(latest) if latest is not None else None
     changes = resume_changes(meta.config, cfg) if meta is not None else []
@@ -156,7 +156,7 @@ def train(
             )
             if tracking is not None:  # logs what an earlier job could not
                 tracking.start(run_dir, cfg, version=meta.dataset_version, changes=changes)
-            summary = write_reports(run_dir, wall_time_s=time.monotonic() - started)
+            summary = write_reports(run_dir, score, wall_time_s=time.monotonic() - started)
             if tracking is not None:
                 tracking.finish(run_dir, summary)
             return summary
@@ -183,7 +183,7 @@ def train(
         if tracking is not None:
             tracking.fail(run_dir, str(e))
         raise
-    summary = write_reports(run_dir, wall_time_s=time.monotonic() - started)
+    summary = write_reports(run_dir, score, wall_time_s=time.monotonic() - started)
     if tracking is not None:
         tracking.finish(run_dir, summary)
     return summary
@@ -276,7 +276,7 @@ def fit(
 ) -> None:
     from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
-    s = cfg.scaling
+    s, score = cfg.scaling, SCORES[cfg.checkpoint.metric]
     per_worker = {"CPU": s.cpus_per_worker} | ({"GPU": 1} if s.use_gpu else {})
     os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(s.startup_timeout_s)
     workers = f"{s.min_workers} to {s.max_workers}" if s.elastic else str(s.max_workers)
@@ -334,9 +334,9 @@ def fit(
             if s.elastic
             else None,
             checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=cfg.num_to_keep,
-                checkpoint_score_attribute=SCORE,
-                checkpoint_score_order="max",
+                num_to_keep=cfg.checkpoint.num_to_keep,
+                checkpoint_score_attribute=score.key,
+                checkpoint_score_order=score.mode,
             ),
         ),
     )

@@ -33,7 +33,6 @@ from pipeline.core.tracking import EpochSink
 from pipeline.data.dataset import Manifest, read_manifest
 from pipeline.model.checkpoint import (
     EMA,
-    EMA_SCORE,
     CheckpointMeta,
     ModelInput,
     ModelSpec,
@@ -44,7 +43,7 @@ from pipeline.model.checkpoint import (
 )
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import batchnorm_layers, build_model, unwrap
-from pipeline.model.runs import SCORE, check_resumable, checkpoint_dir_name
+from pipeline.model.runs import check_resumable, checkpoint_dir_name
 from pipeline.train.augment import batch_mix, train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.ema import ModelEMA
@@ -174,7 +173,7 @@ def evaluate(model, loader, *, policy: DevicePolicy, num_classes: int, ema=None)
     out = {"val_images": total}
     for prefix, loss in zip(models, losses, strict=True):
         out[f"{prefix}val_loss"] = loss / max(total, 1)
-        out[f"{prefix}{SCORE}"] = accuracy[prefix].compute().item()
+        out[f"{prefix}val_accuracy"] = accuracy[prefix].compute().item()
     return out
 
 
@@ -407,9 +406,9 @@ def train_loop_per_worker(config: dict) -> None:
             "epoch": epoch,
             "train_loss": loss_sum / max(images, 1),
             "val_loss": v["val_loss"],
-            SCORE: v[SCORE],
+            "val_accuracy": v["val_accuracy"],
             "val_images": v["val_images"],  # all of val, each once: the score is exact
-            **{k: v[k] for k in ("ema_val_loss", EMA_SCORE) if k in v},
+            **{k: v[k] for k in ("ema_val_loss", "ema_val_accuracy") if k in v},
             "lr": lr,
             "images_per_s": images / slowest,  # all workers together
             "images_per_s_per_worker": t["images"] / t["seconds"],  # this rank's (rank 0's)
@@ -555,8 +554,10 @@ def save_and_report(
     epoch, m = metrics["epoch"], metrics
     log.info(
         "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f images/s",
-        *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m[SCORE]),
-        f" ema_val_accuracy {m[EMA_SCORE]:.4f}" if EMA_SCORE in m else "",
+        *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m["val_accuracy"]),
+        f" ema_val_loss {m['ema_val_loss']:.4f} ema_val_accuracy {m['ema_val_accuracy']:.4f}"
+        if "ema_val_loss" in m
+        else "",
         *(m["lr"], m["images_per_s"]),
     )
     meta = CheckpointMeta(
