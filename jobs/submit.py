@@ -216,6 +216,8 @@ def submit_and_wait(
     for SUCCEEDED)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
+    # The job client sets its own logger to INFO on import: "WebSocket closed ..." per job.
+    logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
     client = JobSubmissionClient(address)
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
