@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.common import write_results
+from bench.common import command, write_results
 from harness.cluster import LocalCluster
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import SCORES
@@ -41,8 +41,19 @@ from pipeline.model.classifier import Classifier, prepare_image
 from pipeline.model.runs import best_checkpoint, checkpoint_dir_name, load_result
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
-FASHION_CLASSES = ["tshirt_top", "trouser", "pullover", "dress", "coat", "sandal", "shirt",
-                   "sneaker", "bag", "ankle_boot"]  # fmt: skip  # the labels 0-9, one line
+# Fashion-MNIST's labels 0-9, in order.
+FASHION_CLASSES = [
+    "tshirt_top",
+    "trouser",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle_boot",
+]
 PHOTOS_TRAIN = 700  # of each class's 1,000: the rest is the test set
 IMAGE_SIZE = 32
 
@@ -139,18 +150,32 @@ def main() -> None:
     with LocalCluster(num_cpus=2) as cluster:
         for name, (train, test) in folders.items():
             dataset, runs = work / f"{name}_{IMAGE_SIZE}", work / f"runs_{name}"
-            submit(cluster, ["jobs.preprocess", "--config", "configs/demo-preprocess.yaml",
-                             "source.kind=folder", f"source.folder.path={train}",
-                             f"image_size={IMAGE_SIZE}", f"output={dataset}"])  # fmt: skip
+            preprocess = "jobs.preprocess --config configs/demo-preprocess.yaml source.kind=folder"
+            submit(
+                cluster,
+                command(
+                    preprocess,
+                    f"source.folder.path={train}",
+                    f"image_size={IMAGE_SIZE}",
+                    f"output={dataset}",
+                ),
+            )
             files = sorted(test.glob("*/*.png"))
             images = [f.read_bytes() for f in files]
             labels = [f.parent.name for f in files]
             for seed in args.seeds:
                 started, run = time.monotonic(), f"{name}-{seed}"
-                submit(cluster, ["jobs.train", "--config", "configs/demo-train.yaml",
-                                 f"dataset={dataset}", f"storage_path={runs}", f"name={run}",
-                                 f"epochs={args.epochs}", f"seed={seed}",
-                                 f"checkpoint.num_to_keep={args.epochs}", *args.set])  # fmt: skip
+                train = command(
+                    "jobs.train --config configs/demo-train.yaml",
+                    f"dataset={dataset}",
+                    f"storage_path={runs}",
+                    f"name={run}",
+                    f"epochs={args.epochs}",
+                    f"seed={seed}",
+                    f"checkpoint.num_to_keep={args.epochs}",
+                    *args.set,
+                )
+                submit(cluster, train)
                 wall_s = time.monotonic() - started
                 run_dir = Location.parse(str(runs / run))
                 result = load_result(run_dir)
@@ -158,9 +183,14 @@ def main() -> None:
                     test_accuracy(runs / run / checkpoint_dir_name(e), images, labels)
                     for e in range(args.epochs)
                 ]
-                row = {"dataset": name, "seed": seed, "train_wall_s": round(wall_s),
-                       "val_images": result.metrics["val_images"], "test_images": len(images),
-                       "test_accuracy_by_epoch": [round(t, 4) for t in tests]}  # fmt: skip
+                row = {
+                    "dataset": name,
+                    "seed": seed,
+                    "train_wall_s": round(wall_s),
+                    "val_images": result.metrics["val_images"],
+                    "test_images": len(images),
+                    "test_accuracy_by_epoch": [round(t, 4) for t in tests],
+                }
                 for metric, score in SCORES.items():
                     _, picked = best_checkpoint(run_dir, result, score)
                     epoch = picked["epoch"]
