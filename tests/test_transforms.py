@@ -1,8 +1,11 @@
 import io
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
 
+from harness.cluster import BUNDLE_ROOT
 from pipeline.data.images import BadImageError, decode_image, encode_image, resize_center_crop
 
 
@@ -85,3 +88,35 @@ def test_a_photo_is_turned_upright_as_its_exif_orientation_says():
     assert upright.size == (20, 40)
     red, blue = upright.getpixel((10, 5)), upright.getpixel((10, 35))
     assert red[0] > 200 > red[2] and blue[2] > 200 > blue[0]
+
+
+@pytest.mark.parametrize("size", [(5, 400), (700, 3), (1, 97), (64, 1000)])
+def test_an_image_of_extreme_shape_is_resized_by_its_crop_within_1_of_the_whole(size):
+    img = Image.effect_noise(size, 64).convert("RGB")
+    w, h = size
+    long = int(32 * max(w, h) / min(w, h))
+    whole = img.resize((32, long) if w <= h else (long, 32), Image.Resampling.BILINEAR)
+    left, top = round((whole.width - 32) / 2), round((whole.height - 32) / 2)
+    expected = whole.crop((left, top, left + 32, top + 32)).tobytes()
+    got = resize_center_crop(img, size=32).tobytes()
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) <= 1
+
+
+def test_a_tiny_file_of_extreme_shape_takes_no_gigabytes():
+    # 1 x 20,000 px, a few hundred bytes as PNG: resized whole to 224 px it would be 224 x
+    # 4,480,000 (3 GB). Under a 1 GiB address-space limit the crop alone fits.
+    code = (
+        "import resource, io\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))\n"
+        "from PIL import Image\n"
+        "from pipeline.data.images import decode_image, resize_center_crop\n"
+        "buf = io.BytesIO(); Image.new('RGB', (1, 20_000), (9, 99, 199)).save(buf, 'PNG')\n"
+        "out = resize_center_crop(decode_image(buf.getvalue()), size=224)\n"
+        "print(len(buf.getvalue()), out.size, out.getpixel((100, 100)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=BUNDLE_ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    nbytes, result = proc.stdout.split(" ", 1)
+    assert int(nbytes) < 1000 and result.strip() == "(224, 224) (9, 99, 199)"
