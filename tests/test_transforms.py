@@ -1,4 +1,5 @@
 import io
+import random
 import subprocess
 import sys
 
@@ -120,3 +121,41 @@ def test_a_tiny_file_of_extreme_shape_takes_no_gigabytes():
     assert proc.returncode == 0, proc.stderr[-2000:]
     nbytes, result = proc.stdout.split(" ", 1)
     assert int(nbytes) < 1000 and result.strip() == "(224, 224) (9, 99, 199)"
+
+
+def mutations(data: bytes, rng: random.Random, count: int):
+    """`count` damaged copies of `data`: a few bytes changed, some of them cut short."""
+    for _ in range(count):
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        yield bytes(damaged[: rng.randrange(1, len(damaged))] if rng.random() < 0.3 else damaged)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # PIL's own, on the damaged EXIF
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "QOI"])
+def test_damaged_files_of_every_format_decode_or_raise_bad_image_error(fmt):
+    # Fuzzed, seeded: whatever a format's decoder raises on damage becomes BadImageError, which
+    # preprocessing skips and counts, inference lists and serving answers with a 400.
+    img = Image.effect_noise((24, 16), 60).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112], exif[0x010F] = 6, "camera"  # an orientation to turn by, and a string
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **({"exif": exif.tobytes()} if fmt == "JPEG" else {}))
+    rejected = 0
+    for data in mutations(buf.getvalue(), random.Random(fmt), 200):
+        try:
+            assert decode_image(data).mode == "RGB"
+        except BadImageError:
+            rejected += 1
+    assert rejected  # the damage was seen
+
+
+def test_a_qoi_cut_short_anywhere_is_a_bad_image():
+    # QOI's decoder raises IndexError, ValueError or OSError, by where the file ends.
+    buf = io.BytesIO()
+    Image.effect_noise((24, 16), 60).convert("RGB").save(buf, format="QOI")
+    data = buf.getvalue()
+    for end in range(len(data) - 8):  # its last 8 bytes are an end marker
+        with pytest.raises(BadImageError):
+            decode_image(data[:end])

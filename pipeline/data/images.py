@@ -39,6 +39,11 @@ def decode_image(data: bytes) -> Image.Image:
     except (OSError, SyntaxError, ValueError) as e:
         # PIL reports truncated and corrupt data as OSError, some broken headers as SyntaxError.
         raise BadImageError(f"truncated or corrupt image: {e}") from None
+    except Exception as e:
+        # The bytes are untrusted and each format's decoder fails its own way on damage
+        # (IndexError from a truncated QOI, TypeError from one changed byte of EXIF, struct.error
+        # from a WEBP): any failure to decode is the file's, to skip and count, not the job's.
+        raise BadImageError(f"corrupt image ({type(e).__name__}: {e})") from None
     return img.convert("RGB")
 
 
