@@ -70,18 +70,18 @@ def best_checkpoint(
     run_dir: Location, result: ray.train.Result, score: Score
 ) -> tuple[Location, dict]:
     """The retained checkpoint that `score` ranks best, and its metrics (Result.checkpoint is
-    the latest, not the best). On a tie, the newest of the tied."""
+    the latest, not the best). On a tie, the newest of the tied. Logs which and why: `best
+    checkpoint epoch 5 by val_loss (min): 0.4360; last epoch 5`."""
     pick = min if score.mode == "min" else max
     ranked = sorted(result.best_checkpoints, key=lambda cm: -cm[1]["epoch"])  # newest first
     best, metrics = pick(ranked, key=lambda cm: cm[1][score.key])
-    return in_run(run_dir, best), metrics
-
-
-def picked(score: Score, metrics: dict, latest_epoch: int) -> str:
-    """Which checkpoint `score` picked and why, in one line: `best checkpoint epoch 5 by
-    val_loss (min): 0.4360; last epoch 5`."""
+    best = in_run(run_dir, best)
     why = "the newest epoch" if score.key == "epoch" else f"{metrics[score.key]:.4f}"
-    return f"best checkpoint epoch {metrics['epoch']} by {score}: {why}; last epoch {latest_epoch}"
+    log.info(
+        "run %s: best checkpoint epoch %d by %s: %s; last epoch %d: %s",
+        *(run_dir.uri, metrics["epoch"], score, why, result.metrics["epoch"], best.uri),
+    )
+    return best, metrics
 
 
 def run_score(run_dir: Location) -> Score:
@@ -122,8 +122,6 @@ def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dic
     best, best_metrics = best_checkpoint(run_dir, result, score)
     latest = in_run(run_dir, result.checkpoint)
     history = read_meta(latest).history
-    why = picked(score, best_metrics, history[-1]["epoch"])
-    log.info("run %s: %s: %s", run_dir.uri, why, best.uri)
     summary = {
         "run": run_dir.uri,
         "status": "finished",

@@ -18,7 +18,6 @@ from pipeline.model.runs import (
     SNAPSHOT,
     best_checkpoint,
     load_result,
-    picked,
     run_score,
     training_since,
 )
@@ -51,10 +50,7 @@ def resolve_checkpoint(model: Location) -> Location:
         result = load_result(model)
         if not result.best_checkpoints:
             raise InputError(f"run {model.uri} has no checkpoint yet: train it first")
-        score = run_score(model)
-        best, metrics = best_checkpoint(model, result, score)
-        latest = result.metrics["epoch"]
-        log.info("run %s: %s: %s", model.uri, picked(score, metrics, latest), best.uri)
+        best, _ = best_checkpoint(model, result, run_score(model))
         return best
     if not model.exists():
         raise InputError(f"model={model.uri} does not exist")
