@@ -433,9 +433,12 @@ def train_loop_per_worker(config: dict) -> None:
 def warn_if_at_chance(metrics: dict, num_classes: int, model: torch.nn.Module) -> None:
     """A warning when val loss sits at ln(classes), a uniform guess, while train loss falls:
     how BatchNorm looks when its running statistics, which evaluation uses, have barely moved."""
-    chance, layers = math.log(num_classes), batchnorm_layers(model)
+    chance = math.log(num_classes)
     at_chance = abs(metrics["val_loss"] - chance) <= 0.02 * chance
-    if not (layers and at_chance and metrics["train_loss"] < 0.9 * chance):
+    if not at_chance or metrics["train_loss"] >= 0.9 * chance:
+        return
+    layers = batchnorm_layers(model)  # walked only when it may be their fault
+    if not layers:
         return
     slowest = min((layer.momentum for layer in layers if layer.momentum is not None), default=0)
     fix = (
