@@ -15,9 +15,8 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from pipeline.core.config import keys_help, load_config
-from pipeline.core.errors import EXIT_CODES, ClusterError, ConfigError, InputError
+from pipeline.core.errors import failure
 from pipeline.core.logs import setup_logging
-from pipeline.core.storage import is_transient
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -63,15 +62,14 @@ def job_main(
         files = [Path(f) for f in args.config or [default_config]]
         cfg = load_config(config_cls, files, args.overrides)
         result = body(cfg)
-    except (InputError, ConfigError, ClusterError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        exit_now(next(code for kind, code in EXIT_CODES.items() if isinstance(e, kind)))
-    except OSError as e:
-        # Storage that failed for good: a wrong path, bucket or credentials is the input's
-        # fault (1); one that kept failing through every retry, the service's (3).
-        code = EXIT_CODES[ClusterError if is_transient(e) else InputError]
-        log.exception("storage failed")
-        print(f"error: storage: {e}", file=sys.stderr)
+    except Exception as e:
+        ended = failure(e)
+        if ended is None:
+            raise  # a bug: its traceback, and exit 1
+        code, line = ended
+        if isinstance(e, OSError):  # where in the bundle a storage call failed, for the log
+            log.warning("storage failed", exc_info=True)
+        print(f"error: {line}", file=sys.stderr)
         exit_now(code)
     # What the driver itself cost: it must not grow with the data (the work runs on the cluster).
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB

@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import posixpath
 import secrets
 import shlex
 import signal
@@ -45,8 +44,9 @@ from pathlib import Path
 import yaml
 
 from pipeline.core.config import keys_help, load_config
-from pipeline.core.errors import EXIT_CODES, ConfigError
+from pipeline.core.errors import EXIT_CODES, ClusterError, ConfigError, failure, first_line
 from pipeline.core.logs import CURRENT_DATASET_LINE, setup_logging
+from pipeline.core.uris import check_scheme, join_uri
 from pipeline.data.config import PreprocessConfig
 from pipeline.export.config import ExportConfig
 from pipeline.infer.config import InferConfig
@@ -80,7 +80,11 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
     `recipe`, the train step's config file, then the recipe's file over it.
 
     Every config is loaded and validated here, so a bad one fails before anything is submitted."""
-    root = root.rstrip("/") if "://" in root else str(Path(root).resolve())
+    try:
+        check_scheme(root)
+    except ValueError as e:
+        raise ConfigError(f"--root {root}: {e}") from None
+    root = root if "://" in root else str(Path(root).resolve())
     overrides: dict[str, list[str]] = {step: [] for step in CONFIGS}
     for item in sets:
         step, dot, rest = item.partition(".")
@@ -90,7 +94,7 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
                 "then the job's key, e.g. train.epochs=20"
             )
         overrides[step].append(rest)
-    dataset, runs = posixpath.join(root, "dataset"), posixpath.join(root, "runs")
+    dataset, runs = join_uri(root, "dataset"), join_uri(root, "runs")
     args = {
         "preprocess": [f"output={dataset}", *overrides["preprocess"]],
         "train": [f"dataset={dataset}", f"storage_path={runs}", *overrides["train"]],
@@ -106,14 +110,14 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
     load("preprocess")
     name = load("train").name  # inference reads the run that training writes
     args["infer"] = [
-        f"model={posixpath.join(runs, name)}",
+        f"model={join_uri(runs, name)}",
         f"input={dataset}",
-        f"output={posixpath.join(root, 'predictions', name)}",
+        f"output={join_uri(root, 'predictions', name)}",
         *overrides["infer"],
     ]
     load("infer")
     args["export"] = [
-        f"model={posixpath.join(runs, name)}",
+        f"model={join_uri(runs, name)}",
         f"dataset={dataset}",
         *overrides["export"],
     ]
@@ -332,11 +336,28 @@ def main(argv: list[str] | None = None) -> int:
     # "Directory '.git' is now ignored by default ...": runtime_env.yaml excludes it anyway.
     logging.getLogger("ray._private.runtime_env").setLevel(logging.ERROR)
     try:
-        jobs = plan(args.root, profile=args.profile, sets=args.set, recipe=args.recipe)
-        env_vars = parse_env(args.env)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CODES[ConfigError]
+        return run_chain(args)
+    except ConnectionError as e:  # the dashboard did not answer: retrying later may help
+        print(
+            f"error: cannot reach the cluster at --address {args.address} ({first_line(e)}): is "
+            "it up, and is that its dashboard? A job submitted before this may still run "
+            "(ray job list)",
+            file=sys.stderr,
+        )
+        return EXIT_CODES[ClusterError]
+    except Exception as e:
+        ended = failure(e)
+        if ended is None:
+            raise
+        code, line = ended
+        print(f"error: {line}", file=sys.stderr)
+        return code
+
+
+def run_chain(args: argparse.Namespace) -> int:
+    """The steps `args` name, one job after another; the first failed job's exit code."""
+    jobs = plan(args.root, profile=args.profile, sets=args.set, recipe=args.recipe)
+    env_vars = parse_env(args.env)
     version = None
     for job in jobs:
         if args.step == job.step or (args.step == "all" and job.step in STEPS):

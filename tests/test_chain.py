@@ -62,6 +62,25 @@ def test_plan_derives_every_path_from_the_root():
     assert not [arg for arg in jobs["export"] if arg.startswith("output=")]
 
 
+def test_plan_keeps_the_roots_query_after_every_path():
+    # The documented MinIO root: its endpoint option must stay an option of each path.
+    root = "s3://my-bucket/ray-cv?endpoint_override=minio.internal:9000&scheme=http"
+    paths = [a for job in plan(root) for a in job.entrypoint if "s3://" in a]
+    assert sorted({a.partition("=")[0] for a in paths}) == [
+        "dataset",
+        "input",
+        "model",
+        "output",
+        "storage_path",
+    ]
+    for arg in paths:
+        key, _, uri = arg.partition("=")
+        path, _, query = uri.partition("?")
+        assert query == "endpoint_override=minio.internal:9000&scheme=http", arg
+        assert path.startswith("s3://my-bucket/ray-cv/") and "?" not in path, arg
+        assert Location.parse(uri).path.startswith("my-bucket/ray-cv/"), arg
+
+
 def test_all_runs_the_chain_and_export_only_when_named(monkeypatch):
     submitted = {}
 

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticUndefined
 
 from pipeline.core.errors import ConfigError
+from pipeline.core.uris import check_scheme
 
 
 class Strict(BaseModel):
@@ -25,6 +26,8 @@ class Strict(BaseModel):
 
 
 def absolute_or_uri(value: str | None) -> str | None:
+    if value:
+        check_scheme(value)
     # A Ray job runs in a temporary copy of the bundle: a relative path would vanish with it.
     if value and "://" not in value and not value.startswith("/"):
         raise ValueError(
@@ -100,20 +103,43 @@ def load_config(
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. {_example(cls)}")
-        _set_dotted(data, key, parse_yaml(raw) if raw else None)
+        try:
+            value = parse_yaml(raw) if raw else None
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote it "
+                f"to give a string: {key}='{raw}'"
+            ) from None
+        _set_dotted(data, key, value)
     return validate_config(cls, data, " + ".join(map(str, paths)) or "overrides")
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        data = parse_yaml(Path(path).read_text()) or {}
+        data = parse_yaml(Path(path).read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory: give a YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping, not {type(data).__name__}")
     return data
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """What PyYAML found wrong and where, on one line."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return " ".join(str(error).split())
+    return f"{error.problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> None:

@@ -1,4 +1,7 @@
-"""Errors that mean the user must change something, and the exit code each one ends a job with."""
+"""Errors that mean the user must change something, and the exit code each one ends a job with:
+the contract docs/errors.md states, in one place for every job and the chain."""
+
+from __future__ import annotations
 
 
 class InputError(ValueError):
@@ -17,3 +20,51 @@ class ClusterError(RuntimeError):
 # A job's exit code: 0 done, then one per kind of error. `python -m jobs.submit` passes a
 # failed job's code on, so a scheduler sees which it was.
 EXIT_CODES: dict[type[Exception], int] = {InputError: 1, ConfigError: 2, ClusterError: 3}
+
+
+# Storage errors that retrying cannot fix: the request itself is wrong.
+PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+PERMANENT_MARKS = (
+    # pyarrow names S3's errors by its own enum ("AWS Error NO_SUCH_KEY during CopyObject"),
+    # S3 itself in CamelCase: both spellings.
+    "NO_SUCH_BUCKET",
+    "NO_SUCH_KEY",
+    "NoSuchBucket",
+    "NoSuchKey",
+    "ACCESS_DENIED",
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "Path does not exist",
+    "No such file",
+)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether the same storage call may succeed if tried again."""
+    if not isinstance(error, OSError) or isinstance(error, PERMANENT_TYPES):
+        return False
+    return not any(mark in str(error) for mark in PERMANENT_MARKS)
+
+
+def failure(error: BaseException) -> tuple[int, str] | None:
+    """The exit code and the `error: ` line that end a job or the chain on `error`; None for an
+    error that is no one's input (a bug), which keeps its traceback."""
+    if isinstance(error, tuple(EXIT_CODES)):
+        return next(code for kind, code in EXIT_CODES.items() if isinstance(error, kind)), str(
+            error
+        )
+    if isinstance(error, ConnectionError):  # a service that does not answer: it may come back
+        return EXIT_CODES[ClusterError], f"cannot connect: {first_line(error)}"
+    if isinstance(error, OSError):
+        # Storage that failed for good: a wrong path, bucket or credentials is the input's fault
+        # (1); one that kept failing through every retry, the service's (3).
+        code = EXIT_CODES[ClusterError if is_transient(error) else InputError]
+        return code, f"storage: {first_line(error)}"
+    return None
+
+
+def first_line(error: BaseException) -> str:
+    """The error's message up to its first line break."""
+    # Native libraries' messages run on (pyarrow's HDFS lists every path it tried).
+    return str(error).strip().partition("\n")[0]

@@ -24,6 +24,9 @@ from typing import TypeVar
 
 import pyarrow.fs as pafs
 
+from pipeline.core.errors import ConfigError, is_transient
+from pipeline.core.uris import check_scheme, join_uri, parent_uri
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -31,29 +34,6 @@ T = TypeVar("T")
 # attempts span about 8 s, what a storage service's brief unavailability lasts.
 ATTEMPTS = 5
 FIRST_WAIT_S = 0.5
-# Errors that retrying cannot fix: the request itself is wrong.
-PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-PERMANENT_MARKS = (
-    # pyarrow names S3's errors by its own enum ("AWS Error NO_SUCH_KEY during CopyObject"),
-    # S3 itself in CamelCase: both spellings.
-    "NO_SUCH_BUCKET",
-    "NO_SUCH_KEY",
-    "NoSuchBucket",
-    "NoSuchKey",
-    "ACCESS_DENIED",
-    "AccessDenied",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "Path does not exist",
-    "No such file",
-)
-
-
-def is_transient(error: BaseException) -> bool:
-    """Whether the same storage call may succeed if tried again."""
-    if not isinstance(error, OSError) or isinstance(error, PERMANENT_TYPES):
-        return False
-    return not any(mark in str(error) for mark in PERMANENT_MARKS)
 
 
 def retry(call: Callable[[], T], what: str) -> T:
@@ -107,22 +87,28 @@ class Location:
         `?endpoint_override=...` are passed to pyarrow."""
         if "://" not in uri:
             return cls(pafs.LocalFileSystem(), os.path.abspath(uri), os.path.abspath(uri))
+        scheme = uri.partition("://")[0]
         try:
+            check_scheme(uri)
             fs, path = pafs.FileSystem.from_uri(uri)
-        except (pafs.ArrowInvalid, ValueError) as e:
-            raise ValueError(f"cannot open {uri!r}: {e}") from None
+        except ValueError as e:  # pyarrow's ArrowInvalid is one: a URI it cannot parse
+            raise ConfigError(f"cannot open {uri}: {e}") from None
+        except OSError as e:
+            if scheme not in ("hdfs", "viewfs"):
+                raise
+            # pyarrow loads Java and libhdfs when it first opens an HDFS URI.
+            raise ConfigError(
+                f"cannot open {uri}: {str(e).partition(chr(10))[0]}; HDFS needs Java and libhdfs "
+                "on every node (JAVA_HOME, ARROW_LIBHDFS_DIR)"
+            ) from None
         return cls(fs, path.rstrip("/"), uri)
 
     def child(self, *parts: str) -> Location:
-        base, sep, query = self.uri.partition("?")
-        uri = posixpath.join(base, *parts) + (sep + query if sep else "")
-        return Location(self.fs, posixpath.join(self.path, *parts), uri)
+        return Location(self.fs, posixpath.join(self.path, *parts), join_uri(self.uri, *parts))
 
     @property
     def parent(self) -> Location:
-        base, sep, query = self.uri.partition("?")
-        uri = posixpath.dirname(base.rstrip("/")) + (sep + query if sep else "")
-        return Location(self.fs, posixpath.dirname(self.path), uri)
+        return Location(self.fs, posixpath.dirname(self.path), parent_uri(self.uri))
 
     @property
     def name(self) -> str:
