@@ -1,18 +1,23 @@
 """Every bad input the table in docs/errors.md lists: its exit code and the start of its message.
 
-Each case either runs here (the library call the job makes, raising the error the job turns into
-its exit code) or names the test that runs it as a job on a cluster. The docs' table is
-checked against this list, so the two cannot drift apart."""
+Each case runs here (the library call the job makes, raising the error that `failure` turns
+into the job's exit code and `error:` line), or through the command line itself (`python -m
+jobs.<job>` or the chain, asserting its exit code, one `error:` line and no traceback), or
+names the test that runs it as a job on a cluster. The docs' table is checked against this
+list, so the two cannot drift apart."""
 
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
+import subprocess
 import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
@@ -25,7 +30,7 @@ from harness.counting import FlakyHandler
 from jobs.submit import plan
 from pipeline.core import storage
 from pipeline.core.config import load_config
-from pipeline.core.errors import EXIT_CODES
+from pipeline.core.errors import EXIT_CODES, failure
 from pipeline.core.storage import Location
 from pipeline.data.config import FolderSourceConfig, PreprocessConfig
 from pipeline.data.dataset import VERSIONS, check_replaceable, read_manifest
@@ -37,6 +42,7 @@ from pipeline.export.exporter import check_output, export, parity_dataset
 from pipeline.infer.batch import resolve_checkpoint
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import Tally, publish, start_version
+from pipeline.model.checkpoint import METADATA, WEIGHTS, check_weights
 from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
 from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
@@ -51,6 +57,10 @@ class Case:
     message: str  # how the message starts; <...> stands for a path or a value
     run: Callable | None = None  # run(tmp_path, tiny_dataset) raises it ...
     test: str = ""  # ... or this test runs it as a job: tests/<file>.py::<test>
+    # ... and/or cli(tmp_path, tiny_dataset) -> command lines (`python -m` <argv>) that meet it,
+    # run against a local cluster where `on_cluster`, else before any cluster is needed.
+    cli: Callable | None = None
+    on_cluster: bool = False
 
     def pattern(self) -> str:
         parts = re.split(r"<[^>]+>", self.message)
@@ -62,12 +72,29 @@ def train_config(tmp_path, dataset, *overrides) -> TrainConfig:
     return load_config(TrainConfig, None, args)
 
 
-def config_file(text: str):
+def written(tmp_path, data: bytes) -> str:
+    (tmp_path / "c.yaml").write_bytes(data)
+    return str(tmp_path / "c.yaml")
+
+
+def config_file(data: bytes):
     def run(tmp_path, _):
-        (tmp_path / "c.yaml").write_text(text)
-        load_config(PreprocessConfig, tmp_path / "c.yaml")
+        load_config(PreprocessConfig, written(tmp_path, data))
 
     return run
+
+
+def config_file_given(data: bytes):
+    return lambda t, _: [["jobs.preprocess", "--config", written(t, data)]]
+
+
+def train_args(tmp_path, dataset, *overrides) -> list[str]:
+    return ["jobs.train", f"dataset={dataset}", f"storage_path={tmp_path}/runs", *overrides]
+
+
+def chain_args(root, *args) -> list[str]:
+    address = f"http://127.0.0.1:{free_port()}"  # where nothing answers
+    return ["jobs.submit", "--address", address, "--root", str(root), *args]
 
 
 def checked_dataset(tmp_path, dataset, *overrides):
@@ -80,6 +107,61 @@ def damaged(tmp_path, dataset):
     shutil.copytree(dataset, tmp_path / "d")
     next((tmp_path / "d").glob("data/*/train/*.parquet")).unlink()
     checked_dataset(tmp_path, tmp_path / "d")
+
+
+def damaged_copy(tmp_path, dataset, split: str, *, cut: bool) -> Path:
+    """A copy of `dataset` with a shard of `split` cut short (`cut`) or gone."""
+    copy = tmp_path / f"{split}-{'cut' if cut else 'gone'}"
+    shutil.copytree(dataset, copy)
+    shard = next(copy.glob(f"data/*/{split}/*.parquet"))
+    if cut:
+        os.truncate(shard, shard.stat().st_size // 2)
+    else:
+        shard.unlink()
+    return copy
+
+
+def damaged_shards(tmp_path, dataset):
+    # The train job, inference and the export's parity check, each on its own damage.
+    checkpoint = fake_checkpoint(tmp_path)
+    return [
+        train_args(tmp_path, damaged_copy(tmp_path, dataset, "train", cut=True)),
+        [
+            "jobs.infer",
+            f"model={checkpoint}",
+            f"input={damaged_copy(tmp_path, dataset, 'val', cut=False)}",
+            f"output={tmp_path}/p",
+        ],
+        [
+            "jobs.export",
+            f"model={checkpoint}",
+            f"dataset={damaged_copy(tmp_path, dataset, 'val', cut=True)}",
+        ],
+    ]
+
+
+def fake_checkpoint(tmp_path, *, cut: bool = False) -> Path:
+    """A checkpoint directory of checkpoint_meta() whose weights file is whole, or cut short."""
+    directory = tmp_path / ("cut-checkpoint" if cut else "checkpoint")
+    directory.mkdir()
+    (directory / METADATA).write_text(checkpoint_meta().model_dump_json())
+    torch.save({"w": torch.zeros(4096)}, directory / WEIGHTS)
+    if cut:
+        os.truncate(directory / WEIGHTS, (directory / WEIGHTS).stat().st_size // 2)
+    return directory
+
+
+def cut_weights(tmp_path, _):
+    checkpoint = fake_checkpoint(tmp_path, cut=True)
+    check_weights(Location.parse(str(checkpoint)), checkpoint_meta())
+
+
+def cut_weights_given(tmp_path, dataset):
+    checkpoint = fake_checkpoint(tmp_path, cut=True)
+    return [
+        ["jobs.infer", f"model={checkpoint}", f"input={dataset}", f"output={tmp_path}/p"],
+        ["jobs.export", f"model={checkpoint}", f"dataset={dataset}"],
+    ]
 
 
 def resumed_on_another_version(tmp_path, dataset):
@@ -210,24 +292,66 @@ CASES = [
         2,
         "config file <path> does not exist",
         lambda t, _: load_config(PreprocessConfig, t / "nope.yaml"),
+        cli=lambda t, _: [["jobs.train", "--config", str(t / "nope.yaml")]],
     ),
     Case(
         "a config file that is not YAML",
         2,
         "config file <path> is not valid YAML",
-        config_file("image_size: [64"),
+        config_file(b"image_size: [64"),
+        cli=config_file_given(b"image_size: [64"),
+    ),
+    Case(
+        "a config file that is not UTF-8 text",
+        2,
+        "config file <path> is not UTF-8 text",
+        config_file(b"name: caf\xe9\n"),  # Latin-1
+        cli=config_file_given(b"name: caf\xe9\n"),
+    ),
+    Case(
+        "a directory given as a config file",
+        2,
+        "config file <path> is a directory",
+        lambda t, _: load_config(PreprocessConfig, t),
+        cli=lambda t, _: [["jobs.infer", "--config", str(t)]],
     ),
     Case(
         "an override without `=`",
         2,
         "override 'epochs' must look like key=value",
         lambda t, d: load_config(TrainConfig, None, ["epochs"]),
+        cli=lambda t, d: [train_args(t, d, "epochs")],
+    ),
+    Case(
+        "an override whose value is not YAML (quote a string that is no YAML)",
+        2,
+        "override '<key=value>': the value is not valid YAML",
+        lambda t, d: load_config(PreprocessConfig, None, ["image_size=[1,"]),
+        cli=lambda t, d: [
+            ["jobs.preprocess", "image_size=[1,"],
+            ["jobs.infer", "tracking.experiment=*abc"],
+            ["jobs.preprocess", "source.kind=@foo"],
+            chain_args(t, "--set", "train.epochs=[1,", "all"),
+        ],
+    ),
+    Case(
+        "a path of a URI scheme that no filesystem opens (`foo://`, `S3://`)",
+        2,
+        "invalid config (<where>): <key>: no filesystem opens URIs of the scheme <scheme>",
+        lambda t, _: load_config(PreprocessConfig, None, ["output=foo://bar"]),
+        cli=lambda t, d: [
+            ["jobs.preprocess", "output=foo://bar"],
+            ["jobs.preprocess", "output=S3://bucket/data"],
+            ["jobs.infer", "model=s4://bucket/run", f"input={d}"],
+            train_args(t, d, "storage_path=Gs://bucket/runs"),
+        ],
     ),
     Case(
         "an unknown key, or a value of the wrong type or range",
         2,
         "invalid config (<where>): epochs: Input should be a valid integer",
         lambda t, d: train_config(t, d, "epochs=many"),
+        cli=lambda t, d: [train_args(t, d, "epochs=many")],
     ),
     Case(
         "a global batch that does not split over the workers",
@@ -258,18 +382,28 @@ CASES = [
         2,
         "invalid config (<where>): seed: Input should be greater than or equal to 0",
         lambda t, d: train_config(t, d, "seed=-1"),
+        cli=lambda t, d: [train_args(t, d, "seed=-1")],
     ),
     Case(
         "a chain `--set` that names no step",
         2,
         "--set 'epochs=3': must start with one of",
         lambda t, _: plan(str(t), sets=["epochs=3"]),
+        cli=lambda t, _: [chain_args(t, "--set", "epochs=3", "all")],
     ),
     Case(
         "a chain `--recipe` the bundle does not ship",
         2,
         "--recipe '<name>': no such recipe; the bundle has",
         lambda t, _: plan(str(t), recipe="fast"),
+        cli=lambda t, _: [chain_args(t, "--recipe", "fast", "all")],
+    ),
+    Case(
+        "a chain `--root` of a URI scheme that no filesystem opens",
+        2,
+        "--root <uri>: no filesystem opens URIs of the scheme <scheme>",
+        lambda t, _: plan("S3://bucket/ray-cv"),
+        cli=lambda t, _: [chain_args("S3://bucket/ray-cv", "all")],
     ),
     Case(
         "a resume with another optimizer, or to or from fp16",
@@ -425,7 +559,22 @@ CASES = [
             checkpoint_meta(config={"dataset": str(d)}), Location.parse(str(d)), None, key="input"
         ),
     ),
-    Case("a dataset whose shard files are missing", 1, "dataset <path> is damaged", damaged),
+    Case(
+        "a dataset whose shard files are missing, cut short or changed",
+        1,
+        "dataset <path> is damaged",
+        damaged,
+        cli=damaged_shards,
+        on_cluster=True,
+    ),
+    Case(
+        "a checkpoint whose weights file is cut short",
+        1,
+        "<path> is damaged",
+        cut_weights,
+        cli=cut_weights_given,
+        on_cluster=True,
+    ),
     Case(
         "a dataset of other classes than the checkpoint resumed",
         1,
@@ -502,6 +651,12 @@ CASES = [
         test="tests/test_export.py::test_a_failed_parity_check_commits_nothing",
     ),
     # The cluster or its storage: exit 3.
+    Case(
+        "a chain `--address` where no cluster answers (nothing is submitted)",
+        3,
+        "cannot reach the cluster at --address <address>",
+        cli=lambda t, _: [chain_args(t, "all")],
+    ),
     Case(
         "storage that keeps failing",
         3,
@@ -592,11 +747,47 @@ CASES = [
 @pytest.mark.parametrize("case", [c for c in CASES if c.run], ids=lambda c: c.what)
 def test_a_bad_input_gets_its_exit_code_and_message(case, tmp_path, tiny_dataset, monkeypatch):
     monkeypatch.setattr(storage, "FIRST_WAIT_S", 0.01)
-    with pytest.raises(tuple(EXIT_CODES)) as raised:
+    with pytest.raises(Exception) as raised:
         case.run(tmp_path, tiny_dataset)
-    code = next(c for kind, c in EXIT_CODES.items() if isinstance(raised.value, kind))
+    # What every job's and the chain's main make of it: the exit code and the `error:` line.
+    assert failure(raised.value) is not None, raised.value  # else a traceback and exit 1
+    code, line = failure(raised.value)
     assert code == case.exit_code
-    assert re.match(case.pattern(), str(raised.value)), str(raised.value)
+    assert re.match(case.pattern(), line), line
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.cli and not c.on_cluster], ids=lambda c: c.what
+)
+def test_a_bad_input_on_the_command_line_ends_in_one_error_line(case, tmp_path, tiny_dataset):
+    for argv in case.cli(tmp_path, tiny_dataset):
+        proc = run_module(argv, os.environ)
+        assert proc.returncode == case.exit_code, (argv, proc.stdout, proc.stderr)
+        assert re.fullmatch(f"error: {case.pattern()}.*\n", proc.stderr), (argv, proc.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if c.on_cluster], ids=lambda c: c.what)
+def test_a_bad_input_found_on_the_driver_ends_in_one_error_line(
+    case, cluster_2cpu, tmp_path, tiny_dataset
+):
+    # A driver connected to a real cluster, as a job's is: the damage is found before any work.
+    env = cluster_2cpu.env | {"RAY_ADDRESS": cluster_2cpu.gcs_address}
+    for argv in case.cli(tmp_path, tiny_dataset):
+        proc = run_module(argv, env)
+        assert proc.returncode == case.exit_code, (argv, proc.stdout, proc.stderr)
+        # Ray logs its connection to stderr first; the job's own line is the last.
+        *_, last = proc.stderr.splitlines()
+        assert re.match(f"error: {case.pattern()}", last), (argv, proc.stderr)
+        assert "Traceback" not in proc.stdout + proc.stderr, argv
+
+
+def run_module(argv: list[str], env) -> subprocess.CompletedProcess:
+    """`python -m <argv>` from the bundle's root, as a user runs it."""
+    command = [sys.executable, "-m", *map(str, argv)]
+    return subprocess.run(
+        command, cwd=BUNDLE_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.test], ids=lambda c: c.what)

@@ -74,7 +74,7 @@ def test_plan_keeps_the_roots_query_after_every_path():
         "storage_path",
     ]
     for arg in paths:
-        key, _, uri = arg.partition("=")
+        uri = arg.partition("=")[2]
         path, _, query = uri.partition("?")
         assert query == "endpoint_override=minio.internal:9000&scheme=http", arg
         assert path.startswith("s3://my-bucket/ray-cv/") and "?" not in path, arg

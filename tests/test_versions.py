@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import shutil
 
 import pytest
 from helpers import checkpoint_meta
@@ -21,6 +23,7 @@ from pipeline.data.dataset import (
     Manifest,
     ShardFile,
     SplitInfo,
+    check_files,
     commit,
     committed_versions,
     read_manifest,
@@ -213,3 +216,30 @@ def test_the_runs_own_dataset_is_read_at_the_version_it_was_trained_on(root, tmp
     root.child(VERSIONS, f"{OLDER}.json").delete()
     with pytest.raises(InputError, match=rf"no longer holds version {OLDER}, the one it was "):
         trained_version(meta, root, None, key="input")
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["size recorded", "before sizes"])
+def test_a_shard_cut_short_is_found_by_its_size_or_else_its_footer(
+    tmp_path, tiny_dataset, recorded
+):
+    shutil.copytree(tiny_dataset, tmp_path / "d")
+    root = Location.parse(str(tmp_path / "d"))
+    manifest = read_manifest(root)
+    assert all(f.size for split in manifest.splits.values() for f in split.files)
+    if not recorded:  # a manifest written before shard sizes were
+        manifest = manifest.model_copy(
+            update={
+                "splits": {
+                    name: split.model_copy(
+                        update={"files": [f.model_copy(update={"size": None}) for f in split.files]}
+                    )
+                    for name, split in manifest.splits.items()
+                }
+            }
+        )
+    check_files(root, manifest)  # whole: nothing to say
+    shard = tmp_path / "d" / manifest.splits["val"].files[1].path
+    os.truncate(shard, shard.stat().st_size - 1)
+    with pytest.raises(InputError, match=r"is damaged: 1 files .*/val/part-\d+\.parquet \("):
+        check_files(root, manifest)
+    check_files(root, manifest, ["train"])  # only the splits asked for are looked at

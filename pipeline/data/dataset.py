@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+from collections.abc import Iterable
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -34,7 +35,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline.core import faults
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, first_line, is_transient
 from pipeline.core.storage import (
     Location,
     is_marked,
@@ -65,6 +66,7 @@ SCHEMA = pa.schema(
 class ShardFile(BaseModel):
     path: str  # relative to the dataset root
     rows: int
+    size: int | None = None  # bytes as written; None in manifests of before it was recorded
 
 
 class SplitInfo(BaseModel):
@@ -101,8 +103,9 @@ class Manifest(BaseModel):
         return _now()
 
 
-def write_shard(location: Location, rows: list[dict], *, row_group_size: int) -> None:
-    """One Parquet file; images are already compressed, so only the small columns get zstd."""
+def write_shard(location: Location, rows: list[dict], *, row_group_size: int) -> int:
+    """One Parquet file, and its size in bytes; images are already compressed, so only the
+    small columns get zstd."""
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
     location.create_parent()
     compression = {"image": "NONE", "label": "ZSTD", "label_name": "ZSTD", "source_id": "ZSTD"}
@@ -117,6 +120,42 @@ def write_shard(location: Location, rows: list[dict], *, row_group_size: int) ->
         ),
         f"writing {location.uri}",
     )
+    return location.info().size
+
+
+def check_files(root: Location, manifest: Manifest, splits: Iterable[str] = SPLITS) -> None:
+    """Raise InputError if a shard file of `splits` that `manifest` lists is gone, or is not the
+    file that was written (another size, or no Parquet footer): metadata reads on the driver,
+    rather than every worker failing on the file and the job's retries used up on it."""
+    files = [f for split in splits for f in manifest.splits[split].files]
+    paths = [root.child(f.path).path for f in files]
+    found = retry(lambda: root.fs.get_file_info(paths), f"looking up {root.uri}")  # one call
+    damaged = []
+    for file, path, info in zip(files, paths, found, strict=True):
+        if info.type == pafs.FileType.NotFound:
+            damaged.append(f"{file.path} (missing)")
+        elif file.size is not None and info.size != file.size:
+            damaged.append(f"{file.path} ({info.size} bytes, written as {file.size})")
+        elif file.size is None and (problem := _footer_problem(root.fs, path)):
+            # A manifest from before sizes were recorded: the file's footer, read.
+            damaged.append(f"{file.path} ({problem})")
+    if damaged:
+        raise InputError(
+            f"dataset {root.uri} is damaged: {len(damaged)} files its version {manifest.version} "
+            f"lists are missing or changed: {', '.join(damaged[:3])}. Re-run preprocessing with "
+            "overwrite=true"
+        )
+
+
+def _footer_problem(fs: pafs.FileSystem, path: str) -> str | None:
+    """Why the Parquet file at `path` cannot be read, or None if its footer reads."""
+    try:
+        retry(lambda: pq.read_metadata(path, filesystem=fs), f"reading {path}'s footer")
+    except (pa.ArrowInvalid, OSError) as e:
+        if is_transient(e):
+            raise
+        return first_line(e)
+    return None
 
 
 def committed_versions(root: Location) -> list[str]:

@@ -122,8 +122,8 @@ def _process_shard(
     result = ShardResult(skipped=skipped)
     for split, split_rows in rows.items():
         rel = f"{DATA}/{version}/{split}/part-{shard:05d}.parquet"
-        write_shard(root.child(rel), split_rows, row_group_size=cfg.row_group_size)
-        result.files[split] = ShardFile(path=rel, rows=len(split_rows))
+        size = write_shard(root.child(rel), split_rows, row_group_size=cfg.row_group_size)
+        result.files[split] = ShardFile(path=rel, rows=len(split_rows), size=size)
         result.counts[split] = Counter(r["label"] for r in split_rows)
     return result
 

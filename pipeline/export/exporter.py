@@ -33,11 +33,12 @@ import torch
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location, publish_directory
-from pipeline.data.dataset import Manifest, read_manifest
+from pipeline.data.dataset import Manifest, check_files, read_manifest
 from pipeline.export import formats, parity
 from pipeline.export.config import ExportConfig
 from pipeline.model.checkpoint import (
     CheckpointMeta,
+    check_weights,
     read_meta,
     served_weights,
     weights_by,
@@ -123,6 +124,7 @@ def parity_dataset(cfg: ExportConfig, meta: CheckpointMeta) -> tuple[Location, M
         )
     if not manifest.splits[parity.SPLIT].rows:
         raise InputError(f"dataset {root.uri} has no {parity.SPLIT} images to check the export on")
+    check_files(root, manifest, [parity.SPLIT])
     return root, manifest
 
 
@@ -254,7 +256,8 @@ def export(cfg: ExportConfig) -> dict:
     meta = read_meta(checkpoint)
     if check_output(output, checkpoint, served_weights(meta)) is not None:
         return export_checkpoint(cfg, checkpoint=checkpoint, output=output)  # writes nothing
-    parity_dataset(cfg, meta)  # a missing dataset fails here, before any work
+    parity_dataset(cfg, meta)  # a missing or damaged dataset fails here, before any work
+    check_weights(checkpoint, meta)
     fix = "lower cpus"
     wait_for_capacity({"CPU": cfg.cpus}, cfg.capacity_timeout_s, asked=f"cpus={cfg.cpus}", fix=fix)
     task = _export_task.options(num_cpus=cfg.cpus)

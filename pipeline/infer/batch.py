@@ -38,7 +38,13 @@ from pipeline.infer.predictions import (
     publish,
     start_version,
 )
-from pipeline.model.checkpoint import read_meta, served_weights, weights_by, weights_scores
+from pipeline.model.checkpoint import (
+    check_weights,
+    read_meta,
+    served_weights,
+    weights_by,
+    weights_scores,
+)
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
 from pipeline.model.source import resolve_checkpoint, trained_version
 
@@ -134,6 +140,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     or that of a run started after it with the same checkpoint and input, committed first."""
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
+    check_weights(checkpoint, meta)  # here, not in each actor that loads them
     log_weights(checkpoint, meta)
     quiet_ray_data()
     asked = trained_version(meta, source, cfg.dataset_version, key="input")

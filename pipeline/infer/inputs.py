@@ -18,7 +18,7 @@ import ray.data
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location, retry
-from pipeline.data.dataset import committed_versions, read_manifest
+from pipeline.data.dataset import check_files, committed_versions, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ def read_input(
         files = [root.child(f.path).path for f in manifest.splits[split].files]
         if not files:
             raise InputError(f"split {split!r} of dataset {root.uri} is empty")
+        check_files(root, manifest, [split])
         log.info(
             "input: dataset %s, version %s, split %s, %d images",
             *(root.uri, manifest.version, split, manifest.splits[split].rows),

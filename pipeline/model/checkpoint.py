@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import io
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,8 +22,8 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
-from pipeline.core.errors import InputError
-from pipeline.core.storage import Location
+from pipeline.core.errors import InputError, first_line
+from pipeline.core.storage import Location, retry
 
 # Format 1 held ResNet-18 only, as `"model": "resnet18"`; format 2 names any model and what its
 # input is. This code reads both.
@@ -202,4 +204,24 @@ def load_train_state(checkpoint: Location) -> dict:
 
 def load_tensors(file: Location):
     """torch.load of a local or remote file, tensors only (weights_only), onto the CPU."""
-    return torch.load(io.BytesIO(file.read_bytes()), map_location="cpu", weights_only=True)
+    data = file.read_bytes()
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        raise InputError(f"{file.uri} is damaged: {first_line(e)}. {_DAMAGED_HINT}") from None
+
+
+_DAMAGED_HINT = "Use another checkpoint of the run (its checkpoint_* directories), or train again"
+
+
+def check_weights(checkpoint: Location, meta: CheckpointMeta) -> None:
+    """Raise InputError if a weights file of `checkpoint` is cut short: each file's zip
+    directory is read (a few small reads at its end), not its tensors, so the driver finds it
+    before the workers that load the weights do."""
+    for name in filter(None, (WEIGHTS, meta.ema_weights)):
+        file = checkpoint.child(name)
+        try:
+            with retry(lambda f=file: f.fs.open_input_file(f.path), f"opening {file.uri}") as f:
+                zipfile.ZipFile(f)
+        except zipfile.BadZipFile as e:  # torch.save writes a zip archive
+            raise InputError(f"{file.uri} is damaged: {e}. {_DAMAGED_HINT}") from None

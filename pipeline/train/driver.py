@@ -12,7 +12,6 @@ import logging
 import os
 import time
 
-import pyarrow.fs as pafs
 import ray
 import ray.train
 import ray.train.torch
@@ -27,9 +26,15 @@ from pipeline.core.ray_internals import (
     RestartingState,
     WorkerGroupStartupTimeoutError,
 )
-from pipeline.core.storage import Location, retry
+from pipeline.core.storage import Location
 from pipeline.core.tracking import EpochSink, TrainingTracker
-from pipeline.data.dataset import VERSIONS, Manifest, committed_versions, read_manifest
+from pipeline.data.dataset import (
+    VERSIONS,
+    Manifest,
+    check_files,
+    committed_versions,
+    read_manifest,
+)
 from pipeline.model.checkpoint import SCORES, CheckpointMeta, ModelInput, read_meta
 from pipeline.model.runs import (
     RUN_SUMMARY,
@@ -80,17 +85,7 @@ def pick_dataset_version(
 def check_dataset(cfg: TrainConfig, dataset: Location, version: str) -> Manifest:
     """The manifest of `version`, if that version is complete and usable for this config."""
     manifest = read_manifest(dataset, version)
-    listed = [dataset.child(f.path) for info in manifest.splits.values() for f in info.files]
-    paths = [f.path for f in listed]  # looked up in one call, a HEAD each on S3
-    found = retry(lambda: dataset.fs.get_file_info(paths), f"looking up {dataset.uri}")
-    missing = [
-        f.uri for f, i in zip(listed, found, strict=True) if i.type == pafs.FileType.NotFound
-    ]
-    if missing:
-        raise InputError(
-            f"dataset {dataset.uri} is damaged: {len(missing)} files its version {version} lists "
-            f"are missing ({', '.join(missing[:3])}). Re-run preprocessing with overwrite=true"
-        )
+    check_files(dataset, manifest)
     train, val = manifest.splits["train"].rows, manifest.splits["val"].rows
     workers = cfg.scaling.max_workers
     if train < 2 * workers:
