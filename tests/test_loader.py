@@ -343,6 +343,34 @@ def test_augmentation_differs_per_rank_process_and_epoch_and_repeats(numbered, w
     assert draws(first, workers) != epoch_0
 
 
+def tagged(image: torch.Tensor) -> torch.Tensor:
+    """Stands in for an augmentation: the image, with the number it draws in its blue corner."""
+    out = image.clone()
+    out[2, 0, 0] = int(torch.randint(0, 256, ()))
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_an_epoch_resumed_at_a_batch_yields_the_rest_of_the_uninterrupted_one(numbered, workers):
+    root, manifest, _ = numbered
+    stream, _ = streams(
+        root, manifest, "train", 2, batch_size=8, shuffle=True, drop_last=True, transform=tagged
+    )
+    stream.set_epoch(1)
+
+    def batches() -> list[tuple[list[int], list[int]]]:
+        torch.manual_seed(0)  # as every rank does, for the model's initial weights
+        loader = DataLoader(stream, batch_size=None, num_workers=workers)
+        return [(row_ids(images), images[:, 2, 0, 0].tolist()) for images, _ in loader]
+
+    whole = batches()
+    n = len(whole)
+    assert n == len(stream) > 6
+    for start in sorted({1, 2, 3, n // 2, n - 2, n - 1, n}):
+        stream.set_epoch(1, start_batch=start)
+        assert batches() == whole[start:], start  # the same rows, order and draws
+
+
 def block_order(split) -> list[int]:
     """The files of the numbered dataset in the order one pass over the split reads them."""
     files = []

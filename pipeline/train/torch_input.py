@@ -9,12 +9,19 @@ grow with the dataset, and the bytes read per epoch stay close to the split's si
 that straddles two processes' runs is read by both). Train rows then pass through a shuffle
 buffer of a few groups, so each batch mixes rows of several groups; preprocessing writes shards
 in hash order, so every group already mixes the classes. Augmentation draws differ per rank,
-DataLoader process and epoch, and repeat for the same seed (`Augment`).
+DataLoader process, epoch and batch, and repeat for the same seed (`Augment`).
+
+An epoch can start at any batch (`set_epoch(epoch, start_batch)`, a resume from a checkpoint
+taken inside the epoch) and yield exactly the batches the uninterrupted epoch would have yielded
+from there: each process skips the batches of its run already trained on (reading their rows,
+which the shuffle buffer needs, without decoding them), and the DataLoader's round robin starts
+at the process whose batch came next.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import queue
 import random
@@ -89,6 +96,7 @@ class RowGroupStream(IterableDataset):
         )
         self.prefetch_groups = prefetch_groups
         self.epoch = 0
+        self.start_batch = 0  # batches of the epoch trained on before a resume
         self.files: list[ShardFooter] = []
         self.groups: list[RowGroup] = []
         for f in manifest.splits[split].files:
@@ -114,8 +122,10 @@ class RowGroupStream(IterableDataset):
         largest = max((g.rows for g in self.groups), default=0)
         self.shuffle_rows = shuffle_groups * largest if shuffle else 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """The epoch the next iteration yields, from its batch `start_batch` on."""
+        assert 0 <= start_batch <= len(self)
+        self.epoch, self.start_batch = epoch, start_batch
 
     # --- which rows, in which order: a pure function of (epoch, rank, process) --------------
 
@@ -146,11 +156,32 @@ class RowGroupStream(IterableDataset):
             return (end - begin) // self.batch_size
         return math.ceil((end - begin) / self.batch_size)
 
+    def process_batches(self, process: int, processes: int) -> tuple[int, int]:
+        """[first, last) of this rank's n batches that DataLoader process `process` yields."""
+        n = len(self)
+        return process * n // processes, (process + 1) * n // processes
+
+    def resume_point(self, processes: int, start_batch: int) -> tuple[list[int], int]:
+        """After the DataLoader yielded `start_batch` batches, taking one from each process in
+        turn and passing over those that are done: how many of each process's batches it had
+        taken, and the process it takes the next one from."""
+        counts = [
+            last - first
+            for first, last in map(self.process_batches, range(processes), [processes] * processes)
+        ]
+        done, process = [0] * processes, 0
+        for _ in range(start_batch):
+            while done[process] == counts[process]:
+                process = (process + 1) % processes
+            done[process] += 1
+            process = (process + 1) % processes
+        return done, process
+
     def runs(self, epoch: int, process: int = 0, processes: int = 1) -> list[tuple[int, int, int]]:
         """(group, first row, end row) runs of what DataLoader process `process` reads: batches
         [process * n // processes, (process + 1) * n // processes) of this rank's n."""
-        n, batch = len(self), self.batch_size
-        first, last = process * n // processes, (process + 1) * n // processes
+        batch = self.batch_size
+        first, last = self.process_batches(process, processes)
         begin = self.rank_rows()[0]
         start = begin + first * batch
         end = begin + min(last * batch, self.served_rows())
@@ -172,22 +203,23 @@ class RowGroupStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
-        process, processes = (info.id, info.num_workers) if info else (0, 1)
-        runs = self.runs(self.epoch, process, processes)
-        rows = self._fetched(runs)
+        worker, processes = (info.id, info.num_workers) if info else (0, 1)
+        # The DataLoader takes its first batch from worker 0: worker 0 plays the process whose
+        # batch the uninterrupted epoch took next, and the others follow it in turn.
+        done, first = self.resume_point(processes, self.start_batch)
+        process = (first + worker) % processes
+        skip = done[process]
+        rows = self._fetched(self.runs(self.epoch, process, processes))
         if self.shuffle:
             rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{process}")
             rows = shuffled(rows, self.shuffle_rows, rng)
-        augment = Augment(self.transform, f"{self.seed}/{self.epoch}/{self.rank}/{process}")
-        images, labels = [], []
-        for data, label in rows:
-            images.append(v2.functional.pil_to_tensor(decode_image(data)))
-            labels.append(label)
-            if len(images) == self.batch_size:
-                yield torch.stack(augment(images)), torch.tensor(labels, dtype=torch.int64)
-                images, labels = [], []
-        if images:
-            yield torch.stack(augment(images)), torch.tensor(labels, dtype=torch.int64)
+        for b, batch in enumerate(batched(rows, self.batch_size)):
+            if b < skip:
+                continue  # trained on before the resume: its rows read, not decoded
+            augment = Augment(self.transform, f"{self.seed}/{self.epoch}/{self.rank}/{process}/{b}")
+            images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in batch]
+            labels = torch.tensor([label for _, label in batch], dtype=torch.int64)
+            yield torch.stack(augment(images)), labels
 
     def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int]]:
         """Rows [lo, hi) of one row group: encoded images and labels."""
@@ -281,6 +313,13 @@ class Augment:
             out = fn()
             self.state = torch.get_rng_state()
         return out
+
+
+def batched(rows, size: int):
+    """Lists of `size` rows, the last one shorter (itertools.batched, from Python 3.12 on)."""
+    rows = iter(rows)
+    while batch := list(itertools.islice(rows, size)):
+        yield batch
 
 
 def shuffled(rows, capacity: int, rng: random.Random):
