@@ -526,7 +526,8 @@ def test_mixup_and_cutmix_train_on_mixed_images_and_soft_labels():
         return torch.nn.functional.cross_entropy(logits, target)
 
     batches = tiny_batches(n=6)
-    one_step(NoBatchNorm(), batches, criterion=criterion, mix=Augment(mix, "mix/0/0/0").draw)
+    draw = Augment(mix, "mix/0/0/0").draw
+    one_step(NoBatchNorm(), batches, criterion=criterion, mix=lambda x, y, step: draw(x, y))
     assert all(t.shape == (8, 3) and t.dtype == torch.float32 for t in targets)
     stacked = torch.cat(targets)
     torch.testing.assert_close(stacked.sum(dim=1), torch.ones(48))

@@ -31,6 +31,9 @@ CHECKPOINT_UPLOADED = "checkpoint_uploaded"
 # Right after `ray.train.report` returns: the checkpoint is queued, and Ray's controller
 # records it without any more work from the worker.
 CHECKPOINT_REPORTED = "checkpoint_reported"
+# Rank 0, once a checkpoint inside an epoch (checkpoint.every_steps) is on storage: the first
+# one the run takes.
+STEP_CHECKPOINTED = "step_checkpointed"
 # A preprocess run's shards and config are written, its manifest not yet: the commit point.
 DATASET_WRITTEN = "dataset_written"
 # The new manifest is in place, the datasets it replaced not yet removed.
@@ -43,6 +46,7 @@ PREDICTIONS_COMMITTED = "predictions_committed"
 POINTS = (
     CHECKPOINT_UPLOADED,
     CHECKPOINT_REPORTED,
+    STEP_CHECKPOINTED,
     DATASET_WRITTEN,
     DATASET_COMMITTED,
     PREDICTIONS_WRITTEN,
@@ -64,6 +68,12 @@ def armed() -> tuple[str, Path] | None:
             f"{', '.join(POINTS)}"
         )
     return name, Path(directory)
+
+
+def armed_at(name: str) -> bool:
+    """Whether point `name` is the one armed."""
+    arming = armed()
+    return arming is not None and arming[0] == name
 
 
 def point(name: str) -> None:

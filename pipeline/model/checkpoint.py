@@ -105,7 +105,8 @@ class CheckpointMeta(BaseModel):
 
     format: int = CHECKPOINT_FORMAT
     model: Annotated[ModelSpec, BeforeValidator(_spec)] = ModelSpec()
-    epoch: int  # the last completed epoch, 0-based
+    epoch: int  # the last completed epoch, 0-based; with `step`, the epoch in progress
+    step: int | None = None  # a checkpoint inside `epoch`: its batches trained on so far
     classes: list[str]
     image_size: int  # the side of the stored images: inference shapes its inputs to it first
     # What the network takes (ModelInput): format 1 had no resize, and bilinear was its default.

@@ -80,6 +80,12 @@ class CheckpointConfig(Strict):
     num_to_keep: int = Field(
         2, ge=1, description="Best checkpoints kept by `metric` (the latest is kept too)."
     )
+    every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Also a checkpoint every N steps inside an epoch, and one at a preemption "
+        "notice, to resume from exactly there (ingest=torch); null: at epoch ends only.",
+    )
 
 
 class TrainScalingConfig(Strict):
@@ -262,6 +268,16 @@ class TrainConfig(Strict):
                 f"micro_batch_size={m} does not divide each worker's share of "
                 f"global_batch_size={self.global_batch_size} ({', '.join(map(str, shares))} "
                 f"images): use a divisor of {fits} (at least 2), or null for no accumulation"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _steps_resume_on_torch_input(self) -> TrainConfig:
+        if self.checkpoint.every_steps is not None and self.ingest == "ray_data":
+            raise ValueError(
+                "checkpoint.every_steps needs ingest=torch: Ray Data cannot resume a dataset's "
+                "iteration inside an epoch, so a resume would train rows twice. Use "
+                "ingest=torch, or checkpoints at epoch ends only (checkpoint.every_steps=null)"
             )
         return self
 

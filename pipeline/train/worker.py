@@ -10,6 +10,7 @@ need torchvision or torchmetrics.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import tempfile
@@ -48,6 +49,7 @@ from pipeline.train.augment import batch_mix, train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
+from pipeline.train.steps import StepWriter, latest_step_checkpoint
 from pipeline.train.torch_input import Augment, RowGroupStream
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,9 @@ class Progress:
 class StepRecipe:
     """What a training step does beyond forward, backward and step; all off by default."""
 
-    mix: Callable | None = None  # (images, labels) -> mixed images, soft labels (MixUp/CutMix)
+    # (images, labels, step) -> mixed images, soft labels (MixUp/CutMix); its draws are the
+    # step's own, so that a resume inside an epoch draws what the uninterrupted epoch drew.
+    mix: Callable | None = None
     micro_batch: int | None = None  # images per forward pass; the step accumulates them
     clip_grad_norm: float | None = None  # the gradients' total norm, at most
     ema: ModelEMA | None = None  # updated after each step
@@ -93,19 +97,23 @@ def train_one_epoch(
     policy: DevicePolicy,
     progress=None,
     recipe: StepRecipe | None = None,
+    start: int = 0,
+    after_step: Callable | None = None,
 ) -> dict:
-    """One pass over this worker's shard; returns the summed loss, images and seconds.
-    `progress(batches_done, images_done)` is called after each batch. With a mix, the loss is
-    against the mixed (soft) labels."""
+    """One pass over this worker's shard, or its batches after the first `start` (a resume
+    inside the epoch: the loader yields the rest); returns the summed loss, images and seconds
+    of the batches it trained on. `progress(batches_done, images_done)` is called after each
+    batch, `after_step(step, totals)` after each step, `totals()` giving the loss and images
+    summed so far. With a mix, the loss is against the mixed (soft) labels."""
     recipe = recipe or StepRecipe()
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
     images = 0
-    start = time.perf_counter()
-    for i, (batch, labels) in enumerate(loader, start=1):
+    began = time.perf_counter()
+    for i, (batch, labels) in enumerate(loader, start=start + 1):
         x, y = policy.inputs(batch), labels.to(policy.device, non_blocking=True)
         if recipe.mix is not None:
-            x, y = recipe.mix(x, y)
+            x, y = recipe.mix(x, y, i)
         optimizer.zero_grad(set_to_none=True)
         loss = backward(model, x, y, criterion, policy=policy, micro_batch=recipe.micro_batch)
         if recipe.clip_grad_norm is not None:
@@ -119,7 +127,9 @@ def train_one_epoch(
         images += len(y)
         if progress is not None:
             progress(i, images)
-    return {"loss_sum": loss_sum.item(), "images": images, "seconds": time.perf_counter() - start}
+        if after_step is not None:
+            after_step(i, lambda total=loss_sum, n=images: (total.item(), n))
+    return {"loss_sum": loss_sum.item(), "images": images, "seconds": time.perf_counter() - began}
 
 
 def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int | None = None):
@@ -210,6 +220,9 @@ def loader(stream: RowGroupStream, cfg: TrainConfig, device: torch.device) -> Da
         # ones would keep the copy of the stream (and its epoch) they were started with.
         persistent_workers=False,
         pin_memory=device.type == "cuda",
+        # The stream seeds its own draws; a DataLoader otherwise takes a seed from the global
+        # generator at each iteration, which a resume inside an epoch would take at another step.
+        generator=torch.Generator(),
     )
 
 
@@ -262,8 +275,8 @@ class EpochLoader:
     def __init__(self, loader: DataLoader, stream: RowGroupStream):
         self.loader, self.stream = loader, stream
 
-    def set_epoch(self, epoch: int) -> None:
-        self.stream.set_epoch(epoch)
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.stream.set_epoch(epoch, start_batch)
 
     def __iter__(self):
         return iter(self.loader)
@@ -273,6 +286,8 @@ class EpochLoader:
 
 
 # --- one worker's run --------------------------------------------------------------------------
+
+NOTHING_CARRIED = {"loss_sum": 0.0, "images": 0, "seconds": 0.0}
 
 
 @dataclass
@@ -287,6 +302,9 @@ class Worker:
     rank: int
     world: int
     start_epoch: int = 0
+    start_step: int = 0  # batches of start_epoch trained on: a resume inside the epoch
+    # What those batches added up to over all ranks: loss_sum, images and seconds.
+    carried: dict = field(default_factory=lambda: dict(NOTHING_CARRIED))
     history: list[dict] = field(default_factory=list)
     ema_weights: dict | None = None  # the resumed checkpoint's EMA weights, if it has them
     tracking: EpochSink | None = None  # where rank 0 logs each epoch, if the run is tracked
@@ -334,6 +352,8 @@ def train_loop_per_worker(config: dict) -> None:
         bn_eps=m.bn_eps,
     )
     train_state = restore(w, model)
+    if cfg.checkpoint.every_steps is not None:
+        train_state = restore_step(w, model) or train_state
     model = ray.train.torch.prepare_model(policy.prepare(model))  # to the device, then DDP
     ema = build_ema(w, unwrap(model), train_state)
     if cfg.compile:
@@ -365,21 +385,41 @@ def train_loop_per_worker(config: dict) -> None:
             *(w.start_epoch, cfg.epochs - 1, rows["train"], rows["val"], cfg.ingest),
         )
 
+    steps = StepCheckpoints(w, device) if cfg.checkpoint.every_steps is not None else None
+    if w.start_step:
+        set_rng_state(train_state["rng"], device)  # as it was after that step: dropout's draws
     for epoch in range(w.start_epoch, cfg.epochs):
-        train_loader.set_epoch(epoch)
+        start = w.start_step if epoch == w.start_epoch else 0
+        carried = w.carried if start else NOTHING_CARRIED
+        train_loader.set_epoch(epoch, start)
+        began = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
         progress = Progress(epoch, cfg.epochs, len(train_loader), every_s=cfg.log_every_s)
         progress = progress if rank == 0 else None
         if ema is not None:
             ema.following = epoch < cfg.optimizer.warmup_epochs
         recipe = StepRecipe(
-            # Draws of their own per rank and epoch (as the loader's augmentation), repeated
-            # for the same seed: the global generator is alike on every rank.
-            mix=Augment(mix, f"mix/{cfg.seed}/{epoch}/{rank}").draw if mix else None,
+            # Draws of their own per rank, epoch and step (as the loader's augmentation),
+            # repeated for the same seed: the global generator is alike on every rank.
+            mix=step_mix(mix, f"mix/{cfg.seed}/{epoch}/{rank}") if mix else None,
             micro_batch=cfg.micro_batch_size,
             clip_grad_norm=cfg.optimizer.clip_grad_norm,
             ema=ema,
         )
+
+        def after_step(step: int, totals, epoch=epoch, carried=carried, began=began) -> None:
+            steps.after_step(
+                epoch,
+                step,
+                len(train_loader),
+                so_far=lambda: epoch_so_far(totals(), carried, began, device),
+                state=lambda: (
+                    unwrap(model).state_dict(),
+                    train_state_of(optimizer, scheduler, policy, ema),
+                    ema.module.state_dict() if ema is not None else None,
+                ),
+            )
+
         t = train_one_epoch(
             model,
             train_loader,
@@ -388,6 +428,8 @@ def train_loop_per_worker(config: dict) -> None:
             policy=policy,
             progress=progress,
             recipe=recipe,
+            start=start,
+            after_step=after_step if steps is not None else None,
         )
         broadcast_buffers(unwrap(model))
         if ema is not None:
@@ -401,7 +443,9 @@ def train_loop_per_worker(config: dict) -> None:
         )
         scheduler.step()
         loss_sum, images = all_reduce([t["loss_sum"], t["images"]], device=device)
+        loss_sum, images = loss_sum + carried["loss_sum"], images + carried["images"]
         [slowest] = all_reduce([t["seconds"]], device=device, op=dist.ReduceOp.MAX)
+        slowest += carried["seconds"]
         metrics = {
             "epoch": epoch,
             "train_loss": loss_sum / max(images, 1),
@@ -419,15 +463,132 @@ def train_loop_per_worker(config: dict) -> None:
         w.history.append(metrics)
         if w.rank == 0:
             warn_if_at_chance(metrics, len(manifest.classes), unwrap(model))
-        train_state = {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": policy.scaler.state_dict(),
-        }
-        if ema is not None:
-            train_state["ema"] = ema.state_dict()
+        train_state = train_state_of(optimizer, scheduler, policy, ema)
         ema_weights = ema.module.state_dict() if ema is not None else None
         save_and_report(w, metrics, unwrap(model).state_dict(), train_state, ema_weights)
+        if steps is not None:
+            steps.epoch_done(epoch)
+
+
+def train_state_of(optimizer, scheduler, policy: DevicePolicy, ema: ModelEMA | None) -> dict:
+    """What a resume needs beside the weights: the optimizer's, schedule's, grad scaler's and
+    EMA's state."""
+    state = {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": policy.scaler.state_dict(),
+    }
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
+def step_mix(mix: Callable, key: str) -> Callable:
+    """`mix` as StepRecipe takes it: each step draws from a generator of its own."""
+    return lambda images, labels, step: Augment(mix, f"{key}/{step}").draw(images, labels)
+
+
+def epoch_so_far(totals: tuple[float, int], carried: dict, began: float, device) -> dict:
+    """The epoch's loss and images so far over all ranks (a collective: every rank calls it),
+    and its seconds, with what a resume carried over."""
+    loss_sum, images = all_reduce(list(totals), device=device)
+    return {
+        "loss_sum": carried["loss_sum"] + loss_sum,
+        "images": carried["images"] + int(images),
+        "seconds": carried["seconds"] + time.perf_counter() - began,
+    }
+
+
+def rng_state(device: torch.device) -> dict:
+    """The global generators' states: what dropout draws from."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class StepCheckpoints:
+    """Checkpoints inside an epoch (pipeline.train.steps): every `checkpoint.every_steps` steps
+    and at the first preemption notice. Rank 0 writes them; every rank takes part in summing
+    the epoch so far for them, and in asking Ray for a notice."""
+
+    def __init__(self, w: Worker, device: torch.device):
+        self.w, self.device = w, device
+        self.every = w.cfg.checkpoint.every_steps
+        self.writer = StepWriter(w.run_dir) if w.rank == 0 else None
+        self.noticed = False
+
+    def after_step(self, epoch: int, step: int, batches: int, *, so_far, state) -> None:
+        # Every rank asks after every step, the same number of times: Ray's call is a barrier.
+        notice = ray.train.get_preemption_info()
+        first_notice = notice is not None and not self.noticed
+        self.noticed = self.noticed or notice is not None
+        # At the epoch's last step its own checkpoint follows.
+        if not first_notice and (step % self.every or step == batches):
+            return
+        totals = so_far()
+        if self.writer is None:
+            return
+        weights, train_state, ema_weights = state()
+        train_state |= {"epoch_so_far": totals, "rng": rng_state(self.device)}
+        metrics = {"epoch": epoch, "step": step, "workers": self.w.world}
+        meta = checkpoint_meta(self.w, metrics, step=step)
+        save = functools.partial(save_checkpoint, weights=weights, meta=meta, ema=ema_weights)
+        self.writer.save(epoch, step, lambda d: save(d, train_state=train_state))
+        if first_notice:
+            log.warning(
+                "preemption notice for ranks %s, deadline %s: saving a checkpoint at epoch %d "
+                "step %d now, then training on",
+                *(notice.preempted_ranks, notice.deadline_ms, epoch, step),
+            )
+        if first_notice or faults.armed_at(faults.STEP_CHECKPOINTED):
+            self.writer.wait()  # on storage before the deadline (or the fault test's kill)
+            faults.point(faults.STEP_CHECKPOINTED)
+
+    def epoch_done(self, epoch: int) -> None:
+        """The epoch's own checkpoint is reported: its checkpoints inside it can go."""
+        if self.writer is not None:
+            self.writer.wait()
+            self.writer.prune(done_epoch=epoch)
+
+
+def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
+    """Load the run's newest checkpoint inside an epoch into `model` and `w`, if it is newer
+    than the checkpoint `restore` loaded and was taken with as many workers; return its train
+    state. With another worker count (an elastic resize) the epoch starts over from that
+    checkpoint, as each rank's rows depend on the count."""
+    found = latest_step_checkpoint(w.run_dir)
+    if found is None:
+        return None
+    meta = read_meta(found)
+    if meta.epoch != w.start_epoch:
+        return None  # from before the epoch checkpoint already loaded
+    if meta.metrics.get("workers") != w.world:
+        if w.rank == 0:
+            log.warning(
+                "the checkpoint of epoch %d step %d was taken with %s workers, this attempt "
+                "has %d: epoch %d starts over from its start (each worker's rows depend on "
+                "how many there are)",
+                *(meta.epoch, meta.step, meta.metrics.get("workers"), w.world, meta.epoch),
+            )
+        return None
+    check_resumable(meta, w.manifest, checkpoint=found.uri, dataset=w.dataset.uri)
+    model.load_state_dict(load_weights(found))
+    train_state = load_train_state(found)
+    w.ema_weights = load_weights(found, meta, EMA) if meta.ema_weights else None
+    w.start_step, w.carried, w.history = meta.step, train_state["epoch_so_far"], meta.history
+    if w.rank == 0:
+        log.info(
+            "resumed from checkpoint %s: epoch %d, continuing after its step %d",
+            *(found.uri, meta.epoch, meta.step),
+        )
+    return train_state
 
 
 def warn_if_at_chance(metrics: dict, num_classes: int, model: torch.nn.Module) -> None:
@@ -546,6 +707,32 @@ def restore(w: Worker, model: torch.nn.Module) -> dict | None:
     return train_state
 
 
+def checkpoint_meta(w: Worker, metrics: dict, *, step: int | None = None) -> CheckpointMeta:
+    """metadata.json of a checkpoint at the end of epoch `metrics["epoch"]`, or inside it at
+    `step`."""
+    return CheckpointMeta(
+        model=ModelSpec(
+            name=w.cfg.model.name,
+            kwargs=w.cfg.model.kwargs,
+            bn_momentum=w.cfg.model.bn_momentum,
+            bn_eps=w.cfg.model.bn_eps,
+        ),
+        epoch=metrics["epoch"],
+        step=step,
+        classes=w.manifest.classes,
+        image_size=w.manifest.image_size,
+        input_size=w.inputs.image_size,
+        interpolation=w.inputs.interpolation,
+        mean=w.inputs.mean,
+        std=w.inputs.std,
+        dataset_fingerprint=w.manifest.fingerprint,
+        dataset_version=w.manifest.version,
+        metrics=metrics,
+        history=w.history,
+        config=w.cfg.model_dump(mode="json"),
+    )
+
+
 def save_and_report(
     w: Worker, metrics: dict, weights: dict, train_state: dict, ema: dict | None = None
 ) -> None:
@@ -563,26 +750,7 @@ def save_and_report(
         else "",
         *(m["lr"], m["images_per_s"]),
     )
-    meta = CheckpointMeta(
-        model=ModelSpec(
-            name=w.cfg.model.name,
-            kwargs=w.cfg.model.kwargs,
-            bn_momentum=w.cfg.model.bn_momentum,
-            bn_eps=w.cfg.model.bn_eps,
-        ),
-        epoch=epoch,
-        classes=w.manifest.classes,
-        image_size=w.manifest.image_size,
-        input_size=w.inputs.image_size,
-        interpolation=w.inputs.interpolation,
-        mean=w.inputs.mean,
-        std=w.inputs.std,
-        dataset_fingerprint=w.manifest.fingerprint,
-        dataset_version=w.manifest.version,
-        metrics=metrics,
-        history=w.history,
-        config=w.cfg.model_dump(mode="json"),
-    )
+    meta = checkpoint_meta(w, metrics)
     name = checkpoint_dir_name(epoch)
     with tempfile.TemporaryDirectory() as d:
         save_checkpoint(d, weights, meta, train_state, ema=ema)
