@@ -444,6 +444,13 @@ CASES = [
         lambda t, d: train_config(t, d, "checkpoint.metric=val_top5"),
     ),
     Case(
+        "`checkpoint.every_steps` with `ingest: ray_data`",
+        2,
+        "invalid config (<where>): checkpoint.every_steps needs ingest=torch",
+        lambda t, d: train_config(t, d, "checkpoint.every_steps=100", "ingest=ray_data"),
+        cli=lambda t, d: [train_args(t, d, "checkpoint.every_steps=100", "ingest=ray_data")],
+    ),
+    Case(
         "a model name that torchvision (or timm) does not have",
         2,
         "model.name=<name> is not a torchvision classification model (close names: <names>)",
