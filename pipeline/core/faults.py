@@ -34,6 +34,8 @@ CHECKPOINT_REPORTED = "checkpoint_reported"
 # Rank 0, once a checkpoint inside an epoch (checkpoint.every_steps) is on storage: the first
 # one the run takes.
 STEP_CHECKPOINTED = "step_checkpointed"
+# Rank 0, once the checkpoint it took at a preemption notice is on storage.
+PREEMPTION_CHECKPOINTED = "preemption_checkpointed"
 # A preprocess run's shards and config are written, its manifest not yet: the commit point.
 DATASET_WRITTEN = "dataset_written"
 # The new manifest is in place, the datasets it replaced not yet removed.
@@ -47,6 +49,7 @@ POINTS = (
     CHECKPOINT_UPLOADED,
     CHECKPOINT_REPORTED,
     STEP_CHECKPOINTED,
+    PREEMPTION_CHECKPOINTED,
     DATASET_WRITTEN,
     DATASET_COMMITTED,
     PREDICTIONS_WRITTEN,

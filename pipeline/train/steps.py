@@ -85,11 +85,13 @@ class StepWriter:
         if pending is not None:
             pending.result()
 
-    def prune(self, *, keep: int = 0, done_epoch: int | None = None) -> None:
-        """Remove the checkpoints of epochs up to `done_epoch` (their epoch checkpoints are in)
-        and all but the newest `keep` of the rest."""
+    def prune(self, *, keep: int | None = None, done_epoch: int | None = None) -> None:
+        """Remove the checkpoints of epochs up to `done_epoch` (their epoch checkpoints are in),
+        and with `keep`, all but the newest `keep` of the rest."""
         found = step_checkpoints(self.run_dir)
         stale = [f for f in found if done_epoch is not None and f[0] <= done_epoch]
         rest = [f for f in found if f not in stale]
-        for *_, directory in stale + rest[: max(len(rest) - keep, 0)]:
+        if keep is not None:
+            stale += rest[: max(len(rest) - keep, 0)]
+        for *_, directory in stale:
             directory.delete()

@@ -542,13 +542,15 @@ class StepCheckpoints:
         save = functools.partial(save_checkpoint, weights=weights, meta=meta, ema=ema_weights)
         self.writer.save(epoch, step, lambda d: save(d, train_state=train_state))
         if first_notice:
+            self.writer.wait()  # on storage before the deadline
             log.warning(
-                "preemption notice for ranks %s, deadline %s: saving a checkpoint at epoch %d "
-                "step %d now, then training on",
+                "preemption notice for ranks %s, deadline %s: saved a checkpoint at epoch %d "
+                "step %d, training on until Ray stops the workers",
                 *(notice.preempted_ranks, notice.deadline_ms, epoch, step),
             )
-        if first_notice or faults.armed_at(faults.STEP_CHECKPOINTED):
-            self.writer.wait()  # on storage before the deadline (or the fault test's kill)
+            faults.point(faults.PREEMPTION_CHECKPOINTED)
+        elif faults.armed_at(faults.STEP_CHECKPOINTED):
+            self.writer.wait()  # on storage before the fault test's kill
             faults.point(faults.STEP_CHECKPOINTED)
 
     def epoch_done(self, epoch: int) -> None:
