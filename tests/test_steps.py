@@ -1,30 +1,121 @@
-"""Checkpoints inside an epoch (checkpoint.every_steps) on a real cluster: a worker killed
-mid-epoch, at a defined step, and the run resumed from that step ends with exactly the weights
-of a run never stopped."""
+"""Checkpoints inside an epoch (checkpoint.every_steps): how they are kept on storage, and on a
+real cluster a worker killed mid-epoch, at a defined step, and the run resumed from that step
+ending with exactly the weights of a run never stopped."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import armed_runtime_env, held_worker, history, in_background, kill_worker, train_job
 
 from pipeline.core import faults
-from pipeline.model.checkpoint import WEIGHTS
-from pipeline.train.steps import STEPS
-
-pytestmark = pytest.mark.slow
+from pipeline.core.config import load_config
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.model.checkpoint import EMA_WEIGHTS, METADATA, WEIGHTS, ModelInput, save_checkpoint
+from pipeline.model.networks import build_model
+from pipeline.train.config import TrainConfig
+from pipeline.train.steps import (
+    STEPS,
+    StepWriter,
+    latest_step_checkpoint,
+    step_checkpoints,
+    step_dir_name,
+)
+from pipeline.train.worker import Worker, checkpoint_meta, restore_step
 
 EVERY = 4
 # Two workers of two loader processes each; MixUp and an EMA, whose draws and state a resume
 # inside an epoch must carry on exactly.
 RECIPE = (
-    "epochs=2",
+    "epochs=1",
     f"checkpoint.every_steps={EVERY}",
     "scaling.loader_workers=2",
     "mixup_alpha=0.2",
     "ema.enabled=true",
     "ema.every_steps=2",
 )
+
+
+def test_the_writer_publishes_whole_checkpoints_and_keeps_the_newest_two(tmp_path):
+    run = Location.parse(str(tmp_path / "run"))
+    writer = StepWriter(run)
+
+    def write(step: int):
+        def fill(directory: Path) -> None:
+            (directory / "model.pt").write_text(f"weights of step {step}")
+            (directory / METADATA).write_text("{}")  # written last, as save_checkpoint does
+
+        return fill
+
+    for step in (4, 8, 12):
+        writer.save(0, step, write(step))
+    writer.wait()
+    names = [d.name for *_, d in step_checkpoints(run)]
+    assert names == [step_dir_name(0, 8), step_dir_name(0, 12)]
+    assert latest_step_checkpoint(run).name == step_dir_name(0, 12)
+    # One cut short (no metadata): the newest whole one is taken.
+    partial = tmp_path / "run" / STEPS / step_dir_name(0, 16)
+    partial.mkdir()
+    (partial / "model.pt").write_text("half")
+    assert latest_step_checkpoint(run).name == step_dir_name(0, 12)
+    # Once epoch 0's own checkpoint is in, its checkpoints inside it go.
+    writer.save(1, 4, write(4))
+    writer.wait()
+    writer.prune(done_epoch=0)
+    assert [(e, s) for e, s, _ in step_checkpoints(run)] == [(1, 4)]
+
+
+def test_a_writer_that_fails_says_so_at_the_next_save(tmp_path):
+    (tmp_path / "run").write_text("a file where the run directory should be")
+    writer = StepWriter(Location.parse(str(tmp_path / "run")))
+    writer.save(0, 4, lambda d: (d / METADATA).write_text("{}"))
+    with pytest.raises(OSError):
+        writer.wait()
+
+
+def worker(tiny_dataset, run_dir: Location, world: int) -> Worker:
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [f"dataset={tiny_dataset}", f"storage_path={run_dir.parent.uri}", "model.name=resnet18"],
+    )
+    root = Location.parse(str(tiny_dataset))
+    manifest = read_manifest(root)
+    inputs = ModelInput(manifest.image_size, "bilinear", manifest.mean, manifest.std)
+    return Worker(cfg, root, run_dir, manifest, inputs, rank=0, world=world)
+
+
+def test_a_resume_takes_the_step_checkpoint_of_its_epoch_at_its_worker_count_only(
+    tiny_dataset, tmp_path
+):
+    run_dir = Location.parse(str(tmp_path / "r"))
+    taken = worker(tiny_dataset, run_dir, world=2)
+    model = build_model(len(taken.manifest.classes))
+    so_far = {"loss_sum": 12.5, "images": 128, "seconds": 3.0}
+    state = {"epoch_so_far": so_far, "rng": {"cpu": torch.get_rng_state()}}
+    meta = checkpoint_meta(taken, {"epoch": 1, "step": 8, "workers": 2}, step=8)
+    directory = tmp_path / "r" / STEPS / step_dir_name(1, 8)
+    directory.mkdir(parents=True)
+    save_checkpoint(directory, model.state_dict(), meta, state)
+
+    fresh = build_model(len(taken.manifest.classes))
+    w = worker(tiny_dataset, run_dir, world=2)
+    w.start_epoch = 1  # Ray's latest checkpoint: epoch 0's
+    assert restore_step(w, fresh)["epoch_so_far"] == so_far
+    assert (w.start_step, w.carried) == (8, so_far)
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    # Another worker count: each rank's rows differ, so the epoch starts over from its start.
+    resized = worker(tiny_dataset, run_dir, world=1)
+    resized.start_epoch = 1
+    assert restore_step(resized, fresh) is None and resized.start_step == 0
+    # An epoch checkpoint after it (Ray's latest is epoch 1's): it is stale.
+    later = worker(tiny_dataset, run_dir, world=2)
+    later.start_epoch = 2
+    assert restore_step(later, fresh) is None and later.start_step == 0
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +126,7 @@ def never_stopped(cluster_2cpu, tiny_dataset, tmp_path_factory):
     return storage / "r"
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_epoch_resumes_at_its_step_and_ends_bit_identical(
     cluster_2cpu, tiny_dataset, tmp_path, never_stopped
 ):
@@ -54,14 +146,14 @@ def test_a_worker_killed_mid_epoch_resumes_at_its_step_and_ends_bit_identical(
     assert f"resumed from checkpoint {resumed_at}" in proc.stdout
 
     run = storage / "r"
-    for name in ("epoch_0000", "epoch_0001"):
-        resumed = torch.load(run / name / WEIGHTS, weights_only=True)
-        uninterrupted = torch.load(never_stopped / name / WEIGHTS, weights_only=True)
+    for name in (WEIGHTS, EMA_WEIGHTS):
+        resumed = torch.load(run / "epoch_0000" / name, weights_only=True)
+        uninterrupted = torch.load(never_stopped / "epoch_0000" / name, weights_only=True)
         assert resumed.keys() == uninterrupted.keys()
         for key in resumed:
             assert torch.equal(resumed[key], uninterrupted[key]), (name, key)
     rows, reference = history(run), history(never_stopped)
-    assert [r["epoch"] for r in rows] == [0, 1]  # each epoch once
+    assert [r["epoch"] for r in rows] == [0]  # the epoch once
     for row, ref in zip(rows, reference, strict=True):
         assert row["val_loss"] == ref["val_loss"] and row["val_accuracy"] == ref["val_accuracy"]
         # Summed in another order (before and after the resume): equal to rounding.
