@@ -3,16 +3,25 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from harness.cluster import BUNDLE_ROOT
+from pipeline.core.config import load_config
+from pipeline.data.config import PreprocessConfig
 from pipeline.data.images import BadImageError, decode_image, encode_image, resize_center_crop
+from pipeline.data.preprocess import process_items
+from pipeline.data.sources import Item
 
 
 def encoded(img: Image.Image, fmt: str) -> bytes:
+    return encoded_with(img, fmt)
+
+
+def encoded_with(img: Image.Image, fmt: str, **options) -> bytes:
     buf = io.BytesIO()
-    img.save(buf, format=fmt)
+    img.save(buf, format=fmt, **options)
     return buf.getvalue()
 
 
@@ -36,6 +45,80 @@ def test_decode_converts_to_rgb(mode):
     fmt = "JPEG" if mode in ("L", "CMYK") else "PNG"
     img = decode_image(encoded(Image.new(mode, (10, 12)), fmt))
     assert img.mode == "RGB" and img.size == (10, 12)
+
+
+def grey(data: bytes) -> list[int]:
+    """The decoded image's grey levels, left to right along its first row."""
+    img = decode_image(data)
+    assert img.mode == "RGB"
+    pixels = np.asarray(img)[0]
+    assert (pixels == pixels[:, :1]).all()  # grey: R = G = B
+    return pixels[:, 0].tolist()
+
+
+def test_a_16_bit_grey_png_is_scaled_to_8_bits_not_clipped():
+    # A 16-bit grey PNG opens as mode I;16: converted as it was, every level above 255 was white.
+    half = encoded(Image.fromarray(np.full((4, 4), 32768, dtype=np.uint16)), "PNG")
+    assert grey(half) == [128] * 4
+    ramp = np.linspace(0, 65535, 256).astype(np.uint16)[None, :].repeat(2, axis=0)
+    assert Image.open(io.BytesIO(encoded(Image.fromarray(ramp), "PNG"))).mode == "I;16"
+    levels = grey(encoded(Image.fromarray(ramp), "PNG"))
+    assert levels == list(range(256)) and np.mean(levels) == 127.5
+
+
+def test_a_big_endian_16_bit_tiff_is_scaled_by_its_own_byte_order():
+    img = Image.new("I;16B", (3, 1))
+    img.putpixel((0, 0), 32768), img.putpixel((1, 0), 65535), img.putpixel((2, 0), 257)
+    data = encoded(img, "TIFF")
+    assert Image.open(io.BytesIO(data)).mode == "I;16B"
+    assert grey(data) == [128, 255, 1]
+
+
+def test_a_float_tiff_is_read_as_0_to_1():
+    values = np.array([[0.5, 0.25, 1.0, 0.0, 2.0, -1.0, np.nan, np.inf]], dtype=np.float32)
+    assert grey(encoded(Image.fromarray(values), "TIFF")) == [128, 64, 255, 0, 255, 0, 0, 255]
+
+
+def test_32_bit_integers_are_read_as_16_bit_samples():
+    # PGM over 8 bits opens as mode I, scaled by Pillow to 0..65535; a 32-bit TIFF too, clipped.
+    pgm = b"P5\n3 1\n1023\n" + b"".join(v.to_bytes(2, "big") for v in (512, 1023, 0))
+    assert Image.open(io.BytesIO(pgm)).mode == "I"
+    assert grey(pgm) == [128, 255, 0]
+    ints = np.array([[32768, 70_000, -5, 2**31 - 1]], dtype=np.int32)
+    assert grey(encoded(Image.fromarray(ints), "TIFF")) == [128, 255, 0, 255]
+
+
+def test_a_16_bit_png_is_stored_scaled_by_preprocessing():
+    cfg = load_config(PreprocessConfig, overrides=["output=/unused", "image_size=8"])
+    cfg = cfg.model_copy(update={"image_format": "png"})
+    half = encoded(Image.fromarray(np.full((12, 10), 32768, dtype=np.uint16)), "PNG")
+    reader = type("Reader", (), {"read": lambda self, item: half})()
+    rows, skipped = process_items(cfg, ["grey"], [Item("grey/0.png", 0)], reader)
+    [row] = [r for split in rows.values() for r in split]
+    assert skipped == [] and row["source_id"] == "grey/0.png"
+    assert np.unique(np.asarray(decode_image(row["image"]))).tolist() == [128]
+
+
+def test_transparency_is_shown_on_white_whatever_colour_it_hides():
+    # Each row: opaque blue, half-transparent red, then a fully transparent pixel hiding black,
+    # and one hiding green. A viewer shows both as its background: so do we, on white.
+    img = Image.new("RGBA", (4, 1))
+    for x, pixel in enumerate([(0, 0, 255, 255), (255, 0, 0, 128), (0, 0, 0, 0), (0, 255, 0, 0)]):
+        img.putpixel((x, 0), pixel)
+    decoded = np.asarray(decode_image(encoded(img, "PNG")))[0].tolist()
+    assert decoded == [[0, 0, 255], [255, 127, 127], [255, 255, 255], [255, 255, 255]]
+    assert np.asarray(decode_image(encoded(img.convert("LA"), "PNG")))[0, 2].tolist() == [255] * 3
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "GIF"])
+def test_a_palette_images_transparent_colour_is_shown_on_white(fmt):
+    img = Image.new("P", (2, 1))
+    img.putpalette([10, 20, 30, 200, 100, 0])
+    img.putpixel((0, 0), 0), img.putpixel((1, 0), 1)
+    data = encoded_with(img, fmt, transparency=0)
+    assert np.asarray(decode_image(data))[0].tolist() == [[255, 255, 255], [200, 100, 0]]
+    # Without transparency, the palette's colours.
+    assert np.asarray(decode_image(encoded(img, fmt)))[0].tolist() == [[10, 20, 30], [200, 100, 0]]
 
 
 @pytest.mark.parametrize(
