@@ -121,6 +121,27 @@ def test_a_palette_images_transparent_colour_is_shown_on_white(fmt):
     assert np.asarray(decode_image(encoded(img, fmt)))[0].tolist() == [[10, 20, 30], [200, 100, 0]]
 
 
+@pytest.mark.parametrize("fmt", ["TGA", "ICO", "JPEG2000", "PCX", "SGI", "DDS", "SPIDER"])
+def test_formats_outside_the_read_ones_are_not_images(fmt):
+    # Pillow reads them all; each is one more decoder of untrusted bytes, and none is fuzzed here.
+    data = encoded(Image.new("RGB", (16, 16), "red"), fmt)
+    assert Image.open(io.BytesIO(data)).format == fmt
+    with pytest.raises(BadImageError, match=r"^not an image \(unrecognised format\): .* JPEG, PNG"):
+        decode_image(data)
+
+
+@pytest.mark.parametrize("fmt", ["MPO", "PPM", "AVIF", "QOI", "BMP"])
+def test_the_read_formats_beyond_jpeg_and_png_decode(fmt):
+    # MPO: a phone's JPEG with a second picture (depth, or the other eye) after the first.
+    img = Image.new("RGB", (16, 12), (200, 30, 90))
+    extra = {"save_all": True, "append_images": [img.copy()]} if fmt == "MPO" else {}
+    data = encoded_with(img, fmt, **extra)
+    assert Image.open(io.BytesIO(data)).format == fmt
+    out = decode_image(data)
+    assert out.size == (16, 12)
+    assert np.abs(np.asarray(out, dtype=int) - (200, 30, 90)).max() <= 8
+
+
 @pytest.mark.parametrize(
     ("data", "reason"),
     [
