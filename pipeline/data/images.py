@@ -15,6 +15,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # The longest side to short side ratio that resize_center_crop resizes whole (every photo and
 # scan): beyond, it resizes only the crop's region, so an image of extreme shape costs no more.
 MAX_WHOLE_RESIZE = 8
+# The most pixels decode_image decodes: Pillow's default limit, held here so that no other import
+# can lift it (Image.MAX_IMAGE_PIXELS is a global). Pillow keeps a pointer (8 bytes) per row
+# besides the pixels, so a row counts ROW_PIXELS more: else a 1 px wide image would take 3 times
+# the memory of a square one of as many pixels. docs/errors.md gives the memory this bounds.
+MAX_PIXELS = 89_478_485
+ROW_PIXELS = 2
 
 # The formats decode_image reads; Pillow reads some 40 more, each another decoder for untrusted
 # bytes to reach, fuzzed and measured here only for these (JPEG includes its multi-picture MPO).
@@ -47,6 +53,7 @@ def decode_image(data: bytes) -> Image.Image:
             # PIL warns, then raises, on decompression bombs: make both an error we can record.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=FORMATS)
+            check_size(img)  # from the header, before a pixel is allocated
             img.load()
             ImageOps.exif_transpose(img, in_place=True)  # no copy when there is nothing to turn
             return to_rgb(img)
@@ -65,7 +72,20 @@ def decode_image(data: bytes) -> Image.Image:
         # The bytes are untrusted and each format's decoder fails its own way on damage
         # (IndexError from a truncated QOI, TypeError from one changed byte of EXIF, struct.error
         # from a WEBP): any failure to decode is the file's, to skip and count, not the job's.
-        raise BadImageError(f"corrupt image ({type(e).__name__}: {e})") from None
+        raise BadImageError(f"truncated or corrupt image ({type(e).__name__}: {e})") from None
+
+
+def check_size(img: Image.Image) -> None:
+    """Refuse an image of more than MAX_PIXELS, each row counted ROW_PIXELS more, and a TIFF
+    whose tiles are as large: libtiff holds one tile, as large as the file says, besides the
+    image (a 16 x 16 px file of 32768 px square tiles took 1 GiB)."""
+    w, h = img.size
+    tile = (img.tag_v2.get(322, 0), img.tag_v2.get(323, 0)) if img.format == "TIFF" else (0, 0)
+    if (w + ROW_PIXELS) * h > MAX_PIXELS or tile[0] * tile[1] > MAX_PIXELS:
+        tiles = f" in tiles of {tile[0]} x {tile[1]} px" if tile[0] else ""
+        raise BadImageError(
+            f"too large to decode safely: {w} x {h} px{tiles}, over the limit of {MAX_PIXELS} px"
+        )
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
