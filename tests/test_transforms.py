@@ -3,17 +3,20 @@ import struct
 import subprocess
 import sys
 import zlib
+from collections import Counter
 
 import numpy as np
 import pytest
+from corpus import BYTES_PER_PIXEL, SLACK, corpus, memory_bound_mib
 from PIL import Image
 
 from harness.cluster import BUNDLE_ROOT
-from harness.images import tiled_tiff
+from harness.images import VARIANTS, decode_peaks, header_pixels, tiled_tiff
 from pipeline.core.config import load_config
 from pipeline.data.config import PreprocessConfig
 from pipeline.data.images import (
     MAX_PIXELS,
+    MAX_WHOLE_RESIZE,
     BadImageError,
     decode_image,
     encode_image,
@@ -233,6 +236,82 @@ def test_a_tiny_file_of_extreme_shape_takes_no_gigabytes():
     assert proc.returncode == 0, proc.stderr[-2000:]
     nbytes, result = proc.stdout.split(" ", 1)
     assert int(nbytes) < 1000 and result.strip() == "(224, 224) (9, 99, 199)"
+
+
+# How the reason of each BadImageError starts (docs/errors.md): every failure is one of them.
+REASONS = (
+    "truncated or corrupt image",
+    "not an image (unrecognised format)",
+    "too large to decode",
+)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # PIL's own, on the damaged EXIF
+def test_every_file_of_the_corpus_decodes_or_is_a_bad_image(monkeypatch):
+    # Seeded: every format read, whole, cut short and with bytes changed at many places, and
+    # extreme shapes. Whatever a decoder raises on damage is a BadImageError, which
+    # preprocessing skips and counts, inference lists and serving answers with a 4xx.
+    resized = []
+    resize = Image.Image.resize
+
+    def recorded(self, *args, **kwargs):
+        out = resize(self, *args, **kwargs)
+        resized.append(out.width * out.height)
+        return out
+
+    monkeypatch.setattr(Image.Image, "resize", recorded)
+    reasons = Counter()
+    cases = corpus()
+    for case in cases:
+        try:
+            out = np.asarray(resize_center_crop(decode_image(case.data), size=32))
+        except BadImageError as e:
+            assert not case.intact, f"{case.name}: {e}"
+            reasons[next((r for r in REASONS if str(e).startswith(r)), str(e))] += 1
+            continue
+        assert out.shape == (32, 32, 3) and out.dtype == np.uint8, case.name
+        assert "says-20000x20000" not in case.name, f"{case.name} decoded"
+    assert len(cases) > 1000 and set(reasons) <= set(REASONS), reasons
+    assert reasons["truncated or corrupt image"] > 300  # the damage was seen
+    assert reasons["too large to decode"] > 40  # refused from the header
+    # No resize made more than the widest whole resize: 32 x 8 times 32.
+    assert 32 * 32 < max(resized) <= MAX_WHOLE_RESIZE * 32 * 32
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # PIL's own, reading the damaged headers
+def test_no_file_of_the_corpus_takes_more_memory_than_its_pixels_allow(tmp_path):
+    # The whole files, and those whose header says more pixels than any original's (10,000; on
+    # purpose, or by the damage): each in a fork of its own, the resident memory that decoding
+    # and resizing it added, against the bound for the pixels the header says.
+    cases = [c for c in corpus() if c.intact or header_pixels(c.data) > 10_000]
+    for i, case in enumerate(cases):
+        (tmp_path / str(i)).write_bytes(case.data)
+    measured = decode_peaks([tmp_path / str(i) for i in range(len(cases))], size=32)
+    over = [
+        (cases[int(m["file"])].name, m["pixels"], m["peak"])
+        for m in measured
+        if m["peak"] > BYTES_PER_PIXEL * m["pixels"] + SLACK
+    ]
+    assert len(cases) > 100 and not over
+
+
+def test_decoding_takes_at_most_the_documented_bytes_per_pixel(tmp_path):
+    # 768 x 768 px of every kind, and the two extreme shapes, cold, one fork each: the
+    # measurement docs/errors.md's figure scales to the limit (bench/decode_memory.py: 16 MP).
+    files = {name: make(768, 768) for name, make in VARIANTS.items()}
+    files["png-1x300000"] = VARIANTS["png"](1, 300_000)
+    files["png-300000x1"] = VARIANTS["png"](300_000, 1)
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    measured = decode_peaks([tmp_path / name for name in files])
+    assert [m["error"] for m in measured] == [None] * len(files)
+    per_pixel = {m["file"]: round((m["peak"] - SLACK) / m["pixels"], 1) for m in measured}
+    assert max(per_pixel.values()) <= BYTES_PER_PIXEL, per_pixel
+
+
+def test_the_docs_give_the_memory_bound():
+    text = " ".join((BUNDLE_ROOT / "docs" / "errors.md").read_text().split())
+    assert f"at most {memory_bound_mib():,} MiB while it is decoded and resized" in text
 
 
 def header_only_png(w: int, h: int) -> bytes:
