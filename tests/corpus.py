@@ -19,6 +19,12 @@ SEED = 20261126
 # image, 16 bytes a pixel (bench/decode_memory.py, 16 MP). At some sizes the allocator keeps a
 # freed buffer and takes new pages for the next: up to 21 measured, at 4 MP.
 BYTES_PER_PIXEL = 24
+# How the reason of each BadImageError starts (docs/errors.md): every failure is one of them.
+REASONS = (
+    "truncated or corrupt image",
+    "not an image (unrecognised format)",
+    "too large to decode",
+)
 # What a decode adds besides its pixels: a decoder's state, Python's objects, the process's pages.
 SLACK = 4 * 2**20
 
@@ -137,3 +143,11 @@ def corpus(seed: int = SEED) -> list[Case]:
         for w, h in [(3000, 2000), (20_000, 20_000)]:
             cases.append(Case(f"{name}/says-{w}x{h}", resized_header(data, w, h), intact=False))
     return cases
+
+
+def share(count: int, max_bytes: int, seed: int = SEED) -> list[Case]:
+    """`count` cases of the corpus of at most `max_bytes`, a sixth of them whole, picked by seed."""
+    cases = [c for c in corpus(seed) if 0 < len(c.data) <= max_bytes]
+    rng = random.Random(seed)
+    whole = rng.sample([c for c in cases if c.intact], count // 6)
+    return whole + rng.sample([c for c in cases if not c.intact], count - len(whole))

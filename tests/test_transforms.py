@@ -7,7 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from corpus import BYTES_PER_PIXEL, SLACK, corpus, memory_bound_mib
+from corpus import BYTES_PER_PIXEL, REASONS, SLACK, corpus, memory_bound_mib
 from PIL import Image
 
 from harness.cluster import BUNDLE_ROOT
@@ -236,14 +236,6 @@ def test_a_tiny_file_of_extreme_shape_takes_no_gigabytes():
     assert proc.returncode == 0, proc.stderr[-2000:]
     nbytes, result = proc.stdout.split(" ", 1)
     assert int(nbytes) < 1000 and result.strip() == "(224, 224) (9, 99, 199)"
-
-
-# How the reason of each BadImageError starts (docs/errors.md): every failure is one of them.
-REASONS = (
-    "truncated or corrupt image",
-    "not an image (unrecognised format)",
-    "too large to decode",
-)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # PIL's own, on the damaged EXIF

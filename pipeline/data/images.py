@@ -21,7 +21,6 @@ MAX_WHOLE_RESIZE = 8
 # the memory of a square one of as many pixels. docs/errors.md gives the memory this bounds.
 MAX_PIXELS = 89_478_485
 ROW_PIXELS = 2
-
 # The formats decode_image reads; Pillow reads some 40 more, each another decoder for untrusted
 # bytes to reach, fuzzed and measured here only for these (JPEG includes its multi-picture MPO).
 FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP", "QOI", "PPM", "AVIF")
@@ -84,7 +83,8 @@ def check_size(img: Image.Image) -> None:
     if (w + ROW_PIXELS) * h > MAX_PIXELS or tile[0] * tile[1] > MAX_PIXELS:
         tiles = f" in tiles of {tile[0]} x {tile[1]} px" if tile[0] else ""
         raise BadImageError(
-            f"too large to decode safely: {w} x {h} px{tiles}, over the limit of {MAX_PIXELS} px"
+            f"too large to decode safely: {w} x {h} px{tiles}, over the limit of {MAX_PIXELS} px "
+            f"(each row counts {ROW_PIXELS} more)"
         )
 
 
