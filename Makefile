@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) -m bench.infer_throughput
 	$(PY) -m bench.serve
 	$(PY) -m bench.export
+	$(PY) -m bench.decode_memory
 	$(PY) -m bench.startup --repeat 3
 
 ## What a GPU answers, in one command (bench/README.md): the gpu tests, training images/s per

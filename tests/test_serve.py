@@ -9,11 +9,13 @@ import io
 import re
 import socket
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from corpus import REASONS, share
 from helpers import (
     CLASSES,
     checkpoint_meta,
@@ -28,11 +30,12 @@ from harness.load import Client, Load, post
 from harness.serving import ServeApp
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
+from pipeline.data.images import BadImageError
 from pipeline.infer.batch import Predictor
 from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.classifier import Classifier, prepare_image
 from pipeline.model.networks import build_model
-from pipeline.serve.app import build_app
+from pipeline.serve.app import BAD_IMAGE_STATUS, build_app
 from pipeline.serve.config import ServeConfig
 from pipeline.tracking.client import connect
 from pipeline.tracking.registry import log_best_model
@@ -261,6 +264,33 @@ def test_a_bad_request_gets_its_status_and_message_and_the_replica_serves_on(app
         assert post(app.url, good).status == 200, what
     # None was replaced (the autoscaler may have added one after the previous test's burst).
     assert before <= {r["replica_id"] for r in app.replicas()}
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")  # PIL's own, on the damaged EXIF
+def test_damaged_images_of_every_format_get_a_4xx_and_the_replica_serves_on(app):
+    # A share of the decoding fuzz tests' corpus: whole, cut short, bytes changed, headers that
+    # say more pixels. Each gets 200 or a 4xx, JSON, as decoding it in process says: a damaged
+    # image 400 with docs/errors.md's "truncated or corrupt image"; never a 5xx.
+    before = {r["replica_id"] for r in app.replicas()}
+    statuses = Counter()
+    for case in share(30, MAX_REQUEST_BYTES):
+        try:
+            prepare_image(case.data, image_size=32)
+            reason = None
+        except BadImageError as e:
+            reason = next(r for r in REASONS if str(e).startswith(r))
+        answer = post(app.url, case.data)
+        assert answer.headers["content-type"] == "application/json", case.name
+        if reason is None:
+            assert answer.status == 200 and answer.json()["top_k"], (case.name, answer.body)
+        else:
+            status = next((s for p, s in BAD_IMAGE_STATUS.items() if reason.startswith(p)), 400)
+            assert answer.status == status, (case.name, answer.body)
+            assert answer.json()["error"].startswith(reason), (case.name, answer.body)
+        statuses[answer.status, reason] += 1
+    assert statuses[400, "truncated or corrupt image"] >= 10 and statuses[200, None] >= 5, statuses
+    assert before <= {r["replica_id"] for r in app.replicas()}  # none was replaced
 
 
 def pattern(message: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 import warnings
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -14,6 +15,26 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # The longest side to short side ratio that resize_center_crop resizes whole (every photo and
 # scan): beyond, it resizes only the crop's region, so an image of extreme shape costs no more.
 MAX_WHOLE_RESIZE = 8
+# The most pixels decode_image decodes: Pillow's default limit, held here so that no other import
+# can lift it (Image.MAX_IMAGE_PIXELS is a global). Pillow keeps a pointer (8 bytes) per row
+# besides the pixels, so a row counts ROW_PIXELS more: else a 1 px wide image would take 3 times
+# the memory of a square one of as many pixels. docs/errors.md gives the memory this bounds.
+MAX_PIXELS = 89_478_485
+ROW_PIXELS = 2
+# The formats decode_image reads; Pillow reads some 40 more, each another decoder for untrusted
+# bytes to reach, fuzzed and measured here only for these (JPEG includes its multi-picture MPO).
+FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP", "QOI", "PPM", "AVIF")
+# Where an image has transparency, it is shown on white, as a browser page shows it: a fully
+# transparent pixel's hidden colour is not part of the picture.
+BACKGROUND = (255, 255, 255)
+# Pillow's raw unpackers that keep the high byte of each 16-bit sample, by the mode's byte order.
+HIGH_BYTE = {
+    "I;16": "L;16",
+    "I;16L": "L;16",
+    "I;16B": "L;16B",
+    "I;16N": "L;16" if sys.byteorder == "little" else "L;16B",
+}
+ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa")
 
 
 class BadImageError(ValueError):
@@ -22,18 +43,25 @@ class BadImageError(ValueError):
 
 def decode_image(data: bytes) -> Image.Image:
     """Decode fully (so truncation shows here, not later), turn upright as the EXIF orientation
-    says (a phone stores a portrait photo sideways and records the turn), and convert to RGB."""
+    says (a phone stores a portrait photo sideways and records the turn), and make it 8-bit RGB
+    (`to_rgb`). Whatever fails on the way is the file's: a BadImageError with the reason."""
     if not data:
         raise BadImageError("empty file")
     try:
         with warnings.catch_warnings():
             # PIL warns, then raises, on decompression bombs: make both an error we can record.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
+            check_size(img)  # from the header, before a pixel is allocated
             img.load()
-            img = ImageOps.exif_transpose(img)
+            ImageOps.exif_transpose(img, in_place=True)  # no copy when there is nothing to turn
+            return to_rgb(img)
+    except BadImageError:
+        raise
     except UnidentifiedImageError:
-        raise BadImageError("not an image (unrecognised format)") from None
+        raise BadImageError(
+            f"not an image (unrecognised format): the formats read are {', '.join(FORMATS)}"
+        ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise BadImageError(f"too large to decode safely: {e}") from None
     except (OSError, SyntaxError, ValueError) as e:
@@ -43,8 +71,58 @@ def decode_image(data: bytes) -> Image.Image:
         # The bytes are untrusted and each format's decoder fails its own way on damage
         # (IndexError from a truncated QOI, TypeError from one changed byte of EXIF, struct.error
         # from a WEBP): any failure to decode is the file's, to skip and count, not the job's.
-        raise BadImageError(f"corrupt image ({type(e).__name__}: {e})") from None
-    return img.convert("RGB")
+        raise BadImageError(f"truncated or corrupt image ({type(e).__name__}: {e})") from None
+
+
+def check_size(img: Image.Image) -> None:
+    """Refuse an image of more than MAX_PIXELS, each row counted ROW_PIXELS more, and a TIFF
+    whose tiles are as large: libtiff holds one tile, as large as the file says, besides the
+    image (a 16 x 16 px file of 32768 px square tiles took 1 GiB)."""
+    w, h = img.size
+    tile = (img.tag_v2.get(322, 0), img.tag_v2.get(323, 0)) if img.format == "TIFF" else (0, 0)
+    if (w + ROW_PIXELS) * h > MAX_PIXELS or tile[0] * tile[1] > MAX_PIXELS:
+        tiles = f" in tiles of {tile[0]} x {tile[1]} px" if tile[0] else ""
+        raise BadImageError(
+            f"too large to decode safely: {w} x {h} px{tiles}, over the limit of {MAX_PIXELS} px "
+            f"(each row counts {ROW_PIXELS} more)"
+        )
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """8-bit RGB, scaled rather than clipped from higher bit depths (`to_8bit`), transparency
+    shown on BACKGROUND. Closes `img` where it makes a new image, so that the two are not held at
+    once for longer than the conversion takes."""
+    if img.mode in HIGH_BYTE or img.mode in ("I", "F"):
+        img = to_8bit(img)  # a 16-bit file's single transparent grey (tRNS) is not kept
+    elif img.mode in ALPHA_MODES or "transparency" in img.info:
+        rgba = img if img.mode == "RGBA" else img.convert("RGBA")
+        if rgba is not img:
+            img.close()
+        out = Image.new("RGB", rgba.size, BACKGROUND)
+        out.paste(rgba, mask=rgba)  # blends by alpha, rounded
+        return out
+    if img.mode == "RGB":
+        return img
+    out = img.convert("RGB")
+    img.close()
+    return out
+
+
+def to_8bit(img: Image.Image) -> Image.Image:
+    """A grey image of a high bit depth -> mode L, scaled to 0..255 rather than clipped there:
+    16-bit samples (I;16 modes) by their high byte, as Pillow reads 16-bit colour files; 32-bit
+    integers (mode I: PGM and PPM files over 8 bits, which Pillow scales to 0..65535, and signed
+    or 32-bit TIFF) as 16-bit samples too, clipped outside 0..65535; floats (mode F) as 0..1, the
+    range most tools write, clipped outside it, NaN black."""
+    if img.mode in HIGH_BYTE:
+        out = Image.frombytes("L", img.size, img.tobytes(), "raw", HIGH_BYTE[img.mode])
+        img.close()
+        return out
+    # Pillow's point() on I and F is a linear map; converting to L then clips to 0..255 and
+    # truncates (hence + 0.5 to round floats).
+    scaled = img.point(lambda v: v / 256) if img.mode == "I" else img.point(lambda v: v * 255 + 0.5)
+    img.close()
+    return scaled.convert("L")
 
 
 def resize_center_crop(img: Image.Image, *, size: int) -> Image.Image:
