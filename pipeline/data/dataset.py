@@ -36,6 +36,7 @@ from pipeline.core import faults
 from pipeline.core.errors import InputError
 from pipeline.core.storage import (
     Location,
+    foreign_entries,
     is_marked,
     mark_version,
     new_version,
@@ -185,20 +186,11 @@ def check_replaceable(root: Location, *, overwrite: bool) -> None:
         return
     if not root.is_dir():
         raise InputError(f"output {root.uri} is a file: point output at a directory")
-    entries = retry(lambda: root.fs.get_file_info(pafs.FileSelector(root.path)), "listing")
-    foreign = [e.base_name for e in entries if e.base_name not in (VERSIONS, DATA)]
-    data = root.child(DATA)
-    if any(e.base_name == DATA for e in entries):
-        inside = retry(lambda: root.fs.get_file_info(pafs.FileSelector(data.path)), "listing")
-        foreign += [
-            f"{DATA}/{e.base_name}"
-            for e in inside
-            if e.type != pafs.FileType.Directory or not is_marked(data.child(e.base_name))
-        ]
+    foreign = foreign_entries(root, (VERSIONS, DATA), versions=DATA)
     if foreign:
         raise InputError(
             f"output {root.uri} holds files this bundle did not write "
-            f"({', '.join(sorted(foreign)[:5])}), so it is not a dataset of its own. Choose an "
+            f"({', '.join(foreign[:5])}), so it is not a dataset of its own. Choose an "
             "empty or new directory, or pass overwrite=true to write the dataset beside them"
         )
 

@@ -35,6 +35,7 @@ from pipeline.infer.predictions import (
     PredictionSink,
     Tally,
     batch_table,
+    check_output,
     publish,
     start_version,
 )
@@ -132,6 +133,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     """Classify `source` (a dataset or an image folder) with `model` (a run or a checkpoint)
     into a new version at `output`; return the summary in place (Ray initialised): this run's,
     or that of a run started after it with the same checkpoint and input, committed first."""
+    check_output(output)
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
     log_weights(checkpoint, meta)

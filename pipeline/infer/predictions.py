@@ -61,6 +61,7 @@ from pipeline.core import faults
 from pipeline.core.errors import InputError
 from pipeline.core.storage import (
     Location,
+    foreign_entries,
     is_marked,
     mark_version,
     new_version,
@@ -77,6 +78,8 @@ EMPTY_PART = "part-empty.parquet"
 # The summary's keys that make two runs' predictions the same: a run that finds the same
 # committed by a newer one has nothing to add.
 SAME = ("checkpoint", "input", "dataset_version")
+# What inference wrote at the top of output before it wrote versions: the bundle's, left there.
+EARLIER_LAYOUT = (PREDICTIONS, CONFUSION_PNG, "_staging")
 # Retention keeps every version younger than this: a reader that read summary.json before a
 # commit or two may still be reading the version it named.
 KEEP_HOURS = 24
@@ -231,6 +234,22 @@ class PredictionSink(Datasink[Tally]):
         self.tally = Tally.empty(self.num_classes)
         for t in write_result.write_returns:
             self.tally.merge(t)
+
+
+def check_output(output: Location) -> None:
+    """Refuse an `output` that holds anything but inference runs' outputs: a commit there would
+    replace its summary.json, which may be another record (a training run's)."""
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise InputError(f"output {output.uri} is a file: point output at a directory")
+    foreign = foreign_entries(output, (SUMMARY, VERSIONS, *EARLIER_LAYOUT), versions=VERSIONS)
+    if foreign:
+        raise InputError(
+            f"output {output.uri} holds files this bundle did not write "
+            f"({', '.join(foreign[:5])}), so it is not an inference output. Choose an empty or "
+            "new directory for output=, or one that inference wrote"
+        )
 
 
 def start_version(output: Location) -> str:
