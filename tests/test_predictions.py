@@ -68,6 +68,7 @@ def batch(ids, labels, preds, *, at, errors=None):
     return batch_table(
         source_id=np.array(ids, dtype=object),
         label=labels,
+        label_name=np.array([CLASSES[i] if i >= 0 else "" for i in labels], dtype=object),
         top_k=top_k,
         top_k_prob=np.tile(np.array([0.75, 0.25], dtype=np.float32), (len(ids), 1)),
         error=np.array(errors or [""] * len(ids), dtype=object),

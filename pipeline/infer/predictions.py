@@ -91,8 +91,8 @@ WRITE_TASKS = 2
 PREDICTION_SCHEMA = pa.schema(
     [
         ("source_id", pa.string()),
-        ("label", pa.int64()),  # index into the checkpoint's classes; null when unknown
-        ("label_name", pa.string()),
+        ("label", pa.int64()),  # index into the checkpoint's classes; null if none of them
+        ("label_name", pa.string()),  # the input's own label, a checkpoint class or not; null: none
         ("pred", pa.int64()),
         ("pred_name", pa.string()),
         ("top_k", pa.list_(pa.int64())),  # class indices, most likely first
@@ -110,13 +110,15 @@ def batch_table(
     *,
     source_id: np.ndarray,
     label: np.ndarray,
+    label_name: np.ndarray,
     top_k: np.ndarray,
     top_k_prob: np.ndarray,
     error: np.ndarray,
     classes: list[str],
     predicted_at: float,
 ) -> pa.Table:
-    """One predicted batch as BATCH_SCHEMA. label: (N,) class index, -1 when unknown;
+    """One predicted batch as BATCH_SCHEMA. label: (N,) class index, -1 where the input's
+    label is none of `classes`; label_name: (N,) the input's labels, "" where it has none;
     top_k, top_k_prob: (N, k), most likely first."""
     n, k = top_k.shape
     pred = top_k[:, 0]
@@ -124,7 +126,7 @@ def batch_table(
         {
             "source_id": pa.array(source_id, pa.string()),
             "label": pa.array(label, pa.int64(), mask=label < 0),
-            "label_name": pa.array([classes[i] if i >= 0 else None for i in label], pa.string()),
+            "label_name": pa.array([name or None for name in label_name], pa.string()),
             "pred": pa.array(pred, pa.int64()),
             "pred_name": pa.array([classes[i] for i in pred], pa.string()),
             "top_k": pa.FixedSizeListArray.from_arrays(pa.array(top_k.ravel(), pa.int64()), k).cast(
