@@ -7,6 +7,7 @@ checked against this list, so the two cannot drift apart."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import sys
@@ -169,7 +170,19 @@ def checkpoint_of(name: str):
 def training_run(tmp_path, _):
     run = Location.parse(str(tmp_path / "run"))
     run.child(SNAPSHOT).write_bytes(b"{}")
-    mark_training(run)
+    mark = mark_training(run)
+    try:
+        resolve_checkpoint(run)
+    finally:
+        mark.release(restore=False)
+
+
+def run_left_training(tmp_path, _):
+    # What a train job of before heartbeats left when it was stopped: a marker and no more.
+    run = Location.parse(str(tmp_path / "run"))
+    run.child(SNAPSHOT).write_bytes(b"{}")
+    marker = {"run": run.uri, "status": "training", "since": 1767225600.0}
+    run.child(RUN_SUMMARY).write_bytes(json.dumps(marker).encode())
     resolve_checkpoint(run)
 
 
@@ -305,6 +318,14 @@ CASES = [
         2,
         "model=<path> is a run that a train job has been training again since",
         training_run,
+    ),
+    Case(
+        "an inference `model=` run whose train job ended while training it again, of before "
+        "heartbeats",
+        1,
+        "run <path> has been trained again since <time> by a train job it does not name; that "
+        "job has ended without finishing it",
+        run_left_training,
     ),
     Case(
         "the `pretrained` key of before `model`",
