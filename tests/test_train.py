@@ -479,6 +479,15 @@ def test_the_heartbeat_is_refreshed_until_released_and_a_release_can_restore(tmp
     assert json.loads(run.child(RUN_SUMMARY).read_bytes()) == finished
 
 
+def test_a_damaged_summary_does_not_stop_a_resume(tmp_path, caplog):
+    run = Location.parse(str(tmp_path))
+    run.child(RUN_SUMMARY).write_bytes(b'{"status": "fini')
+    mark = TrainingMark.hold(run)
+    mark.release(restore=True)  # nothing finished to put back: the marker stays
+    assert json.loads(run.child(RUN_SUMMARY).read_bytes())[FINISHED] is None
+    assert f"{run.child(RUN_SUMMARY).uri} is not JSON" in caplog.text
+
+
 def test_a_resume_that_fails_or_is_stopped_puts_the_finished_summary_back(
     tiny_dataset, tmp_path, monkeypatch
 ):

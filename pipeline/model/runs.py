@@ -156,7 +156,11 @@ class TrainingMark:
         """Mark the run as training, heartbeat and all, keeping its finished summary (that of a
         marker left by a job that did not finish, if the summary is one)."""
         path = run_dir.child(RUN_SUMMARY)
-        summary = json.loads(path.read_bytes()) if path.exists() else None
+        try:
+            summary = json.loads(path.read_bytes()) if path.exists() else None
+        except ValueError as e:  # damaged: write_reports replaces it once the run finishes
+            log.warning("run %s: %s is not JSON (%s); it is not kept", run_dir.uri, path.uri, e)
+            summary = None
         if summary is not None and summary.get("status") == TRAINING:
             log.warning(
                 "run %s: its summary says that %s has trained it again since %s, and it did "
