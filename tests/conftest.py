@@ -18,6 +18,7 @@ import ray
 from helpers import (
     CLASSES,
     FAST_NODE_DEATH,
+    MAIN_RUN_RECIPE,
     armed_runtime_env,
     generated_dataset,
     held_worker,
@@ -172,10 +173,6 @@ def cluster_2cpu(s3_server):
     nodes reach `s3_server` as a real cluster's reach S3: through the nodes' environment."""
     with LocalCluster(num_cpus=2, env=s3_server.env) as c:
         yield c
-
-
-# The demo config's global batch of 32 is 16 images a worker: two micro-batches of 8.
-MAIN_RUN_RECIPE = ("ema.enabled=true", "ema.every_steps=2", "ema.decay=0.8", "micro_batch_size=8")
 
 
 @pytest.fixture(scope="session")

@@ -71,6 +71,9 @@ def make_image_folder(root: Path, per_class: int = 20, corrupt: bool = True) -> 
 
 
 TRAIN = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml"]
+# The shared training run's recipe (conftest.main_run). The demo config's global batch of 32 is
+# 16 images a worker: two micro-batches of 8.
+MAIN_RUN_RECIPE = ("ema.enabled=true", "ema.every_steps=2", "ema.decay=0.8", "micro_batch_size=8")
 
 
 def train_job(cluster, dataset, storage, *overrides, **submit):

@@ -9,6 +9,7 @@ list, so the two cannot drift apart."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -39,11 +40,12 @@ from pipeline.data.sources import FolderSource
 from pipeline.export import formats
 from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import check_output, export, parity_dataset
-from pipeline.infer.batch import resolve_checkpoint
+from pipeline.infer.batch import infer, resolve_checkpoint
+from pipeline.infer.config import InferConfig
 from pipeline.infer.inputs import read_input
 from pipeline.infer.predictions import Tally, publish, start_version
 from pipeline.model.checkpoint import METADATA, WEIGHTS, check_weights
-from pipeline.model.runs import SNAPSHOT, mark_training, resume_changes
+from pipeline.model.runs import RUN_SUMMARY, SNAPSHOT, mark_training, resume_changes
 from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
 from pipeline.train.config import TrainConfig
@@ -250,7 +252,19 @@ def checkpoint_of(name: str):
 def training_run(tmp_path, _):
     run = Location.parse(str(tmp_path / "run"))
     run.child(SNAPSHOT).write_bytes(b"{}")
-    mark_training(run)
+    mark = mark_training(run)
+    try:
+        resolve_checkpoint(run)
+    finally:
+        mark.release(restore=False)
+
+
+def run_left_training(tmp_path, _):
+    # What a train job of before heartbeats left when it was stopped: a marker and no more.
+    run = Location.parse(str(tmp_path / "run"))
+    run.child(SNAPSHOT).write_bytes(b"{}")
+    marker = {"run": run.uri, "status": "training", "since": 1767225600.0}
+    run.child(RUN_SUMMARY).write_bytes(json.dumps(marker).encode())
     resolve_checkpoint(run)
 
 
@@ -260,6 +274,21 @@ def replaced_predictions(tmp_path, _):
     older, newer = start_version(output), start_version(output)
     publish(output, newer, Tally.empty(1), {"checkpoint": "b", "input": "in"}, None)
     publish(output, older, Tally.empty(1), {"checkpoint": "a", "input": "in"}, None)
+
+
+def run_as_inference_output(tmp_path, dataset):
+    # The training run's own directory: a commit there would replace its summary.json.
+    run = tmp_path / "run"
+    (run / "epoch_0000").mkdir(parents=True)
+    (run / SNAPSHOT).write_text("{}")
+    (run / RUN_SUMMARY).write_text('{"status": "finished"}')
+    cfg = load_config(InferConfig, None, [f"model={run}", f"input={dataset}", f"output={run}"])
+    infer(
+        cfg,
+        model=Location.parse(cfg.model),
+        source=Location.parse(cfg.input),
+        output=Location.parse(cfg.output),
+    )
 
 
 def foreign_export_output(tmp_path, _):
@@ -423,6 +452,14 @@ CASES = [
         2,
         "model=<path> is a run that a train job has been training again since",
         training_run,
+    ),
+    Case(
+        "an inference `model=` run whose train job ended while training it again, of before "
+        "heartbeats",
+        1,
+        "run <path> has been trained again since <time> by a train job it does not name; that "
+        "job has ended without finishing it",
+        run_left_training,
     ),
     Case(
         "the `pretrained` key of before `model`",
@@ -623,6 +660,13 @@ CASES = [
         1,
         "<path> was replaced while this run was writing",
         replaced_predictions,
+    ),
+    Case(
+        "an inference `output=` that holds files inference did not write (a training run's)",
+        1,
+        "output <path> holds files this bundle did not write (<names>), so it is not an "
+        "inference output",
+        run_as_inference_output,
     ),
     Case(
         "an export `model=` that holds no checkpoint",

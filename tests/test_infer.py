@@ -228,6 +228,13 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
     assert all(reasons[f].startswith(why) for f, why in bad.items())
     rows = read_predictions(str(out)).to_pylist()
     assert len(rows) == summary["images"] == 3 * 4
+    # Two of the folder's classes are none of the checkpoint's: named, and their labels kept
+    # with no index; only red_circle's images count in the accuracy.
+    assert summary["classes_unknown"] == ["blue_triangle", "green_square"]
+    assert "2 of the input's classes are not classes of the checkpoint" in proc.stdout
+    assert sorted({r["label_name"] for r in rows}) == sorted(CLASSES)
+    assert all((r["label"] is None) == (r["label_name"] != "red_circle") for r in rows)
+    assert summary["labelled_images"] == 4
 
     # One image on its own, through a single Ray task: the same top-1 as the batch path.
     one = rows[0]

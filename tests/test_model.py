@@ -4,14 +4,15 @@ weights files, bad inputs. Other architectures: test_models."""
 import json
 import logging
 
+import numpy as np
 import pytest
 import torch
-from helpers import checkpoint_meta
+from helpers import checkpoint_meta, png_bytes
 
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
-from pipeline.infer.batch import log_weights, summarize
+from pipeline.infer.batch import Predictor, classes_unknown, log_weights, summarize
 from pipeline.infer.predictions import Tally
 from pipeline.model.checkpoint import (
     EMA,
@@ -195,6 +196,35 @@ def test_inference_serves_the_better_of_the_raw_and_ema_weights(
     summary = summarize(meta, checkpoint, checkpoint, None, Tally.empty(len(CLASSES)), 0.0, 1.0)
     assert summary["weights"] == served
     assert (summary["weights_by"], summary["weights_scores"]) == (shown, scores)
+
+
+def test_inference_keeps_the_inputs_labels_and_warns_of_classes_the_checkpoint_lacks(
+    tmp_path, caplog
+):
+    save_checkpoint(tmp_path, build_model(len(CLASSES)).eval().state_dict(), checkpoint_meta(), {})
+    predictor = Predictor(
+        Location.parse(str(tmp_path)), use_gpu=False, precision="fp32", top_k=2, decode_size=32
+    )
+    batch = {
+        "data": np.array([png_bytes("red_circle", i) for i in range(3)], dtype=object),
+        "source_id": np.array(["dog/1", "a/1", "2"], dtype=object),
+        "label_name": np.array(["dog", "a", ""], dtype=object),  # "": no label
+    }
+    rows = predictor(batch).to_pylist()
+    # A label of no checkpoint class has no index, and keeps its name.
+    assert [(r["label"], r["label_name"]) for r in rows] == [(None, "dog"), (0, "a"), (None, None)]
+
+    caplog.set_level(logging.WARNING, logger="pipeline.infer.batch")
+    assert classes_unknown(["a", "b"], CLASSES) == [] and not caplog.text
+    assert classes_unknown(["cat", "dog"], CLASSES) == ["cat", "dog"]
+    assert (
+        "none of the input's classes [cat, dog] is a class of the checkpoint [a, b, c]: no "
+        "accuracy" in caplog.text
+    )
+    assert classes_unknown(["a", "dog"], CLASSES) == ["dog"]
+    assert "1 of the input's classes are not classes of the checkpoint [a, b, c]: [dog]" in (
+        caplog.text
+    )
 
 
 def test_a_checkpoint_without_an_ema_serves_its_weights(tmp_path):

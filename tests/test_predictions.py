@@ -31,6 +31,7 @@ from pipeline.infer.predictions import (
     PredictionSink,
     Tally,
     batch_table,
+    check_output,
     publish,
     read_predictions,
     read_summary,
@@ -67,6 +68,7 @@ def batch(ids, labels, preds, *, at, errors=None):
     return batch_table(
         source_id=np.array(ids, dtype=object),
         label=labels,
+        label_name=np.array([CLASSES[i] if i >= 0 else "" for i in labels], dtype=object),
         top_k=top_k,
         top_k_prob=np.tile(np.array([0.75, 0.25], dtype=np.float32), (len(ids), 1)),
         error=np.array(errors or [""] * len(ids), dtype=object),
@@ -410,6 +412,42 @@ def test_files_the_bundle_did_not_write_stay(output, monkeypatch):
     assert not output.child(VERSIONS, runs[0]["version"]).exists()
     assert {path: output.child(path).read_bytes() for path in mine} == mine
     assert read_predictions(output)["source_id"].to_pylist() == ["x/2"]
+
+
+def test_an_output_is_inferences_own_or_refused(output):
+    check_output(output)  # none yet
+    for i in range(2):
+        run(output, [f"x/{i}"])
+    start_version(output)  # a run that crashed, or still writes
+    # What inference wrote at the top before versions, and on local disk a commit that crashed.
+    output.child(PREDICTIONS, "part-00000.parquet").write_bytes(b"rows")
+    output.child(CONFUSION_PNG).write_bytes(PNG)
+    output.child(f".{SUMMARY}.tmp-123").write_bytes(b"{")
+    check_output(output)
+
+    output.child(VERSIONS, "README").write_bytes(b"what these are")
+    output.child("notes.txt").write_bytes(b"my notes")
+    with pytest.raises(
+        InputError,
+        match=r"^output \S+ holds files this bundle did not write \(notes.txt, versions/README\), "
+        r"so it is not an inference output",
+    ):
+        check_output(output)
+
+
+def test_a_training_runs_directory_is_no_output_for_predictions(output):
+    # Its summary.json is the run's record, which a commit would replace.
+    record = {
+        SUMMARY: b'{"status": "finished"}',
+        "checkpoint_manager_snapshot.json": b"{}",
+        "epoch_0003/model.pt": b"weights",
+        "history.csv": b"epoch\n0\n",
+    }
+    for path, data in record.items():
+        output.child(path).write_bytes(data)
+    with pytest.raises(InputError, match=r"\(checkpoint_manager_snapshot.json, epoch_0003, hist"):
+        check_output(output)
+    assert {path: output.child(path).read_bytes() for path in record} == record
 
 
 def test_retention_removes_only_marked_versions_old_and_superseded(output):

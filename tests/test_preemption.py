@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from helpers import (
     armed_runtime_env,
     held_worker,
@@ -19,6 +20,9 @@ from helpers import (
 )
 
 from pipeline.core import faults
+from pipeline.core.storage import Location
+from pipeline.model.checkpoint import WEIGHTS
+from pipeline.train.steps import STEPS, step_checkpoints, step_dir_name
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +91,62 @@ def test_a_preempted_node_costs_no_failure(head_and_two_nodes, tiny_dataset, tmp
     assert "failed with exit code 3" in proc.stdout, proc.stdout  # the job's: cluster error
     assert "training failed and max_failures=0 retries are used up" in proc.stdout, proc.stdout
     print(f"node lost with no drain -> job failed: {took_s:.0f} s")
+
+
+# Checkpoints inside an epoch: a notice saves one at once; the restart resumes at its step.
+STEPS_RUN = ("epochs=4", "checkpoint.every_steps=4", "scaling.num_workers=2", "max_failures=0")
+
+
+def two_worker_nodes(cluster) -> None:
+    """Join nodes until two one-CPU nodes are alive (an earlier test may have lost one)."""
+    while sum(r.startswith("local_node_") for r in cluster.alive_resources()) < 2:
+        cluster.add_node(num_cpus=1)
+
+
+def test_a_preemption_notice_mid_epoch_saves_a_checkpoint_that_the_restart_resumes_exactly(
+    head_and_two_nodes, tiny_dataset, tmp_path
+):
+    two_worker_nodes(head_and_two_nodes)
+    proc = train_job(head_and_two_nodes, tiny_dataset, tmp_path, "name=calm", *STEPS_RUN)
+    assert proc.returncode == 0, proc.stdout
+
+    env, marker = armed_runtime_env(tmp_path, faults.PREEMPTION_CHECKPOINTED)
+    run = tmp_path / "spot"
+    job = in_background(
+        train_job,
+        head_and_two_nodes,
+        tiny_dataset,
+        tmp_path,
+        "name=spot",
+        *STEPS_RUN,
+        runtime_env=env,
+    )
+    # Training is under way (its first checkpoint inside epoch 0 is in): the cloud gives notice.
+    wait_for(lambda: (run / STEPS).is_dir() and any((run / STEPS).iterdir()), "a step checkpoint")
+    node = head_and_two_nodes.nodes[-1]
+    reason, message = "DRAIN_NODE_REASON_PREEMPTION", "spot instance reclaimed (test)"
+    node.drain(head_and_two_nodes, reason=reason, message=message, deadline_s=3 * DEADLINE_S)
+    deadline = time.monotonic() + 3 * DEADLINE_S
+    # Rank 0 is held once the checkpoint it took at the notice is on storage: none comes after.
+    held_worker(marker, job)
+    epoch, step = newest_step(run)
+    time.sleep(max(0.0, deadline - time.monotonic()) + 1)
+    node.kill()  # the cloud takes the machine at the deadline; a replacement joins
+
+    head_and_two_nodes.add_node(num_cpus=1)
+    proc = job.result()
+    assert proc.returncode == 0, proc.stdout
+    saved = f"saved a checkpoint at epoch {epoch} step {step}, training on until Ray stops"
+    assert saved in proc.stdout
+    resumed = f"{run / STEPS / step_dir_name(epoch, step)}: epoch {epoch}, continuing after"
+    assert f"resumed from checkpoint {resumed} its step {step}" in proc.stdout, proc.stdout
+    assert [r["epoch"] for r in history(run)] == [0, 1, 2, 3]  # each once
+    final = "epoch_0003"
+    for name, weights in torch.load(run / final / WEIGHTS, weights_only=True).items():
+        calm = torch.load(tmp_path / "calm" / final / WEIGHTS, weights_only=True)[name]
+        assert torch.equal(weights, calm), name
+
+
+def newest_step(run) -> tuple[int, int]:
+    *_, (epoch, step, _) = step_checkpoints(Location.parse(str(run)))
+    return epoch, step

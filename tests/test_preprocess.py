@@ -132,6 +132,24 @@ def test_unreadable_manifest_says_so_and_overwrite_replaces_it(tmp_path):
     assert read_manifest(Location.parse(str(out))) == rebuilt
 
 
+def test_a_damaged_older_version_fails_no_later_run(tmp_path, caplog):
+    # Two versions, the newer damaged: the run told to replace it commits a new one, and it
+    # and every later run succeed; retention leaves the damaged one alone, and says so.
+    make_image_folder(tmp_path / "src", per_class=4, corrupt=False)
+    out = tmp_path / "out"
+    build(folder_config(tmp_path / "src", out))
+    damaged = build(folder_config(tmp_path / "src", out, "overwrite=true"))
+    entry = out / "versions" / f"{damaged.version}.json"
+    entry.write_text(entry.read_text()[:40])
+    with pytest.raises(InputError, match=r"is not a manifest this code can read.*overwrite=true"):
+        build(folder_config(tmp_path / "src", out))
+    rebuilt = build(folder_config(tmp_path / "src", out, "overwrite=true"))
+    assert f"retention skips version {damaged.version}" in caplog.text
+    assert build(folder_config(tmp_path / "src", out)) == rebuilt  # up to date
+    assert read_manifest(Location.parse(str(out))) == rebuilt
+    assert entry.exists() and (out / "data" / damaged.version).is_dir()
+
+
 def test_failed_run_keeps_previous_dataset(tmp_path):
     make_image_folder(tmp_path / "src", per_class=5, corrupt=False)
     out = tmp_path / "out"

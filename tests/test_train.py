@@ -9,7 +9,10 @@ import itertools
 import json
 import logging
 import math
+import os
 import shutil
+import signal
+import time
 
 import pytest
 import ray.train
@@ -19,7 +22,7 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 from pipeline.core.config import load_config
-from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import VERSIONS, read_manifest
 from pipeline.data.images import IMAGENET_MEAN, IMAGENET_STD
@@ -29,8 +32,13 @@ from pipeline.model.checkpoint import ModelInput, save_checkpoint
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model
 from pipeline.model.runs import (
+    FINISHED,
+    HEARTBEAT_S,
     RUN_SUMMARY,
     SNAPSHOT,
+    STALE_BEATS,
+    TRAINING,
+    TrainingMark,
     check_resumable,
     checkpoint_dir_name,
     resume_changes,
@@ -411,6 +419,106 @@ def test_a_run_trained_again_says_so_in_its_summary_while_it_trains(
     (tmp_path / "again" / "epoch_0000").mkdir()
     save_checkpoint(tmp_path / "again" / "epoch_0000", {}, checkpoint_meta(), {})
     assert resolve_checkpoint(run.child("epoch_0000")).path == str(tmp_path / "again/epoch_0000")
+
+
+def finished_run(tmp_path, monkeypatch) -> tuple[Location, dict]:
+    """A finished run that ranks by val loss (its best: epoch 4 of HISTORY; by val accuracy it
+    would be epoch 3), and its summary."""
+    run = Location.parse(str(tmp_path))
+    checkpoints = [
+        (
+            ray.train.Checkpoint(str(tmp_path / checkpoint_dir_name(e))),
+            {"epoch": e, "val_loss": loss, "val_accuracy": accuracy},
+        )
+        for e, (loss, accuracy) in enumerate(HISTORY)
+    ]
+    result = ray.train.Result(*checkpoints[-1][::-1], None, run.path, best_checkpoints=checkpoints)
+    monkeypatch.setattr(source, "load_result", lambda _: result)
+    run.child(SNAPSHOT).write_bytes(b"{}")
+    summary = {"status": "finished", "checkpoint_metric": "val_loss", "epochs": 6}
+    run.child(RUN_SUMMARY).write_bytes(json.dumps(summary).encode())
+    return run, summary
+
+
+def test_a_run_whose_train_job_stopped_heartbeating_goes_as_it_last_finished(
+    tmp_path, monkeypatch, caplog
+):
+    run, finished = finished_run(tmp_path, monkeypatch)
+    stale_s = STALE_BEATS * HEARTBEAT_S
+    # A job marks the run and is killed before it can put the summary back: its marker stays,
+    # its heartbeat no longer refreshed. Its clock is injected: the last beat was at `beat`.
+    beat = time.time()
+    TrainingMark.hold(run, clock=lambda: beat).release(restore=False)
+    marker = json.loads(run.child(RUN_SUMMARY).read_bytes())
+    assert marker["status"] == TRAINING and marker[FINISHED] == finished
+    assert (marker["holder"]["pid"], marker["holder"]["submission_id"]) == (os.getpid(), None)
+    # Fresh, and up to STALE_BEATS heartbeats missed: a job trains the run, which is refused.
+    assert training_since(run, now=beat + stale_s) == marker["since"]
+    with pytest.raises(ConfigError, match=r"since .* by train job outside a Ray job on .+ \(pid"):
+        resolve_checkpoint(run)
+    # Past that the job has ended: the run is as it last finished, best by its val loss.
+    assert training_since(run, now=beat + stale_s + 1) is None
+    beat -= stale_s + 1
+    TrainingMark.hold(run, clock=lambda: beat).release(restore=False)
+    caplog.set_level(logging.WARNING, logger="pipeline.model.runs")
+    assert resolve_checkpoint(run).path == str(tmp_path / checkpoint_dir_name(4))
+    assert f"(pid {os.getpid()}), training it again since" in caplog.text
+    assert "it has ended without finishing, so the run goes as it last finished" in caplog.text
+
+
+def test_the_heartbeat_is_refreshed_until_released_and_a_release_can_restore(tmp_path, monkeypatch):
+    run, finished = finished_run(tmp_path, monkeypatch)
+    mark = TrainingMark.hold(run, interval_s=0.05)
+    first = json.loads(run.child(RUN_SUMMARY).read_bytes())["heartbeat"]
+    deadline = time.monotonic() + 10
+    while json.loads(run.child(RUN_SUMMARY).read_bytes())["heartbeat"] == first:
+        assert time.monotonic() < deadline, "no heartbeat"
+        time.sleep(0.01)
+    mark.release(restore=True)
+    time.sleep(0.2)  # four intervals: a heartbeat still beating would have written the marker
+    assert json.loads(run.child(RUN_SUMMARY).read_bytes()) == finished
+
+
+def test_a_damaged_summary_does_not_stop_a_resume(tmp_path, caplog):
+    run = Location.parse(str(tmp_path))
+    run.child(RUN_SUMMARY).write_bytes(b'{"status": "fini')
+    mark = TrainingMark.hold(run)
+    mark.release(restore=True)  # nothing finished to put back: the marker stays
+    assert json.loads(run.child(RUN_SUMMARY).read_bytes())[FINISHED] is None
+    assert f"{run.child(RUN_SUMMARY).uri} is not JSON" in caplog.text
+
+
+def test_a_resume_that_fails_or_is_stopped_puts_the_finished_summary_back(
+    tiny_dataset, tmp_path, monkeypatch
+):
+    cfg = config(tiny_dataset, tmp_path, "name=again")
+    run = Location.parse(str(tmp_path / "again"))
+    finished = {"status": "finished", "checkpoint_metric": "val_loss"}
+    run.child(RUN_SUMMARY).write_bytes(json.dumps(finished).encode())
+    args = {"dataset": Location.parse(str(tiny_dataset)), "runs": Location.parse(str(tmp_path))}
+
+    def fails(*_, **__):
+        assert training_since(run) is not None
+        raise ClusterError("training failed")
+
+    monkeypatch.setattr(driver, "fit", fails)
+    with pytest.raises(ClusterError):
+        driver.train(cfg, **args)
+    assert json.loads(run.child(RUN_SUMMARY).read_bytes()) == finished
+
+    # `ray job stop`: SIGTERM to the driver while it waits on Ray Train.
+    def stopped(*_, **__):
+        assert training_since(run) is not None
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises before this ends
+        raise AssertionError("SIGTERM did not stop the driver")
+
+    monkeypatch.setattr(driver, "fit", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        driver.train(cfg, **args)
+    assert json.loads(run.child(RUN_SUMMARY).read_bytes()) == finished
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 # (val_loss, val_accuracy) per epoch, as in a user's run: val accuracy best at epochs 1 and 3,

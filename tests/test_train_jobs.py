@@ -8,11 +8,13 @@ import json
 import re
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
+    MAIN_RUN_RECIPE,
     armed_runtime_env,
     held_worker,
     history,
@@ -23,12 +25,14 @@ from helpers import (
     mlflow_run,
     tracked,
     train_job,
+    training_workers,
     wait_for,
 )
 from torch.utils.data import DataLoader
 
 from harness.cluster import LocalCluster
 from pipeline.core import faults
+from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import committed_versions, read_manifest
 from pipeline.model.checkpoint import WEIGHTS, read_meta
@@ -41,6 +45,7 @@ from pipeline.model.runs import (
     SNAPSHOT,
     checkpoint_dir_name,
 )
+from pipeline.model.source import resolve_checkpoint
 from pipeline.tracking import registered_checkpoint
 from pipeline.tracking.registry import model_spec
 from pipeline.train.torch_input import RowGroupStream
@@ -219,6 +224,41 @@ def test_a_kill_between_upload_and_record_trains_the_epoch_again(
     assert all(p.stat().st_mtime > killed_at for p in orphan.iterdir())
     assert read_meta(Location.parse(str(orphan))).metrics == history(run)[0]
     assert latest_recorded(run) == "epoch_0001"
+
+
+def test_a_resume_stopped_with_ray_job_stop_leaves_the_run_as_it_finished(
+    cluster_2cpu, main_run, tiny_dataset, tmp_path
+):
+    # A copy of the shared finished run, resumed to 6 epochs and stopped with `ray job stop`
+    # once epoch 4 is in Ray's record: the driver puts the finished summary back, and
+    # inference takes the run again at once.
+    storage, submission_id = tmp_path / "runs", f"resume-stopped-{uuid.uuid4().hex[:8]}"
+    run = storage / "main"
+    shutil.copytree(main_run[1], run)
+    finished = json.loads((run / RUN_SUMMARY).read_text())
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
+    args = ("name=main", "epochs=6", "checkpoint.num_to_keep=1", *MAIN_RUN_RECIPE)
+    submit = {"runtime_env": env, "submission_id": submission_id}
+    job = in_background(train_job, cluster_2cpu, tiny_dataset, storage, *args, **submit)
+    held_worker(marker, job)
+    wait_for(lambda: latest_recorded(run) == "epoch_0004", "epoch 4 in Ray's record", 60)
+    training = json.loads((run / RUN_SUMMARY).read_text())
+    assert training["status"] == "training" and training["finished"] == finished
+    assert training["holder"]["submission_id"] == submission_id
+    with pytest.raises(ConfigError, match=rf"since .* by train job {submission_id} on "):
+        resolve_checkpoint(Location.parse(str(run)))
+
+    cluster_2cpu.ray("job", "stop", submission_id)
+    job.result()
+    logs = cluster_2cpu.ray("job", "logs", submission_id)
+    assert "SIGTERM: the job is being stopped" in logs, logs
+    assert "the summary of the run's last finish is back in place" in logs, logs
+    assert json.loads((run / RUN_SUMMARY).read_text()) == finished
+    # Its best by Ray's record now: the finished run's, or epoch 4 if that scored better.
+    best = read_meta(resolve_checkpoint(Location.parse(str(run))))
+    assert best.epoch in {finished["best_metrics"]["epoch"], 4}
+    # The stopped job's workers are gone: the shared cluster as it was.
+    wait_for(lambda: not training_workers(cluster_2cpu), "the stopped job's workers gone", 120)
 
 
 def test_a_kill_with_max_failures_0_fails_the_job(cluster_2cpu, tiny_dataset, tmp_path):

@@ -159,6 +159,27 @@ def test_retention_keeps_what_readers_may_need_and_only_touches_the_bundles_own(
     assert all(f.read_bytes() == b"precious" for f in theirs)
 
 
+def test_retention_skips_a_version_it_cannot_read_and_keeps_it(root, caplog):
+    # v1 replaced by v2, whose manifest is damaged; v3, the newest, committed 30 min ago.
+    v1, v2, v3 = (new_version(at(h)) for h in (7, 5.5, 0.9))
+    for version, age_h in ((v1, 6), (v2, 5), (v3, 0.5)):
+        root.child(VERSIONS, f"{version}.json").write_bytes(
+            written(root, version, age_h=age_h).model_dump_json().encode()
+        )
+    root.child(VERSIONS, f"{v2}.json").write_bytes(b'{"schema_version": 3, "vers')
+    with caplog.at_level(logging.WARNING, logger=dataset.__name__):
+        # When v2 replaced v1 is unknown: no earlier than v3's commit, 30 min ago.
+        assert remove_expired(root, retention_hours=1) == []
+    assert f"retention skips version {v2}: " in caplog.text
+    assert "is not a manifest this code can read" in caplog.text
+    assert f"removed by hand ({root.child(VERSIONS, v2).uri}.json and " in caplog.text
+    assert committed_versions(root) == [v1, v2, v3]
+    # Past that, v1 goes; v2 stays, files and all, for a person to look at.
+    assert remove_expired(root, retention_hours=0) == [v1]
+    assert committed_versions(root) == [v2, v3]
+    assert is_marked(root.child(DATA, v2)) and root.child(DATA, v2, "train").exists()
+
+
 def train_config(tmp_path, *overrides) -> TrainConfig:
     args = [f"dataset={tmp_path}/d", f"storage_path={tmp_path}/runs", *overrides]
     return load_config(TrainConfig, None, args)

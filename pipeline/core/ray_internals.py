@@ -14,9 +14,19 @@ from __future__ import annotations
 # It reads the node types an autoscaler reports it can add (KubeRay does; Ray's own launcher
 # does not) from `gcs_state`, as Ray Train does to tell whether its workers can ever be placed.
 from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+
+# A run's training marker (pipeline.model.runs) names the job that trains it: a job's driver
+# finds its submission id in the job config that Ray's job supervisor passes it in this
+# variable, as metadata under JOB_ID_METADATA_KEY (below).
+from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+# The capacity wait's, as above.
 from ray._private.state import state as gcs_state
 from ray.autoscaler.v2.sdk import get_cluster_resource_state
 from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+# The training marker's, as above.
+from ray.dashboard.modules.job.common import JOB_ID_METADATA_KEY
 
 # A Datasink's `write` argument (the prediction sink's tests call the sink directly).
 from ray.data._internal.execution.interfaces import TaskContext
@@ -55,6 +65,8 @@ __all__ = [
     "AUTOSCALER_RESOURCE_REQUEST_CHANNEL",
     "CHECKED_AGAINST",
     "CHECKPOINT_MANAGER_LOGGER",
+    "JOB_ID_METADATA_KEY",
+    "RAY_JOB_CONFIG_JSON_ENV_VAR",
     "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR",
     "ControllerCallback",
     "InitializingState",

@@ -17,7 +17,7 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -148,7 +148,7 @@ class Location:
 
         def write() -> None:
             if isinstance(self.fs, pafs.LocalFileSystem):
-                name = f".{posixpath.basename(self.path)}.tmp-{os.getpid()}"
+                name = f"{partial_prefix(posixpath.basename(self.path))}{os.getpid()}"
                 tmp = posixpath.join(parent, name)
                 with self.fs.open_output_stream(tmp) as f:
                     f.write(data)
@@ -181,6 +181,12 @@ class Location:
         return sorted((i for i in infos if i.type == pafs.FileType.Directory), key=lambda i: i.path)
 
 
+def partial_prefix(name: str) -> str:
+    """How the temporary file of a write of `name` in progress (or crashed) begins, on local
+    disk (Location.write_bytes)."""
+    return f".{name}.tmp-"
+
+
 def _place(uri: str) -> tuple[str, str, str]:
     """(scheme, normalised path, query) of a local path or a URI."""
     scheme, sep, rest = uri.partition("://")
@@ -207,6 +213,32 @@ def mark_version(directory: Location) -> None:
 def is_marked(directory: Location) -> bool:
     """Whether the bundle made `directory` (mark_version)."""
     return directory.child(VERSION_MARKER).exists()
+
+
+def foreign_entries(
+    root: Location, own: Collection[str], *, versions: str | None = None
+) -> list[str]:
+    """What directory `root` holds that the bundle did not write, sorted: the entries not named
+    in `own` (nor a write of one of them in progress), and in `root/<versions>/` those that are
+    no version directory with the bundle's marker."""
+    listing = pafs.FileSelector(root.path)
+    entries = retry(lambda: root.fs.get_file_info(listing), f"listing {root.uri}")
+    names = [e.base_name for e in entries]
+    foreign = [n for n in names if n not in own and not n.startswith(_partials(own))]
+    if versions is not None and versions in names:
+        below = root.child(versions)
+        listing = pafs.FileSelector(below.path)
+        inside = retry(lambda: root.fs.get_file_info(listing), f"listing {below.uri}")
+        foreign += [
+            f"{versions}/{e.base_name}"
+            for e in inside
+            if e.type != pafs.FileType.Directory or not is_marked(below.child(e.base_name))
+        ]
+    return sorted(foreign)
+
+
+def _partials(names: Collection[str]) -> tuple[str, ...]:
+    return tuple(partial_prefix(n) for n in names)
 
 
 def publish_directory(staged: Path, output: Location, *, last: str) -> None:

@@ -25,7 +25,6 @@ newest version is never removed, and nothing is removed that lacks the bundle's 
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
 from collections.abc import Iterable
 
@@ -38,6 +37,7 @@ from pipeline.core import faults
 from pipeline.core.errors import InputError, first_line, is_transient
 from pipeline.core.storage import (
     Location,
+    foreign_entries,
     is_marked,
     mark_version,
     new_version,
@@ -191,16 +191,23 @@ def read_manifest(root: Location, version: str | None = None) -> Manifest | None
         problems = "; ".join(
             f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors()[:3]
         )
-        raise InputError(
-            f"{path.uri} is not a manifest this code can read ({problems}). "
-            "Re-run preprocessing with overwrite=true"
+        raise UnreadableManifest(
+            f"{path.uri} is not a manifest this code can read ({problems})"
         ) from None
     if manifest.schema_version != SCHEMA_VERSION:
-        raise InputError(
+        raise UnreadableManifest(
             f"{path.uri} has schema version {manifest.schema_version}; this code reads "
-            f"{SCHEMA_VERSION}: re-run preprocessing with overwrite=true"
+            f"{SCHEMA_VERSION}"
         )
     return manifest
+
+
+class UnreadableManifest(InputError):
+    """A committed version's manifest that this code cannot read: `problem` says why."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}. Re-run preprocessing with overwrite=true")
+        self.problem = problem
 
 
 def start_version(root: Location) -> str:
@@ -218,20 +225,11 @@ def check_replaceable(root: Location, *, overwrite: bool) -> None:
         return
     if not root.is_dir():
         raise InputError(f"output {root.uri} is a file: point output at a directory")
-    entries = retry(lambda: root.fs.get_file_info(pafs.FileSelector(root.path)), "listing")
-    foreign = [e.base_name for e in entries if e.base_name not in (VERSIONS, DATA)]
-    data = root.child(DATA)
-    if any(e.base_name == DATA for e in entries):
-        inside = retry(lambda: root.fs.get_file_info(pafs.FileSelector(data.path)), "listing")
-        foreign += [
-            f"{DATA}/{e.base_name}"
-            for e in inside
-            if e.type != pafs.FileType.Directory or not is_marked(data.child(e.base_name))
-        ]
+    foreign = foreign_entries(root, (VERSIONS, DATA), versions=DATA)
     if foreign:
         raise InputError(
             f"output {root.uri} holds files this bundle did not write "
-            f"({', '.join(sorted(foreign)[:5])}), so it is not a dataset of its own. Choose an "
+            f"({', '.join(foreign[:5])}), so it is not a dataset of its own. Choose an "
             "empty or new directory, or pass overwrite=true to write the dataset beside them"
         )
 
@@ -274,15 +272,21 @@ def remove_expired(root: Location, retention_hours: float) -> list[str]:
     version never committed (its job crashed, or lost the race to a newer one) expires
     `retention_hours` after its job started, once a newer one is committed: until then it may
     be a job still writing. The newest committed version never expires, and only directories
-    with the bundle's marker are touched."""
+    with the bundle's marker are touched.
+
+    A version whose manifest cannot be read is skipped, with a warning: it stays, files and
+    all, for a person to look at. The version before it counts as replaced when the next
+    readable version was committed, later than in truth, so it is kept longer, never shorter."""
     cutoff_at = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(
         hours=retention_hours
     )
     cutoff = cutoff_at.isoformat(timespec="microseconds")  # as Manifest.created_at is written
     versions = committed_versions(root)
+    created = {v: t for v in versions if (t := _created_at(root, v)) is not None}
     removed = []
-    for older, newer in itertools.pairwise(versions):
-        if read_manifest(root, newer).created_at <= cutoff:
+    for i, older in enumerate(versions[:-1]):
+        replaced = next((created[v] for v in versions[i + 1 :] if v in created), None)
+        if older in created and replaced is not None and replaced <= cutoff:
             # The log entry first: no reader resolves this version any more.
             root.child(VERSIONS, f"{older}.json").delete()
             removed.append(older)
@@ -305,6 +309,22 @@ def remove_expired(root: Location, retention_hours: float) -> list[str]:
             *(len(removed), retention_hours, ", ".join(removed)),
         )
     return removed
+
+
+def _created_at(root: Location, version: str) -> str | None:
+    """When `version` was committed; None, with a warning, if its manifest cannot be read."""
+    try:
+        return read_manifest(root, version).created_at
+    except UnreadableManifest as e:
+        log.warning(
+            "retention skips version %s: %s. It stays, with its files, until removed by hand "
+            "(%s and %s/) once no one needs to look at it",
+            *(version, e.problem, root.child(VERSIONS, f"{version}.json").uri),
+            root.child(DATA, version).uri,
+        )
+        return None
+    except InputError:  # gone since listed: another job's retention removed it
+        return None
 
 
 def _now() -> str:

@@ -32,7 +32,7 @@ import torch
 
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.errors import ConfigError, InputError
-from pipeline.core.storage import Location, publish_directory
+from pipeline.core.storage import Location, foreign_entries, publish_directory
 from pipeline.data.dataset import Manifest, check_files, read_manifest
 from pipeline.export import formats, parity
 from pipeline.export.config import ExportConfig
@@ -88,14 +88,13 @@ def check_output(output: Location, checkpoint: Location, weights: str) -> dict |
             f"({done.get('weights')} weights) already; an export is never replaced. Choose "
             "another output=, or delete that directory first"
         )
-    files = [info.path[len(output.path) + 1 :] for info in output.list_files()]
-    foreign = sorted(f for f in files if f not in FILES)
+    foreign = foreign_entries(output, FILES)
     if foreign:
         raise InputError(
             f"output {output.uri} holds files this bundle did not write "
             f"({', '.join(foreign[:5])}). Choose a new directory for output="
         )
-    if files:  # an export stopped while publishing to an object store, before its commit
+    if output.list_files():  # an export stopped while publishing to an object store, unfinished
         log.warning(
             "output %s holds an unfinished export (no %s): replacing it", output.uri, PREPROCESSING
         )

@@ -35,6 +35,7 @@ from pipeline.infer.predictions import (
     PredictionSink,
     Tally,
     batch_table,
+    check_output,
     publish,
     start_version,
 )
@@ -98,6 +99,7 @@ class Predictor:
         return batch_table(
             source_id=batch["source_id"],
             label=np.array([self.index.get(n, -1) for n in batch["label_name"]], dtype=np.int64),
+            label_name=batch["label_name"],
             top_k=top.numpy(),
             top_k_prob=probs.numpy(),
             error=batch["error"],
@@ -121,6 +123,34 @@ def log_weights(checkpoint: Location, meta) -> None:
     )
 
 
+def classes_unknown(input_classes: list[str], classes: list[str]) -> list[str]:
+    """The input's classes that are not the checkpoint's, with a warning: their images keep
+    their labels in the predictions but count in no accuracy."""
+    known = set(classes)
+    unknown = [c for c in input_classes if c not in known]
+    if not unknown:
+        return []
+    if len(unknown) == len(input_classes):
+        log.warning(
+            "none of the input's classes %s is a class of the checkpoint %s: no accuracy. The "
+            "predictions keep the input's labels (label_name), with no label index",
+            *(_some(input_classes), _some(classes)),
+        )
+    else:
+        log.warning(
+            "%d of the input's classes are not classes of the checkpoint %s: %s. Their images "
+            "keep their labels (label_name), with no label index, and count in no accuracy",
+            *(len(unknown), _some(classes), _some(unknown)),
+        )
+    return unknown
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    """A list of names for a log line: the first `shown`, and how many more."""
+    more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+    return f"[{', '.join(names[:shown])}{more}]"
+
+
 def wait_for_gpu(timeout_s: float) -> int:
     """GPUs in the cluster, waiting up to `timeout_s` for an autoscaler to add one."""
     return wait_for_capacity(
@@ -138,13 +168,15 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     """Classify `source` (a dataset or an image folder) with `model` (a run or a checkpoint)
     into a new version at `output`; return the summary in place (Ray initialised): this run's,
     or that of a run started after it with the same checkpoint and input, committed first."""
+    check_output(output)
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
     check_weights(checkpoint, meta)  # here, not in each actor that loads them
     log_weights(checkpoint, meta)
     quiet_ray_data()
     asked = trained_version(meta, source, cfg.dataset_version, key="input")
-    ds, dataset_version = read_input(source, split=cfg.split, version=asked)
+    ds, dataset_version, input_classes = read_input(source, split=cfg.split, version=asked)
+    unknown = classes_unknown(input_classes, meta.classes)
     predictor = {
         "checkpoint": checkpoint,
         "use_gpu": cfg.use_gpu,
@@ -202,6 +234,8 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     ds.write_datasink(sink, ray_remote_args={"num_cpus": 0}, concurrency=WRITE_TASKS)
     seconds = time.time() - started
     summary = summarize(meta, checkpoint, source, dataset_version, sink.tally, started, seconds)
+    if unknown:
+        summary["classes_unknown"] = unknown
     png = None
     if "confusion_matrix" in summary:
         png = plot_confusion(summary["confusion_matrix"], meta.classes)

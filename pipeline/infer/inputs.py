@@ -28,10 +28,11 @@ FILES_PER_READ = 64
 
 def read_input(
     root: Location, *, split: str, version: str | None = None
-) -> tuple[ray.data.Dataset, str | None]:
+) -> tuple[ray.data.Dataset, str | None, list[str]]:
     """Rows of (data: encoded image, source_id, label_name or ''): one read per Parquet shard
     of `split` of a dataset's `version` (by default its newest, resolved once here), or per
-    FILES_PER_READ image files of a folder; and the dataset version read (None: a folder)."""
+    FILES_PER_READ image files of a folder; the dataset version read (None: a folder); and the
+    input's classes (a dataset's, or a folder's <class>/ folders that hold files)."""
     if versions := committed_versions(root):
         manifest = read_manifest(root, version or versions[-1])
         files = [root.child(f.path).path for f in manifest.splits[split].files]
@@ -43,6 +44,7 @@ def read_input(
             *(root.uri, manifest.version, split, manifest.splits[split].rows),
         )
         reader, blocks, version = read_shard, len(files), manifest.version
+        classes = manifest.classes
     else:
         if version is not None:
             raise InputError(
@@ -55,6 +57,7 @@ def read_input(
             raise InputError(f"input={root.uri} has no files: give a dataset, a folder or an image")
         log.info("input: folder %s, %d files", root.uri, len(files))
         reader, blocks = read_images, -(-len(files) // FILES_PER_READ)
+        classes = sorted({label for f in files if (label := folder_label(root, f))})
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=blocks)
     rows = ds.map_batches(
         reader,
@@ -63,7 +66,13 @@ def read_input(
         num_cpus=0,
         compute=ray.data.TaskPoolStrategy(size=READ_TASKS),
     )
-    return rows, version
+    return rows, version, classes
+
+
+def folder_label(root: Location, path: str) -> str:
+    """The label of an image file below folder `root`: its <class>/ folder, or '' for none."""
+    source_id = posixpath.relpath(path, root.path)
+    return source_id.split("/")[0] if "/" in source_id else ""
 
 
 def read_shard(batch: dict, *, root: Location) -> dict:
@@ -84,9 +93,8 @@ def read_images(batch: dict, *, root: Location) -> dict:
     """Ray Data stage: image file paths under `root` -> bytes, with <class>/ as the label."""
     data = [Location(root.fs, p, p).read_bytes() for p in batch["path"]]
     ids = [posixpath.relpath(p, root.path) for p in batch["path"]]
-    names = [i.split("/")[0] if "/" in i else "" for i in ids]
     return {
         "data": np.array(data, dtype=object),
         "source_id": np.array(ids, dtype=object),
-        "label_name": np.array(names, dtype=object),
+        "label_name": np.array([folder_label(root, p) for p in batch["path"]], dtype=object),
     }

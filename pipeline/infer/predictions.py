@@ -61,6 +61,7 @@ from pipeline.core import faults
 from pipeline.core.errors import InputError
 from pipeline.core.storage import (
     Location,
+    foreign_entries,
     is_marked,
     mark_version,
     new_version,
@@ -77,6 +78,8 @@ EMPTY_PART = "part-empty.parquet"
 # The summary's keys that make two runs' predictions the same: a run that finds the same
 # committed by a newer one has nothing to add.
 SAME = ("checkpoint", "input", "dataset_version")
+# What inference wrote at the top of output before it wrote versions: the bundle's, left there.
+EARLIER_LAYOUT = (PREDICTIONS, CONFUSION_PNG, "_staging")
 # Retention keeps every version younger than this: a reader that read summary.json before a
 # commit or two may still be reading the version it named.
 KEEP_HOURS = 24
@@ -88,8 +91,8 @@ WRITE_TASKS = 2
 PREDICTION_SCHEMA = pa.schema(
     [
         ("source_id", pa.string()),
-        ("label", pa.int64()),  # index into the checkpoint's classes; null when unknown
-        ("label_name", pa.string()),
+        ("label", pa.int64()),  # index into the checkpoint's classes; null if none of them
+        ("label_name", pa.string()),  # the input's own label, a checkpoint class or not; null: none
         ("pred", pa.int64()),
         ("pred_name", pa.string()),
         ("top_k", pa.list_(pa.int64())),  # class indices, most likely first
@@ -107,13 +110,15 @@ def batch_table(
     *,
     source_id: np.ndarray,
     label: np.ndarray,
+    label_name: np.ndarray,
     top_k: np.ndarray,
     top_k_prob: np.ndarray,
     error: np.ndarray,
     classes: list[str],
     predicted_at: float,
 ) -> pa.Table:
-    """One predicted batch as BATCH_SCHEMA. label: (N,) class index, -1 when unknown;
+    """One predicted batch as BATCH_SCHEMA. label: (N,) class index, -1 where the input's
+    label is none of `classes`; label_name: (N,) the input's labels, "" where it has none;
     top_k, top_k_prob: (N, k), most likely first."""
     n, k = top_k.shape
     pred = top_k[:, 0]
@@ -121,7 +126,7 @@ def batch_table(
         {
             "source_id": pa.array(source_id, pa.string()),
             "label": pa.array(label, pa.int64(), mask=label < 0),
-            "label_name": pa.array([classes[i] if i >= 0 else None for i in label], pa.string()),
+            "label_name": pa.array([name or None for name in label_name], pa.string()),
             "pred": pa.array(pred, pa.int64()),
             "pred_name": pa.array([classes[i] for i in pred], pa.string()),
             "top_k": pa.FixedSizeListArray.from_arrays(pa.array(top_k.ravel(), pa.int64()), k).cast(
@@ -231,6 +236,22 @@ class PredictionSink(Datasink[Tally]):
         self.tally = Tally.empty(self.num_classes)
         for t in write_result.write_returns:
             self.tally.merge(t)
+
+
+def check_output(output: Location) -> None:
+    """Refuse an `output` that holds anything but inference runs' outputs: a commit there would
+    replace its summary.json, which may be another record (a training run's)."""
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise InputError(f"output {output.uri} is a file: point output at a directory")
+    foreign = foreign_entries(output, (SUMMARY, VERSIONS, *EARLIER_LAYOUT), versions=VERSIONS)
+    if foreign:
+        raise InputError(
+            f"output {output.uri} holds files this bundle did not write "
+            f"({', '.join(foreign[:5])}), so it is not an inference output. Choose an empty or "
+            "new directory for output=, or one that inference wrote"
+        )
 
 
 def start_version(output: Location) -> str:

@@ -3,8 +3,9 @@
 epoch_0007/                       a checkpoint (pipeline.model.checkpoint)
 checkpoint_manager_snapshot.json  Ray Train's record of the run's checkpoints and their metrics
 summary.json                      written last: a run with it has finished, unless it says
-                                  "training" (a train job trains it again); it records the
-                                  run's checkpoint.metric, which inference reads to pick the best
+                                  "training" (a train job trains it again: TrainingMark); it
+                                  records the run's checkpoint.metric, which inference reads to
+                                  pick the best
 history.csv, curves.png           one row per epoch; loss and accuracy curves
 """
 
@@ -14,15 +15,23 @@ import csv
 import io
 import json
 import logging
+import os
 import posixpath
+import socket
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import ray.train
 
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.plots import plot_curves
-from pipeline.core.ray_internals import CHECKPOINT_MANAGER_LOGGER
+from pipeline.core.ray_internals import (
+    CHECKPOINT_MANAGER_LOGGER,
+    JOB_ID_METADATA_KEY,
+    RAY_JOB_CONFIG_JSON_ENV_VAR,
+)
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
 from pipeline.model.checkpoint import (
@@ -41,6 +50,12 @@ if TYPE_CHECKING:  # only a type here: inference reads runs without the train wi
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 RUN_SUMMARY = "summary.json"
 TRAINING = "training"  # the status of a run's summary while a train job trains it
+FINISHED = "finished"  # the training marker's key for the summary of the run's last finish
+# The train job refreshes its training marker's heartbeat every HEARTBEAT_S. A reader takes a
+# marker not refreshed for STALE_BEATS of them as left by a job that ended without putting the
+# finished summary back (killed, its node lost), and goes by that summary, which it keeps.
+HEARTBEAT_S = 30.0
+STALE_BEATS = 3
 HISTORY_CSV = "history.csv"
 CURVES_PNG = "curves.png"
 
@@ -84,10 +99,9 @@ def best_checkpoint(
     return best, metrics
 
 
-def run_score(run_dir: Location) -> Score:
+def summary_score(summary: dict) -> Score:
     """The score a finished run ranked its checkpoints by, as its summary records it (runs
     from before checkpoint.metric: val accuracy, which they were ranked by)."""
-    summary = json.loads(run_dir.child(RUN_SUMMARY).read_bytes())
     return SCORES[summary.get("checkpoint_metric", RECORDED_BEFORE_SCORES)]
 
 
@@ -99,20 +113,164 @@ def latest_checkpoint(run_dir: Location) -> Location | None:
     return in_run(run_dir, result.checkpoint) if result.checkpoint else None
 
 
-def mark_training(run_dir: Location) -> None:
-    """Replace a run's summary with one that says it is training, until `write_reports`.
+def job_holder() -> dict:
+    """Who this process is, for a training marker: the Ray job's submission id (None where the
+    process runs outside a Ray job), the host and the pid."""
+    job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    return {
+        "submission_id": job_config.get("metadata", {}).get(JOB_ID_METADATA_KEY),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+class TrainingMark:
+    """A finished run's summary.json while a train job trains the run again: it says
+    "training", names the job (`holder`), carries a heartbeat and keeps the finished summary.
 
     Inference takes a run with a summary as finished and loads its best checkpoint; a run that
     trains on (a resume with more epochs) may delete that checkpoint as better ones come, and
-    its old summary would name the checkpoints of before."""
-    status = {"run": run_dir.uri, "status": TRAINING, "since": time.time()}
-    run_dir.child(RUN_SUMMARY).write_bytes(json.dumps(status, indent=2).encode())
+    its old summary would name the checkpoints of before. `hold` writes the marker and starts a
+    daemon thread that refreshes its heartbeat every `interval_s`; `release` stops the thread
+    and, for a resume that failed or was stopped, puts the finished summary back. A job killed
+    before that leaves the marker, whose heartbeat goes stale: readers (`run_summary`) then go
+    by the finished summary it keeps. `clock` stands in for time.time in tests."""
+
+    def __init__(
+        self,
+        run_dir: Location,
+        finished: dict | None,
+        *,
+        interval_s: float = HEARTBEAT_S,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.run_dir, self.finished = run_dir, finished
+        self.interval_s, self.clock = interval_s, clock
+        self.holder = job_holder()
+        self.since = clock()
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+
+    @classmethod
+    def hold(cls, run_dir: Location, **options) -> TrainingMark:
+        """Mark the run as training, heartbeat and all, keeping its finished summary (that of a
+        marker left by a job that did not finish, if the summary is one)."""
+        path = run_dir.child(RUN_SUMMARY)
+        try:
+            summary = json.loads(path.read_bytes()) if path.exists() else None
+        except ValueError as e:  # damaged: write_reports replaces it once the run finishes
+            log.warning("run %s: %s is not JSON (%s); it is not kept", run_dir.uri, path.uri, e)
+            summary = None
+        if summary is not None and summary.get("status") == TRAINING:
+            log.warning(
+                "run %s: its summary says that %s has trained it again since %s, and it did "
+                "not finish: this job goes on from there",
+                *(run_dir.uri, _holder(summary), _when(summary["since"])),
+            )
+            summary = summary.get(FINISHED)
+        mark = cls(run_dir, summary, **options)
+        mark._write()
+        threading.Thread(target=mark._beat, name="training-heartbeat", daemon=True).start()
+        return mark
+
+    def _write(self) -> None:
+        marker = {
+            "run": self.run_dir.uri,
+            "status": TRAINING,
+            "since": self.since,
+            "holder": self.holder,
+            "heartbeat": self.clock(),
+            "heartbeat_s": self.interval_s,
+            FINISHED: self.finished,
+        }
+        self.run_dir.child(RUN_SUMMARY).write_bytes(json.dumps(marker, indent=2).encode())
+
+    def _beat(self) -> None:
+        while not self._released.wait(self.interval_s):
+            with self._lock:
+                if self._released.is_set():
+                    return
+                try:
+                    self._write()
+                except OSError as e:  # storage down for a while: the next beat tries again
+                    log.warning("refreshing the training marker of %s: %s", self.run_dir.uri, e)
+
+    def release(self, *, restore: bool) -> None:
+        """Stop the heartbeat; with `restore` (the resume failed or was stopped), put the
+        finished summary back. Without it the marker stays until write_reports replaces it."""
+        with self._lock:
+            self._released.set()
+            if restore and self.finished is not None:
+                data = json.dumps(self.finished, indent=2).encode()
+                self.run_dir.child(RUN_SUMMARY).write_bytes(data)
+                log.warning(
+                    "run %s: the resume did not finish; the summary of the run's last finish is "
+                    "back in place, and inference takes the run as finished again. Submitting "
+                    "the train job again resumes it",
+                    self.run_dir.uri,
+                )
 
 
-def training_since(run_dir: Location) -> float | None:
-    """When a train job began to train the run again, if its summary says it is training."""
+def mark_training(run_dir: Location, **options) -> TrainingMark:
+    """TrainingMark.hold: the run's summary says it is training, until released."""
+    return TrainingMark.hold(run_dir, **options)
+
+
+def run_summary(run_dir: Location, *, now: float | None = None) -> dict:
+    """The summary to go by for a run that has one: summary.json, but for the marker of a
+    train job that stopped refreshing it (STALE_BEATS heartbeats missed), the finished summary
+    that marker keeps. `now` defaults to time.time()."""
     summary = json.loads(run_dir.child(RUN_SUMMARY).read_bytes())
+    if summary.get("status") != TRAINING:
+        return summary
+    now = time.time() if now is None else now
+    beat = summary.get("heartbeat", summary["since"])  # a marker of before heartbeats: since
+    interval = summary.get("heartbeat_s", HEARTBEAT_S)
+    if now - beat <= STALE_BEATS * interval:
+        return summary
+    finished = summary.get(FINISHED)
+    if finished is None:
+        raise InputError(
+            f"run {run_dir.uri} has been trained again since {describe_marker(summary, now=now)}"
+            "; that job has ended without finishing it, and the summary keeps no finished state "
+            "to go by: submit the train job again to finish the run, or pass one checkpoint "
+            f"directory as model={run_dir.uri}/epoch_NNNN"
+        )
+    log.warning(
+        "run %s: %s, training it again since %s, last refreshed its summary %.0f s ago (every "
+        "%.0f s while it runs): it has ended without finishing, so the run goes as it last "
+        "finished. Submitting the train job again resumes it",
+        *(run_dir.uri, _holder(summary), _when(summary["since"]), now - beat, interval),
+    )
+    return finished
+
+
+def training_since(run_dir: Location, *, now: float | None = None) -> float | None:
+    """When a train job began to train the run again, if one still does (run_summary)."""
+    summary = run_summary(run_dir, now=now)
     return summary["since"] if summary.get("status") == TRAINING else None
+
+
+def describe_marker(marker: dict, *, now: float | None = None) -> str:
+    """A training marker for a message: since when, by which job, its last heartbeat."""
+    now = time.time() if now is None else now
+    said = f"{_when(marker['since'])} by {_holder(marker)}"
+    if "heartbeat" not in marker:  # a marker of before heartbeats
+        return said
+    return f"{said}, last heartbeat {now - marker['heartbeat']:.0f} s ago"
+
+
+def _holder(marker: dict) -> str:
+    """The job a training marker names: its submission id, host and pid."""
+    holder = marker.get("holder")
+    if not holder:
+        return "a train job it does not name"
+    job = holder["submission_id"] or "outside a Ray job"
+    return f"train job {job} on {holder['host']} (pid {holder['pid']})"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dict:

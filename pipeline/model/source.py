@@ -7,7 +7,6 @@ against: the one it was trained on."""
 from __future__ import annotations
 
 import logging
-import time
 
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
@@ -16,10 +15,12 @@ from pipeline.model.checkpoint import METADATA, CheckpointMeta
 from pipeline.model.runs import (
     RUN_SUMMARY,
     SNAPSHOT,
+    TRAINING,
     best_checkpoint,
+    describe_marker,
     load_result,
-    run_score,
-    training_since,
+    run_summary,
+    summary_score,
 )
 
 log = logging.getLogger(__name__)
@@ -38,19 +39,19 @@ def resolve_checkpoint(model: Location) -> Location:
                 "job finish (submitting it again resumes it), or pass one checkpoint directory "
                 f"as model={model.uri}/epoch_NNNN"
             )
-        since = training_since(model)
-        if since is not None:
+        summary = run_summary(model)
+        if summary.get("status") == TRAINING:
             # Retention may delete the best checkpoint of now while the run trains on.
             raise ConfigError(
                 f"model={model.uri} is a run that a train job has been training again since "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(since))}: its best "
-                "checkpoint is not settled yet. Run inference once that job has finished, or "
-                f"pass one checkpoint directory as model={model.uri}/epoch_NNNN"
+                f"{describe_marker(summary)}: its best checkpoint is not settled yet. Run "
+                "inference once that job has finished, or pass one checkpoint directory as "
+                f"model={model.uri}/epoch_NNNN"
             )
         result = load_result(model)
         if not result.best_checkpoints:
             raise InputError(f"run {model.uri} has no checkpoint yet: train it first")
-        best, _ = best_checkpoint(model, result, run_score(model))
+        best, _ = best_checkpoint(model, result, summary_score(summary))
         return best
     if not model.exists():
         raise InputError(f"model={model.uri} does not exist")

@@ -8,9 +8,13 @@ The workers run `pipeline.train.worker`; the run's record (best checkpoint, repo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 
 import ray
 import ray.train
@@ -170,18 +174,44 @@ def train(
 
     # Before the workers start: a tracking server that cannot take the run fails the job now.
     sink = tracking.start(run_dir, cfg, version=version, changes=changes) if tracking else None
-    if run_dir.child(RUN_SUMMARY).exists():
-        mark_training(run_dir)  # until write_reports: inference must not take it as finished
+    # Until write_reports: inference must not take a run trained again as finished.
+    mark = mark_training(run_dir) if run_dir.child(RUN_SUMMARY).exists() else None
     try:
-        fit(cfg, manifest, inputs, dataset=dataset, runs=runs, tracking=sink)
-    except ClusterError as e:
-        if tracking is not None:
+        with sigterm_raises():
+            fit(cfg, manifest, inputs, dataset=dataset, runs=runs, tracking=sink)
+        if mark is not None:
+            mark.release(restore=False)
+        summary = write_reports(run_dir, score, wall_time_s=time.monotonic() - started)
+    except BaseException as e:
+        if mark is not None:
+            mark.release(restore=True)  # failed or stopped: the run is as it last finished
+        if isinstance(e, ClusterError) and tracking is not None:
             tracking.fail(run_dir, str(e))
         raise
-    summary = write_reports(run_dir, score, wall_time_s=time.monotonic() - started)
     if tracking is not None:
         tracking.finish(run_dir, summary)
     return summary
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within: SIGTERM raises SystemExit in the main thread, so that `except` and `finally`
+    blocks run; by default Python dies at once. `ray job stop` sends it to the job's driver,
+    then SIGKILL RAY_JOB_STOP_WAIT_TIME_S (3 by default) later. Ray's blocking calls check for
+    signals while they wait, so it arrives within one of them too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers
+        return
+
+    def stop(signum, frame):
+        log.warning("SIGTERM: the job is being stopped")
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def train_loop_per_worker(config: dict) -> None:
