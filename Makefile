@@ -63,6 +63,7 @@ bench: $(STAMP)
 	$(PY) -m bench.serve
 	$(PY) -m bench.export
 	$(PY) -m bench.decode_memory
+	$(PY) -m bench.checkpoint_steps --rounds 3
 	$(PY) -m bench.startup --repeat 3
 
 ## What a GPU answers, in one command (bench/README.md): the gpu tests, training images/s per
