@@ -27,7 +27,7 @@ log = logging.getLogger("jobs.train")
 def main(cfg: TrainConfig) -> str:
     # Here, not at the top: a bad config fails before torch is imported (seconds, on a node).
     from pipeline.tracking import training_tracker
-    from pipeline.train.driver import train
+    from pipeline.train.driver import input_verdict, train
 
     dataset, runs = Location.parse(cfg.dataset), Location.parse(cfg.storage_path)
     tracking = training_tracker(cfg)  # None when off; a server that does not answer: exit 3
@@ -45,6 +45,7 @@ def main(cfg: TrainConfig) -> str:
         best["val_accuracy"],
         summary["images_per_s"],
     )
+    log.info(input_verdict(summary))
     return f"best checkpoint: {summary['best_checkpoint']}"
 
 

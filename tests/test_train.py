@@ -51,6 +51,7 @@ from pipeline.train.driver import (
     STARTUP_ATTEMPTS_UNLIMITED,
     check_dataset,
     failure_config,
+    input_verdict,
     pick_dataset_version,
     startup_attempts,
 )
@@ -713,3 +714,24 @@ def test_an_epoch_updates_the_ema_and_evaluates_it_beside_the_weights(tiny_datas
     assert same["ema_val_accuracy"] == same["val_accuracy"]
     assert same["ema_val_loss"] == pytest.approx(same["val_loss"])
     assert v["ema_val_loss"] != pytest.approx(v["val_loss"])
+
+
+def test_the_step_loop_counts_the_time_it_waits_for_each_batch():
+    def slow(batches, wait_s):
+        for batch in batches:
+            time.sleep(wait_s)  # a loader that decodes slower than the step
+            yield batch
+
+    batches = tiny_batches(n=4)
+    t = one_step(NoBatchNorm(), slow(batches, 0.05))
+    assert 4 * 0.05 <= t["input_wait_s"] <= t["seconds"]
+    held = one_step(NoBatchNorm(), batches)  # in memory: next to no wait
+    assert held["input_wait_s"] < 4 * 0.05 <= t["input_wait_s"]
+
+
+def test_the_run_says_whether_it_was_input_bound():
+    assert input_verdict({"input_wait_share": 0.04}).startswith("not input-bound: the step")
+    bound = input_verdict({"input_wait_share": 0.35})
+    assert bound.startswith("input-bound: the step loop waited for input 35% of its time")
+    assert "scaling.cpus_per_worker" in bound
+    assert "not measured" in input_verdict({"input_wait_share": None})

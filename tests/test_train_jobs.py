@@ -70,6 +70,7 @@ def test_two_workers_learn(main_run):
     proc, run = main_run
     assert "2 workers on cpu, precision fp32" in proc.stdout
     assert "recipe: EMA decay 0.8 every 2 steps, 2 micro-batches of 8 per step" in proc.stdout
+    assert re.search(r"\binput-bound: the step loop waited for input \d+% of its time", proc.stdout)
     h = history(run)
     assert h[-1]["train_loss"] < h[0]["train_loss"]
     assert h[-1]["val_accuracy"] > 0.4  # 4 classes: chance is 0.25
@@ -92,6 +93,9 @@ def test_reports_and_retention(cluster_2cpu, main_run):
     summary = json.loads((run / RUN_SUMMARY).read_text())
     h = history(run)
     assert summary["final_accuracy"] == h[-1]["val_accuracy"] and summary["epochs"] == 4
+    # The share of each epoch the step loop waited for input, and the run's verdict on it.
+    assert all(0 <= r["input_wait_share"] <= 1 for r in h)
+    assert summary["input_wait_share"] == pytest.approx(sum(r["input_wait_share"] for r in h) / 4)
     assert (run / CURVES_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logs = cluster_2cpu.ray("job", "logs", "train-main")
     assert logs.rstrip().splitlines()[-1] == f"best checkpoint: {summary['best_checkpoint']}"

@@ -294,6 +294,7 @@ def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dic
         "train_time_s": sum(h["train_s"] for h in history),
         "images_per_s": _mean(h["images_per_s"] for h in history),
         "images_per_s_per_worker": _mean(h["images_per_s_per_worker"] for h in history),
+        "input_wait_share": _mean_of(history, "input_wait_share"),
     }
     run_dir.child(HISTORY_CSV).write_bytes(history_csv(history).encode())
     png = plot_curves(history, best_epoch=best_metrics["epoch"], chosen_by=str(score))
@@ -311,6 +312,13 @@ def history_csv(history: list[dict]) -> str:
     writer.writeheader()
     writer.writerows(history)
     return out.getvalue()
+
+
+def _mean_of(history: list[dict], key: str) -> float | None:
+    """The mean of `key` over the epochs that have it (those of runs from before it was
+    measured do not); None if none has."""
+    values = [h[key] for h in history if key in h]
+    return _mean(values) if values else None
 
 
 def _mean(values) -> float:

@@ -129,6 +129,24 @@ def check_model(cfg: TrainConfig, manifest: Manifest, dataset: Location) -> Mode
     )
 
 
+# A run whose step loop waits for input more than this share of its time is input-bound.
+INPUT_BOUND_SHARE = 0.1
+
+
+def input_verdict(summary: dict) -> str:
+    """One line: whether the run waited for its input, and what to try if it did."""
+    share = summary.get("input_wait_share")
+    if share is None:
+        return "input wait: not measured (the run's epochs are from before it was)"
+    if share <= INPUT_BOUND_SHARE:
+        return f"not input-bound: the step loop waited for input {share:.0%} of its time"
+    return (
+        f"input-bound: the step loop waited for input {share:.0%} of its time. Give each worker "
+        "more CPUs to decode with (scaling.cpus_per_worker, with scaling.loader_workers up to "
+        "it), or preprocess at a smaller image_size"
+    )
+
+
 def train(
     cfg: TrainConfig,
     *,

@@ -101,16 +101,18 @@ def train_one_epoch(
     after_step: Callable | None = None,
 ) -> dict:
     """One pass over this worker's shard, or its batches after the first `start` (a resume
-    inside the epoch: the loader yields the rest); returns the summed loss, images and seconds
-    of the batches it trained on. `progress(batches_done, images_done)` is called after each
-    batch, `after_step(step, totals)` after each step, `totals()` giving the loss and images
-    summed so far. With a mix, the loss is against the mixed (soft) labels."""
+    inside the epoch: the loader yields the rest); returns the summed loss, images, seconds and
+    seconds waited for input of the batches it trained on. `progress(batches_done,
+    images_done)` is called after each batch, `after_step(step, totals)` after each step,
+    `totals()` giving the loss and images summed so far. With a mix, the loss is against the
+    mixed (soft) labels."""
     recipe = recipe or StepRecipe()
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
     images = 0
     began = time.perf_counter()
-    for i, (batch, labels) in enumerate(loader, start=start + 1):
+    batches = WaitTimed(loader)
+    for i, (batch, labels) in enumerate(batches, start=start + 1):
         x, y = policy.inputs(batch), labels.to(policy.device, non_blocking=True)
         if recipe.mix is not None:
             x, y = recipe.mix(x, y, i)
@@ -129,7 +131,32 @@ def train_one_epoch(
             progress(i, images)
         if after_step is not None:
             after_step(i, lambda total=loss_sum, n=images: (total.item(), n))
-    return {"loss_sum": loss_sum.item(), "images": images, "seconds": time.perf_counter() - began}
+    return {
+        "loss_sum": loss_sum.item(),
+        "images": images,
+        "seconds": time.perf_counter() - began,
+        "input_wait_s": batches.waited_s,
+    }
+
+
+class WaitTimed:
+    """`loader`'s batches, timing how long the step loop waits for each: the input's share of
+    an epoch (on a GPU the loop runs ahead of the device, so a wait here is the input's)."""
+
+    def __init__(self, loader):
+        self.loader, self.waited_s = loader, 0.0
+
+    def __iter__(self):
+        batches = iter(self.loader)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            finally:
+                self.waited_s += time.perf_counter() - asked
+            yield batch
 
 
 def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int | None = None):
@@ -444,7 +471,12 @@ def train_loop_per_worker(config: dict) -> None:
         scheduler.step()
         loss_sum, images = all_reduce([t["loss_sum"], t["images"]], device=device)
         loss_sum, images = loss_sum + carried["loss_sum"], images + carried["images"]
-        [slowest] = all_reduce([t["seconds"]], device=device, op=dist.ReduceOp.MAX)
+        # The slowest rank's time, and the largest share of its time a rank waited for input.
+        slowest, waited = all_reduce(
+            [t["seconds"], t["input_wait_s"] / max(t["seconds"], 1e-9)],
+            device=device,
+            op=dist.ReduceOp.MAX,
+        )
         slowest += carried["seconds"]
         metrics = {
             "epoch": epoch,
@@ -457,6 +489,8 @@ def train_loop_per_worker(config: dict) -> None:
             "images_per_s": images / slowest,  # all workers together
             "images_per_s_per_worker": t["images"] / t["seconds"],  # this rank's (rank 0's)
             "train_s": slowest,
+            # Of the epoch since this attempt started it (a resume inside it: its rest).
+            "input_wait_share": waited,
             "workers": w.world,  # an elastic run's count can change from epoch to epoch
             "dataset_version": manifest.version,  # changes only where the run was told to switch
         }
@@ -745,12 +779,13 @@ def save_and_report(
         return
     epoch, m = metrics["epoch"], metrics
     log.info(
-        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f images/s",
+        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f images/s, "
+        "%.0f%% of the time waiting for input",
         *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m["val_accuracy"]),
         f" ema_val_loss {m['ema_val_loss']:.4f} ema_val_accuracy {m['ema_val_accuracy']:.4f}"
         if "ema_val_loss" in m
         else "",
-        *(m["lr"], m["images_per_s"]),
+        *(m["lr"], m["images_per_s"], 100 * m["input_wait_share"]),
     )
     meta = checkpoint_meta(w, metrics)
     name = checkpoint_dir_name(epoch)
