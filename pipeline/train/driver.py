@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 import ray
 import ray.train
 import ray.train.torch
+from ray.train.v2.api.callback import UserCallback
 
 from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.logs import RAY_TRAIN_LOG_LEVEL
@@ -131,9 +133,11 @@ def train(
     dataset: Location,
     runs: Location,
     tracking: TrainingTracker | None = None,
+    callbacks: Sequence[UserCallback] = (),
 ) -> dict:
     """Train (or resume) the run `<runs>/<name>`; return its summary (Ray initialised). With
-    `tracking`, the run is tracked too (pipeline.tracking)."""
+    `tracking`, the run is tracked too (pipeline.tracking); `callbacks` go to Ray Train (a
+    sweep's trial passes its reports to Ray Tune)."""
     started = time.monotonic()
     run_dir = runs.child(cfg.name)
     score = SCORES[cfg.checkpoint.metric]  # a resume keeps the run's: resume_changes checks
@@ -173,7 +177,7 @@ def train(
     if run_dir.child(RUN_SUMMARY).exists():
         mark_training(run_dir)  # until write_reports: inference must not take it as finished
     try:
-        fit(cfg, manifest, inputs, dataset=dataset, runs=runs, tracking=sink)
+        fit(cfg, manifest, inputs, dataset=dataset, runs=runs, tracking=sink, callbacks=callbacks)
     except ClusterError as e:
         if tracking is not None:
             tracking.fail(run_dir, str(e))
@@ -268,6 +272,7 @@ def fit(
     dataset: Location,
     runs: Location,
     tracking: EpochSink | None = None,
+    callbacks: Sequence[UserCallback] = (),
 ) -> None:
     from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
@@ -296,6 +301,7 @@ def fit(
                 "ingest=ray_data needs CPUs beside the training workers' to decode, and the "
                 "cluster has none spare now: training waits until a node with CPUs joins"
             )
+    waits = [ElasticWaitLimit(startup_attempts(cfg) * s.startup_timeout_s, s.min_workers)]
     trainer = ray.train.torch.TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -325,9 +331,7 @@ def fit(
             failure_config=failure_config(cfg),
             # The same bound as for a fixed count: startup_attempts placements of
             # startup_timeout_s each.
-            callbacks=[ElasticWaitLimit(startup_attempts(cfg) * s.startup_timeout_s, s.min_workers)]
-            if s.elastic
-            else None,
+            callbacks=[*callbacks, *(waits if s.elastic else [])] or None,
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.checkpoint.num_to_keep,
                 checkpoint_score_attribute=score.key,
