@@ -26,10 +26,10 @@ log = logging.getLogger("jobs.tune")
 
 def main(cfg: SweepConfig) -> str:
     # Here, not at the top: a bad config fails before Ray Tune and torch are imported.
-    from pipeline.tune.sweep import sweep
+    from pipeline.tune.sweep import runtime_env, sweep
 
     dataset, runs = Location.parse(cfg.dataset), Location.parse(cfg.storage_path)
-    ray.init()
+    ray.init(runtime_env=runtime_env())
     summary = sweep(cfg, dataset=dataset, runs=runs)
     counts = ", ".join(f"{n} {status}" for status, n in summary["counts"].items())
     log.info(

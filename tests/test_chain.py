@@ -81,7 +81,7 @@ def test_plan_keeps_the_roots_query_after_every_path():
         assert Location.parse(uri).path.startswith("my-bucket/ray-cv/"), arg
 
 
-def test_all_runs_the_chain_and_export_only_when_named(monkeypatch):
+def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
     submitted = {}
 
     def submit(address, job, env_vars=None, log=None):
@@ -101,6 +101,10 @@ def test_all_runs_the_chain_and_export_only_when_named(monkeypatch):
     submitted.clear()
     assert main([*args, "export"]) == 0
     assert list(submitted) == ["export"]
+    submitted.clear()
+    assert main([*args, "tune"]) == 0
+    assert list(submitted) == ["tune"]
+    assert {"dataset=s3://b/x/dataset", "storage_path=s3://b/x/runs"} <= set(submitted["tune"])
 
 
 def test_a_local_root_becomes_absolute(tmp_path, monkeypatch):

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import history
+from helpers import history, latest_recorded, wait_for
 
+from pipeline.model.checkpoint import WEIGHTS
 from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
 from pipeline.tune.sweep import SWEEP_SUMMARY, TRIALS_PNG
 
@@ -31,7 +32,7 @@ def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
     # first (two trials at once, in the grid's order), so the last two reach ASHA's first rung
     # behind them, and are stopped there.
     lrs = "space.optimizer.lr={grid: [0.003, 0.002, 1.0e-7, 2.0e-7]}"
-    proc = tune_job(cluster_2cpu, tiny_dataset, tmp_path, "name=asha", lrs)
+    proc = tune_job(cluster_2cpu, tiny_dataset, tmp_path, "name=asha", "num_samples=1", lrs)
     assert proc.returncode == 0, proc.stdout
     assert "2 trial(s) at once: each asks 1 CPUs, the cluster has 2 CPUs" in proc.stdout
     sweep = tmp_path / "asha"
@@ -40,9 +41,12 @@ def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
     assert len(trials) == 4
     by_lr = {t["config"]["optimizer.lr"]: t for t in trials}
     assert sorted(by_lr) == [1.0e-7, 2.0e-7, 0.002, 0.003]
-    assert [by_lr[lr]["status"] for lr in (0.003, 0.002)] == ["finished", "finished"]
+    # ASHA keeps the better half at its rung (1 epoch): of the first two, the one that reaches
+    # it first goes on, the other if it is better; the last two trail them both.
+    assert by_lr[0.003]["status"] == "finished" or by_lr[0.002]["status"] == "finished"
     stopped = [t for t in trials if t["status"] == "stopped early"]
     assert stopped and all(t["epochs"] == 1 for t in stopped), trials
+    assert by_lr[1.0e-7]["status"] == "stopped early", trials
     assert summary["counts"] == {
         "finished": 4 - len(stopped),
         "stopped early": len(stopped),
@@ -64,3 +68,59 @@ def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
     assert summary["best_score"] == pytest.approx(min(scores.values()))
     assert proc.stdout.strip().splitlines()[-1] == f"best run: {summary['best_run']}"
     assert (sweep / TRIALS_PNG).is_file()
+
+
+def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_dataset, tmp_path):
+    # One trial at a time: the first trains 1 epoch, the second 3. The driver is stopped once
+    # the first has finished and the second has a checkpoint; the same command then resumes.
+    args = [
+        *TUNE,
+        f"dataset={tiny_dataset}",
+        f"storage_path={tmp_path}",
+        *TINY,
+        "name=resumed",
+        "num_samples=1",
+        "asha.enabled=false",
+        "max_concurrent_trials=1",
+        "space.epochs={grid: [1, 3]}",
+    ]
+    sweep = tmp_path / "resumed"
+    cluster_2cpu.submit(args, submission_id="tune-stopped", wait=False, timeout_s=120)
+
+    def trial_run(index: int) -> Path | None:
+        return next(sweep.glob(f"*_{index:05d}"), None)
+
+    def first_done_second_started() -> bool:
+        first, second = trial_run(0), trial_run(1)
+        return bool(first and (first / RUN_SUMMARY).exists() and second and latest_recorded(second))
+
+    wait_for(first_done_second_started, "the first trial finished, the second checkpointed", 600)
+    cluster_2cpu.ray("job", "stop", "tune-stopped", timeout_s=120)
+    assert "STOPPED" in cluster_2cpu.ray("job", "status", "tune-stopped")
+    first, second = trial_run(0), trial_run(1)
+    stopped_at = latest_recorded(second)
+    first_weights = (first / "epoch_0000" / WEIGHTS).stat().st_mtime_ns
+
+    proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout
+    out = proc.stdout
+    assert "resuming from Ray Tune's record" in out
+    # The finished trial is not trained again: Tune kept it finished (or, were it still
+    # running in Tune's last record, its train job found the run complete).
+    assert f"new run {first}" not in out and f"run {first} has" not in out
+    assert (first / "epoch_0000" / WEIGHTS).stat().st_mtime_ns == first_weights
+    # The running one trains on from its latest checkpoint (or was complete already).
+    done = int(stopped_at.removeprefix("epoch_")) + 1
+    if done < 3:
+        assert f"run {second} has {done} of 3 epochs: resuming from {second / stopped_at}" in out
+    else:
+        assert f"run {second} is complete" in out
+    assert f"new run {second}" not in out
+    # Every epoch of every trial once, and both trials finished.
+    assert [r["epoch"] for r in history(first)] == [0]
+    assert [r["epoch"] for r in history(second)] == [0, 1, 2]
+    summary = json.loads((sweep / SWEEP_SUMMARY).read_text())
+    assert [(t["run"], t["status"], t["epochs"]) for t in summary["trials"]] == [
+        (str(first), "finished", 1),
+        (str(second), "finished", 3),
+    ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, model_validator
 
@@ -16,8 +16,10 @@ from pipeline.core.config import (
     validate_config,
 )
 from pipeline.core.errors import ConfigError
-from pipeline.model.checkpoint import SCORES, Score
 from pipeline.train.config import RunName, TrainConfig
+
+if TYPE_CHECKING:  # the chain's client validates this config without torch
+    from pipeline.model.checkpoint import Score
 
 # How a key is searched: {kind: [values]} in the config file, or space.<key>='{kind: [...]}'.
 KINDS = ("choice", "grid", "uniform", "loguniform")
@@ -175,6 +177,8 @@ class SweepConfig(Strict):
     @property
     def score(self) -> Score:
         """The train job's score: trials are ranked as their checkpoints are."""
+        from pipeline.model.checkpoint import SCORES
+
         return SCORES[self.base_train().checkpoint.metric]
 
     def base_train(self) -> TrainConfig:

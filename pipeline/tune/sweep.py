@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -54,6 +55,19 @@ FINISHED, STOPPED, FAILED = "finished", "stopped early", "failed"
 CHANGES_ON_RESUME = ("max_concurrent_trials", "retry_failed")
 
 
+def runtime_env() -> dict:
+    """What the sweep's driver adds to the job's runtime env, for every process it starts.
+
+    RAY_ADDRESS: each Train run starts a detached PlacementGroupCleaner that removes the run's
+    placement group once its controller dies, as it does when ASHA stops a trial (the
+    controller dies with the trial's process); else the group would hold its CPUs until the
+    sweep's driver exits. The cleaner finds the cluster through the state API, which fails
+    (`Found multiple active Ray instances`) on a machine that runs several clusters unless
+    told the address; a job's driver has it, its actors do not."""
+    address = os.environ.get("RAY_ADDRESS")
+    return {"env_vars": {"RAY_ADDRESS": address}} if address else {}
+
+
 def ranking(score: Score) -> tuple[str, str]:
     """The reported metric and mode that rank trials: the score's own, but for checkpoint.metric
     `last`, which ranks a run's checkpoints by epoch: trials then go by its weights' metric."""
@@ -79,7 +93,7 @@ def sweep(cfg: SweepConfig, *, dataset: Location, runs: Location) -> dict:
         raise ConfigError(
             f"name={cfg.name}: {sweep_dir.uri} is a training run, not a sweep: pick another name="
         )
-    version = _pinned_version(cfg, dataset, sweep_dir)
+    version = pinned_version(cfg, dataset, sweep_dir)
     configs = [c.model_copy(update={"dataset_version": version}) for c in cfg.trial_configs()]
     _check_inputs(configs, dataset, version)
     tune_dir = sweep_dir.child(TUNE_DIR)
@@ -95,7 +109,7 @@ def sweep(cfg: SweepConfig, *, dataset: Location, runs: Location) -> dict:
     return summary
 
 
-def _pinned_version(cfg: SweepConfig, dataset: Location, sweep_dir: Location) -> str:
+def pinned_version(cfg: SweepConfig, dataset: Location, sweep_dir: Location) -> str:
     """The dataset version of every trial: the record's, for a sweep that has started (whose
     config must be the same), else the one asked for or the newest, recorded now."""
     from pipeline.train.driver import pick_dataset_version
@@ -196,8 +210,10 @@ def _tuner(
     from ray.tune.schedulers import ASHAScheduler
 
     # The trial's own process only waits on its Train run: its workers ask for the resources,
-    # and trials_at_once bounds how many runs ask at once.
-    trainable = tune.with_resources(run_trial, {"CPU": 0})
+    # and trials_at_once bounds how many runs ask at once. No CPU, so that a trial's process
+    # never holds one its workers wait for; Tune refuses a trial of no resources at all, so it
+    # asks for one byte of memory.
+    trainable = tune.with_resources(run_trial, {"CPU": 0, "memory": 1})
     if tune.Tuner.can_restore(tune_dir.path, storage_filesystem=tune_dir.fs):
         log.info("resuming from Ray Tune's record %s", tune_dir.uri)
         return tune.Tuner.restore(
