@@ -96,7 +96,7 @@ def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_da
 
     wait_for(first_done_second_started, "the first trial finished, the second checkpointed", 600)
     cluster_2cpu.ray("job", "stop", "tune-stopped", timeout_s=120)
-    assert "STOPPED" in cluster_2cpu.ray("job", "status", "tune-stopped")
+    assert "was stopped" in cluster_2cpu.ray("job", "status", "tune-stopped")
     first, second = trial_run(0), trial_run(1)
     stopped_at = latest_recorded(second)
     first_weights = (first / "epoch_0000" / WEIGHTS).stat().st_mtime_ns

@@ -51,8 +51,8 @@ TRIALS_PNG = "trials.png"
 # which starts again at 1 when a resumed sweep trains a trial on from its checkpoint.
 EPOCHS_DONE = "epochs_done"
 FINISHED, STOPPED, FAILED = "finished", "stopped early", "failed"
-# Settings a resumed sweep may change: how it runs, not what it searches.
-CHANGES_ON_RESUME = ("max_concurrent_trials", "retry_failed")
+# What a resumed sweep may change: Ray Tune's record keeps the rest (max_concurrent_trials too).
+CHANGES_ON_RESUME = ("retry_failed",)
 
 
 def runtime_env() -> dict:
@@ -310,8 +310,10 @@ def write_summary(
             histories[trial_id] = read_meta(latest).history
             trial["epochs"] = len(histories[trial_id])
         if result.error is not None:
-            trial["error"] = first_line(result.error)
-        elif latest is not None:
+            trial["error"] = _error_line(result.error)
+        elif latest is None:
+            trial["error"] = "ended before its first checkpoint"
+        else:
             summary = _run_summary(run_dir, cfg.score, result)
             best = summary["best_metrics"]
             planned = given.get("epochs", cfg.base_train().epochs)
@@ -351,6 +353,12 @@ def write_summary(
         shown = (best["trial"], metric, best["best_score"], best["run"])
         log.info("best trial %s (%s %s): %s", *shown)
     return summary
+
+
+def _error_line(error: BaseException) -> str:
+    """What failed the trial: the train job's own error (Tune wraps it in the actor's)."""
+    cause = getattr(error, "cause", None) or error
+    return f"{type(cause).__name__}: {first_line(cause)}"
 
 
 def _run_summary(run_dir: Location, score: Score, result) -> dict:
