@@ -26,11 +26,13 @@ log = logging.getLogger("jobs.tune")
 
 def main(cfg: SweepConfig) -> str:
     # Here, not at the top: a bad config fails before Ray Tune and torch are imported.
+    from pipeline.tracking import sweep_tracker
     from pipeline.tune.sweep import runtime_env, sweep
 
     dataset, runs = Location.parse(cfg.dataset), Location.parse(cfg.storage_path)
+    tracking = sweep_tracker(cfg)  # None when off; a server that does not answer: exit 3
     ray.init(runtime_env=runtime_env())
-    summary = sweep(cfg, dataset=dataset, runs=runs)
+    summary = sweep(cfg, dataset=dataset, runs=runs, tracking=tracking)
     counts = ", ".join(f"{n} {status}" for status, n in summary["counts"].items())
     log.info(
         "%d trials (%s); best trial %s by %s (%s): %.4f",

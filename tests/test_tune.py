@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import history, latest_recorded, wait_for
+from helpers import history, latest_recorded, mlflow_run, wait_for
 
 from pipeline.model.checkpoint import WEIGHTS
 from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
+from pipeline.tracking.client import RUN_RECORD
+from pipeline.tracking.sweep import BEST_RUN, PARENT
 from pipeline.tune.sweep import SWEEP_SUMMARY, TRIALS_PNG
 
 pytestmark = pytest.mark.slow
@@ -26,13 +28,16 @@ def tune_job(cluster, dataset, storage, *overrides, **submit):
 
 
 def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
-    cluster_2cpu, tiny_dataset, tmp_path
+    cluster_2cpu, tiny_dataset, tmp_path, mlflow_server
 ):
     # Two learning rates that learn, then two that barely move the weights: the first two run
     # first (two trials at once, in the grid's order), so the last two reach ASHA's first rung
     # behind them, and are stopped there.
     lrs = "space.optimizer.lr={grid: [0.003, 0.002, 1.0e-7, 2.0e-7]}"
-    proc = tune_job(cluster_2cpu, tiny_dataset, tmp_path, "name=asha", "num_samples=1", lrs)
+    tracked = (f"train.tracking.uri={mlflow_server.uri}", "train.tracking.registered_model=swept")
+    proc = tune_job(
+        cluster_2cpu, tiny_dataset, tmp_path, "name=asha", "num_samples=1", lrs, *tracked
+    )
     assert proc.returncode == 0, proc.stdout
     assert "2 trial(s) at once: each asks 1 CPUs, the cluster has 2 CPUs" in proc.stdout
     sweep = tmp_path / "asha"
@@ -68,6 +73,23 @@ def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
     assert summary["best_score"] == pytest.approx(min(scores.values()))
     assert f"best run: {summary['best_run']}" in proc.stdout.splitlines()  # the job's last line
     assert (sweep / TRIALS_PNG).is_file()
+
+    # Tracked: the sweep is an MLflow run, each trial's run its child, finished (those ASHA
+    # stopped too, by the sweep's driver) with each epoch once; the best checkpoint registered.
+    client = mlflow_server.client()
+    parent = json.loads((sweep / RUN_RECORD).read_text())["run_id"]
+    swept = client.get_run(parent)
+    assert swept.info.status == "FINISHED"
+    assert swept.data.tags[BEST_RUN] == summary["best_run"]
+    assert swept.data.metrics["best_val_loss"] == pytest.approx(summary["best_score"])
+    for t in trials:
+        child = mlflow_run(mlflow_server, Path(t["run"]))
+        assert child.data.tags[PARENT] == parent and child.info.status == "FINISHED", t
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "val_loss")]
+        # A stopped trial's rank 0 may have run one epoch past the checkpoint Ray recorded.
+        assert len(steps) == len(set(steps)) and set(range(t["epochs"])) <= set(steps), t
+    (version,) = client.search_model_versions("name='swept'")
+    assert version.run_id == parent
 
 
 def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_dataset, tmp_path):

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import yaml
@@ -40,6 +40,9 @@ from pipeline.model.runs import (
 )
 from pipeline.train.config import TrainConfig
 from pipeline.tune.config import SweepConfig
+
+if TYPE_CHECKING:  # mlflow is imported only where tracking is on
+    from pipeline.tracking.sweep import MLflowSweep, TrialTracking
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +88,11 @@ def _trial_dirname(trial) -> str:
     return trial_run_name(trial.trial_id)
 
 
-def sweep(cfg: SweepConfig, *, dataset: Location, runs: Location) -> dict:
-    """Run (or resume) the sweep `<runs>/<name>`; return its summary (Ray initialised)."""
+def sweep(
+    cfg: SweepConfig, *, dataset: Location, runs: Location, tracking: MLflowSweep | None = None
+) -> dict:
+    """Run (or resume) the sweep `<runs>/<name>`; return its summary (Ray initialised). With
+    `tracking`, the sweep is an MLflow run and each trial's run its child."""
     started = time.monotonic()
     sweep_dir = runs.child(cfg.name)
     if sweep_dir.child(SNAPSHOT).exists():
@@ -96,9 +102,16 @@ def sweep(cfg: SweepConfig, *, dataset: Location, runs: Location) -> dict:
     version = pinned_version(cfg, dataset, sweep_dir)
     configs = [c.model_copy(update={"dataset_version": version}) for c in cfg.trial_configs()]
     _check_inputs(configs, dataset, version)
+    trials = None
+    if tracking is not None:  # before any trial: a server that cannot take the sweep fails it
+        trials = tracking.start(sweep_dir, cfg.model_dump(mode="json"), version=version)
     tune_dir = sweep_dir.child(TUNE_DIR)
-    results = _tuner(cfg, configs, version, sweep_dir, tune_dir).fit()
-    summary = write_summary(cfg, sweep_dir, results, version, time.monotonic() - started)
+    results = _tuner(cfg, configs, version, sweep_dir, tune_dir, trials).fit()
+    took = time.monotonic() - started
+    summary = write_summary(cfg, sweep_dir, results, version, took, tracking=trials)
+    if tracking is not None:
+        reports = [sweep_dir.child(f) for f in (SWEEP_SUMMARY, TRIALS_PNG)]
+        tracking.finish(sweep_dir, summary, [f for f in reports if f.exists()])
     if summary["best_run"] is None:
         failed = [t for t in summary["trials"] if t["status"] == FAILED]
         first = f" (the first: {failed[0]['error']})" if failed else ""
@@ -203,6 +216,7 @@ def _tuner(
     version: str,
     sweep_dir: Location,
     tune_dir: Location,
+    tracking: TrialTracking | None,
 ):
     """A new Tuner for the sweep, or the one its record restores: finished trials stay
     finished, unfinished ones train on (each from its run's latest checkpoint)."""
@@ -213,7 +227,9 @@ def _tuner(
     # and trials_at_once bounds how many runs ask at once. No CPU, so that a trial's process
     # never holds one its workers wait for; Tune refuses a trial of no resources at all, so it
     # asks for one byte of memory.
-    trainable = tune.with_resources(run_trial, {"CPU": 0, "memory": 1})
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, tracking=tracking), {"CPU": 0, "memory": 1}
+    )
     if tune.Tuner.can_restore(tune_dir.path, storage_filesystem=tune_dir.fs):
         log.info("resuming from Ray Tune's record %s", tune_dir.uri)
         return tune.Tuner.restore(
@@ -258,8 +274,9 @@ def _tuner(
     )
 
 
-def run_trial(config: dict) -> None:
-    """One trial, in its Tune actor: the train job's `train` on the trial's config."""
+def run_trial(config: dict, tracking: TrialTracking | None = None) -> None:
+    """One trial, in its Tune actor: the train job's `train` on the trial's config; with
+    `tracking`, its run tracked as the sweep's child."""
     from ray import tune
 
     from pipeline.core.logs import setup_logging
@@ -272,6 +289,7 @@ def run_trial(config: dict) -> None:
         cfg,
         dataset=Location.parse(cfg.dataset),
         runs=Location.parse(cfg.storage_path),
+        tracking=tracking.tracker() if tracking is not None else None,
         callbacks=[EpochReport()],
     )
 
@@ -285,10 +303,17 @@ class EpochReport(TuneReportCallback):
 
 
 def write_summary(
-    cfg: SweepConfig, sweep_dir: Location, results, version: str, wall_time_s: float
+    cfg: SweepConfig,
+    sweep_dir: Location,
+    results,
+    version: str,
+    wall_time_s: float,
+    *,
+    tracking: TrialTracking | None = None,
 ) -> dict:
     """Every trial's reports (a trial stopped early has none of its own yet), trials.png, then
-    summary.json; returns the summary."""
+    summary.json; returns the summary. With `tracking`, closes the trials' MLflow runs that
+    their trials could not."""
     metric, mode = ranking(cfg.score)
     keys = [p.key for p in cfg.params]
     trials, histories = [], {}
@@ -314,7 +339,7 @@ def write_summary(
         elif latest is None:
             trial["error"] = "ended before its first checkpoint"
         else:
-            summary = _run_summary(run_dir, cfg.score, result)
+            summary = _run_summary(run_dir, cfg.score, result, version, tracking)
             best = summary["best_metrics"]
             planned = given.get("epochs", cfg.base_train().epochs)
             trial |= {
@@ -322,6 +347,8 @@ def write_summary(
                 "best_score": best[metric],
                 "best_epoch": best["epoch"],
             }
+        if "error" in trial and tracking is not None:
+            tracking.close(run_dir, trial["error"])
         trials.append(trial)
     trials.sort(key=lambda t: t["trial"])
     ranked = [t for t in trials if t["best_score"] is not None]
@@ -361,10 +388,23 @@ def _error_line(error: BaseException) -> str:
     return f"{type(cause).__name__}: {first_line(cause)}"
 
 
-def _run_summary(run_dir: Location, score: Score, result) -> dict:
+def _run_summary(
+    run_dir: Location, score: Score, result, version: str, tracking: TrialTracking | None
+) -> dict:
     """The run's summary, written here where its trial ended before it could: stopped by ASHA
-    (or at its last report), Tune ends the trial's process."""
+    (or at its last report), Tune ends the trial's process; with `tracking`, its MLflow run
+    is finished as the train job finishes it."""
     if run_dir.child(RUN_SUMMARY).exists() and training_since(run_dir) is None:
         return json.loads(run_dir.child(RUN_SUMMARY).read_bytes())
     took = (result.metrics or {}).get("time_total_s", 0.0)
-    return write_reports(run_dir, score, wall_time_s=took)
+    summary = write_reports(run_dir, score, wall_time_s=took)
+    if tracking is not None:
+        cfg = validate_config(TrainConfig, {**result.config, "name": run_dir.name}, "trial")
+        try:
+            tracker = tracking.tracker()
+            tracker.start(run_dir, cfg, version=version, changes=[])
+        except (ClusterError, ConfigError) as e:  # the runs are whole: the sweep goes on
+            log.warning("MLflow: the run of %s is not finished there: %s", run_dir.uri, e)
+        else:
+            tracker.finish(run_dir, summary)
+    return summary
