@@ -8,9 +8,11 @@ version for the whole sweep; ASHA stops the trials that trail by epoch; submitti
 name again resumes the sweep (finished trials stay finished, the others train on from their
 checkpoints). Writes summary.json (every trial, and `best_run`: a run as any other, for
 inference, export and serving) and trials.png into <storage_path>/<name>, and prints the best
-run last. Exit codes: 0 done (trials that failed are listed in the summary), 1 unusable input
-(dataset, weights file), 2 invalid config (an unknown key, bad range or refused value in the
-space; a resumed sweep with another config), 3 every trial failed.
+run last; with a tracking URI (train.tracking.uri), tracks the sweep as an MLflow run with a
+child run per trial. Exit codes: 0 done (failed trials are listed in the summary), 1 unusable
+input (dataset, weights file), 2 invalid config (an unknown key, bad range or refused value in
+the space; a resumed sweep with another config), 3 every trial failed, or the tracking server
+does not answer.
 """
 
 import logging

@@ -121,6 +121,7 @@ def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_da
     assert "was stopped" in cluster_2cpu.ray("job", "status", "tune-stopped")
     first, second = trial_run(0), trial_run(1)
     stopped_at = latest_recorded(second)
+    print(f"sweep stopped with the second trial at {stopped_at}")
     first_weights = (first / "epoch_0000" / WEIGHTS).stat().st_mtime_ns
 
     proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)

@@ -26,9 +26,12 @@ def plot_curves(history: list[dict], *, best_epoch: int, chosen_by: str) -> byte
     return _png(fig)
 
 
-def plot_trials(histories: dict[str, list[dict]], *, key: str, best: str | None) -> bytes:
-    """Each trial's `key` per epoch, one line a trial (the `best` one drawn bold), as PNG
-    bytes: a sweep's trials side by side, those stopped early where their lines end."""
+def plot_trials(
+    histories: dict[str, list[dict]], *, key: str, best: str | None, labels: dict[str, str]
+) -> bytes:
+    """Each trial's `key` per epoch, one line a trial named by `labels` (the `best` one drawn
+    bold), as PNG bytes: a sweep's trials side by side, those stopped early where their lines
+    end."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -41,7 +44,7 @@ def plot_trials(histories: dict[str, list[dict]], *, key: str, best: str | None)
             marker="o",
             linewidth=2.5 if is_best else 1,
             alpha=1 if is_best else 0.6,
-            label=f"{trial} (best)" if is_best else trial,
+            label=f"{labels[trial]} (best)" if is_best else labels[trial],
         )
     ax.set(xlabel="epoch", ylabel=key, title=f"Trials: {key} per epoch")
     ax.grid(alpha=0.3)

@@ -355,7 +355,10 @@ def write_summary(
     pick = min if mode == "min" else max
     best = pick(ranked, key=lambda t: t["best_score"]) if ranked else None
     if histories:
-        png = plot_trials(histories, key=metric, best=best["trial"] if best else None)
+        labels = {t["trial"]: _label(t) for t in trials}
+        png = plot_trials(
+            histories, key=metric, best=best["trial"] if best else None, labels=labels
+        )
         sweep_dir.child(TRIALS_PNG).write_bytes(png)
     summary = {
         "sweep": sweep_dir.uri,
@@ -380,6 +383,15 @@ def write_summary(
         shown = (best["trial"], metric, best["best_score"], best["run"])
         log.info("best trial %s (%s %s): %s", *shown)
     return summary
+
+
+def _label(trial: dict) -> str:
+    """A trial as the figure's legend names it: its id, status and values of the space."""
+    values = ", ".join(
+        f"{k.rpartition('.')[2]}={v:.3g}" if isinstance(v, float) else f"{k.rpartition('.')[2]}={v}"
+        for k, v in trial["config"].items()
+    )
+    return f"{trial['trial']} ({trial['status']}): {values}" if values else trial["trial"]
 
 
 def _error_line(error: BaseException) -> str:
