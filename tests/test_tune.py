@@ -147,3 +147,31 @@ def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_da
         (str(first), "finished", 1),
         (str(second), "finished", 3),
     ]
+
+
+def test_a_trial_that_fails_for_good_is_listed_and_the_sweep_goes_on(
+    cluster_2cpu, tiny_dataset, tmp_path
+):
+    # The second trial's worker asks 3 CPUs of a 2-CPU cluster: Ray Train cannot place it, and
+    # with max_failures=0 its one attempt of 5 s is its last.
+    proc = tune_job(
+        cluster_2cpu,
+        tiny_dataset,
+        tmp_path,
+        "name=failing",
+        "num_samples=1",
+        "asha.enabled=false",
+        "train.epochs=1",
+        "train.max_failures=0",
+        "train.scaling.startup_timeout_s=5",
+        "space.scaling.cpus_per_worker={grid: [1, 3]}",
+    )
+    assert proc.returncode == 0, proc.stdout
+    summary = json.loads((tmp_path / "failing" / SWEEP_SUMMARY).read_text())
+    placed, unplaced = summary["trials"]
+    assert placed["status"] == "finished" and summary["best_run"] == placed["run"]
+    assert unplaced["status"] == "failed" and unplaced["epochs"] == 0, unplaced
+    assert unplaced["error"].startswith(
+        "ClusterError: the cluster could not place 1 training workers with {'CPU': 3} each"
+    ), unplaced
+    assert summary["counts"] == {"finished": 1, "stopped early": 0, "failed": 1}

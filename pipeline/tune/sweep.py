@@ -187,6 +187,12 @@ def trials_at_once(cfg: SweepConfig, configs: list[TrainConfig]) -> int:
     asks = f"{cpus} CPUs" + (f" and {gpus} GPUs" if gpus else "")
     held = f"{have.get('CPU', 0):g} CPUs" + (f" and {have.get('GPU', 0):g} GPUs" if gpus else "")
     log.info("%d trial(s) at once: each asks %s, the cluster has %s", max(fits, 1), asks, held)
+    if fits == 0:
+        log.warning(
+            "a trial asks %s, more than the cluster has: trials run one at a time, each waiting "
+            "for room as a train job does (scaling.startup_timeout_s, max_failures)",
+            asks,
+        )
     return max(fits, 1)
 
 
