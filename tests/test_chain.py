@@ -145,15 +145,15 @@ def test_the_chain_pins_the_dataset_version_its_preprocess_step_committed():
     )
     assert committed_version(log) == "20261123T1-aa"
     assert committed_version("no such line\n") is None
-    _, train, _, _ = plan("s3://b/x", profile="demo")
+    _, train, *_ = plan("s3://b/x", profile="demo")
     assert pin_dataset(train, "v1").entrypoint == [*train.entrypoint, "dataset_version=v1"]
     # A version the user set stays.
-    _, asked, _, _ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
+    _, asked, *_ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
     assert pin_dataset(asked, "v1") == asked
 
 
 def test_a_recipe_layers_its_file_over_the_train_config(capsys):
-    _, train, infer, _ = plan("s3://b/x", profile="demo", recipe="finetune")
+    _, train, infer, *_ = plan("s3://b/x", profile="demo", recipe="finetune")
     assert train.entrypoint[3:7] == [
         "--config",
         "configs/demo-train.yaml",
