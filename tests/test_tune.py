@@ -154,10 +154,7 @@ def test_a_trial_that_fails_for_good_is_listed_and_the_sweep_goes_on(
 ):
     # The second trial's worker asks 3 CPUs of a 2-CPU cluster: Ray Train cannot place it, and
     # with max_failures=0 its one attempt of 5 s is its last.
-    proc = tune_job(
-        cluster_2cpu,
-        tiny_dataset,
-        tmp_path,
+    args = (
         "name=failing",
         "num_samples=1",
         "asha.enabled=false",
@@ -166,6 +163,7 @@ def test_a_trial_that_fails_for_good_is_listed_and_the_sweep_goes_on(
         "train.scaling.startup_timeout_s=5",
         "space.scaling.cpus_per_worker={grid: [1, 3]}",
     )
+    proc = tune_job(cluster_2cpu, tiny_dataset, tmp_path, *args)
     assert proc.returncode == 0, proc.stdout
     summary = json.loads((tmp_path / "failing" / SWEEP_SUMMARY).read_text())
     placed, unplaced = summary["trials"]
@@ -175,3 +173,14 @@ def test_a_trial_that_fails_for_good_is_listed_and_the_sweep_goes_on(
         "ClusterError: the cluster could not place 1 training workers with {'CPU': 3} each"
     ), unplaced
     assert summary["counts"] == {"finished": 1, "stopped early": 0, "failed": 1}
+    # Submitted again with retry_failed=true: the same trial (its id, its run) tries again,
+    # and fails again; the finished one is not trained again.
+    again = tune_job(cluster_2cpu, tiny_dataset, tmp_path, *args, "retry_failed=true")
+    assert again.returncode == 0, again.stdout
+    assert again.stdout.count("starting 1 workers with {'CPU': 3} each") == 1
+    assert "starting 1 workers with {'CPU': 1} each" not in again.stdout
+    retried = json.loads((tmp_path / "failing" / SWEEP_SUMMARY).read_text())
+    assert [(t["trial"], t["status"]) for t in retried["trials"]] == [
+        (placed["trial"], "finished"),
+        (unplaced["trial"], "failed"),
+    ]

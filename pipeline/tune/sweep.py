@@ -242,7 +242,7 @@ def _tuner(
             tune_dir.path,
             trainable,
             resume_unfinished=True,
-            restart_errored=cfg.retry_failed,
+            resume_errored=cfg.retry_failed,  # the same trial, its run from its checkpoint
             storage_filesystem=tune_dir.fs,
         )
     metric, mode = ranking(cfg.score)
