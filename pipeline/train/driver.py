@@ -301,7 +301,9 @@ def fit(
                 "ingest=ray_data needs CPUs beside the training workers' to decode, and the "
                 "cluster has none spare now: training waits until a node with CPUs joins"
             )
-    waits = [ElasticWaitLimit(startup_attempts(cfg) * s.startup_timeout_s, s.min_workers)]
+    # The same bound as for a fixed count: startup_attempts placements of startup_timeout_s each.
+    limit_s = startup_attempts(cfg) * s.startup_timeout_s
+    waits = [ElasticWaitLimit(limit_s, s.min_workers)] if s.elastic else []
     trainer = ray.train.torch.TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -329,9 +331,7 @@ def fit(
             storage_filesystem=runs.fs,
             logging_config=ray.train.LoggingConfig(log_level=RAY_TRAIN_LOG_LEVEL),
             failure_config=failure_config(cfg),
-            # The same bound as for a fixed count: startup_attempts placements of
-            # startup_timeout_s each.
-            callbacks=[*callbacks, *(waits if s.elastic else [])] or None,
+            callbacks=[*callbacks, *waits] or None,
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.checkpoint.num_to_keep,
                 checkpoint_score_attribute=score.key,

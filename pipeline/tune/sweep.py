@@ -176,10 +176,10 @@ def _check_inputs(configs: list[TrainConfig], dataset: Location, version: str) -
 def trials_at_once(cfg: SweepConfig, configs: list[TrainConfig]) -> int:
     """Trials that run at once: max_concurrent_trials, else as many as the cluster holds now,
     each asking what its train config's workers ask (its largest in the space)."""
-    cpus = max(c.scaling.max_workers * c.scaling.cpus_per_worker for c in configs)
-    gpus = max(c.scaling.max_workers * c.scaling.use_gpu for c in configs)
     if cfg.max_concurrent_trials is not None:
         return cfg.max_concurrent_trials
+    cpus = max(c.scaling.max_workers * c.scaling.cpus_per_worker for c in configs)
+    gpus = max(c.scaling.max_workers * c.scaling.use_gpu for c in configs)
     have = ray.cluster_resources()
     fits = int(have.get("CPU", 0) // cpus)
     if gpus:
