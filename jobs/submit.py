@@ -4,13 +4,15 @@
     python -m jobs.submit --address ... --root ... --set train.epochs=20 train
     python -m jobs.submit --address ... --root ... --recipe finetune all
     python -m jobs.submit --address ... --root ... export
+    python -m jobs.submit --address ... --root ... --profile demo tune
 
 Every job goes to the cluster with runtime_env.yaml, as `ray job submit` sends it; its log is
 streamed here. Paths come from `--root`: the dataset at <root>/dataset, training runs under
 <root>/runs (the run named by the train config), predictions at <root>/predictions/<run name>,
 the export of the run's best checkpoint at <root>/runs/<run name>/export/<checkpoint name>.
 `--recipe NAME` layers configs/recipes/NAME.yaml over the train step's config.
-`all` runs preprocess, train and infer; export runs only when named.
+`all` runs preprocess, train and infer; export and tune (a sweep of the train job, its trials
+runs under <root>/runs/<sweep name>; docs/tune.md) run only when named.
 So each step can be retried on its own: preprocessing is a no-op when its dataset is up to date,
 training resumes its run or says it is complete, inference replaces its output, and an export
 already there is left as it is. Run as
@@ -51,6 +53,7 @@ from pipeline.data.config import PreprocessConfig
 from pipeline.export.config import ExportConfig
 from pipeline.infer.config import InferConfig
 from pipeline.train.config import TrainConfig
+from pipeline.tune.config import SweepConfig
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
 CONFIGS = {
@@ -58,8 +61,9 @@ CONFIGS = {
     "train": TrainConfig,
     "infer": InferConfig,
     "export": ExportConfig,
+    "tune": SweepConfig,
 }
-# The chain, in order: what `all` runs. An export runs only when named.
+# The chain, in order: what `all` runs. An export and a sweep run only when named.
 STEPS = ("preprocess", "train", "infer")
 STOPPED_EXIT = 4
 # Lines of Ray's own that the streamed logs leave out. Ray's core worker logs this once per
@@ -98,6 +102,7 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
     args = {
         "preprocess": [f"output={dataset}", *overrides["preprocess"]],
         "train": [f"dataset={dataset}", f"storage_path={runs}", *overrides["train"]],
+        "tune": [f"dataset={dataset}", f"storage_path={runs}", *overrides["tune"]],
     }
 
     files = {step: [_config_file(step, profile)] for step in CONFIGS}
@@ -122,6 +127,7 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
         *overrides["export"],
     ]
     load("export")
+    load("tune")
     return [
         Job(
             step,
@@ -288,7 +294,9 @@ def _sigterm_as_interrupt():
 
 def steps_help() -> str:
     """The steps in order, and each one's settings for `--set STEP.KEY=VALUE`."""
-    sections = [f"steps, in this order: {', '.join(STEPS)} (or all); export only when named"]
+    sections = [
+        f"steps, in this order: {', '.join(STEPS)} (or all); export and tune only when named"
+    ]
     for step, cls in CONFIGS.items():
         sections.append(
             f"{step}: python -m jobs.{step}; --set {step}.KEY=VALUE with KEY one of\n"

@@ -50,6 +50,8 @@ from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import check_dataset, check_model, pick_dataset_version
+from pipeline.tune.config import SweepConfig
+from pipeline.tune.sweep import pinned_version, sweep
 
 
 @dataclass
@@ -307,6 +309,29 @@ class Branching(torch.nn.Module):
 DROPPED = OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28")
 
 
+def sweep_config(tmp_path, dataset, *overrides) -> SweepConfig:
+    return load_config(SweepConfig, None, sweep_args(tmp_path, dataset, *overrides)[1:])
+
+
+def sweep_args(tmp_path, dataset, *overrides) -> list[str]:
+    return ["jobs.tune", f"dataset={dataset}", f"storage_path={tmp_path}/runs", *overrides]
+
+
+def sweep_over_a_run(tmp_path, dataset):
+    (tmp_path / "runs" / "sweep").mkdir(parents=True)
+    (tmp_path / "runs" / "sweep" / SNAPSHOT).write_text("{}")
+    cfg = sweep_config(tmp_path, dataset)
+    sweep(cfg, dataset=Location.parse(str(dataset)), runs=Location.parse(f"{tmp_path}/runs"))
+
+
+def sweep_resumed_with(tmp_path, dataset, *changes):
+    # The sweep's first start records its config and pins the dataset version: a resume must
+    # match it. (Neither needs Ray: both come before the Tuner.)
+    dataset, sweep_dir = Location.parse(str(dataset)), Location.parse(f"{tmp_path}/runs/sweep")
+    pinned_version(sweep_config(tmp_path, dataset.uri, "num_samples=2"), dataset, sweep_dir)
+    pinned_version(sweep_config(tmp_path, dataset.uri, *changes), dataset, sweep_dir)
+
+
 def tracked_by(uri: str):
     def run(tmp_path, dataset):
         training_tracker(train_config(tmp_path, dataset, f"tracking.uri={uri}"))
@@ -486,6 +511,56 @@ CASES = [
         "invalid config (<where>): checkpoint.every_steps needs ingest=torch",
         lambda t, d: train_config(t, d, "checkpoint.every_steps=100", "ingest=ray_data"),
         cli=lambda t, d: [train_args(t, d, "checkpoint.every_steps=100", "ingest=ray_data")],
+    ),
+    Case(
+        "a sweep `space` key the train config does not have",
+        2,
+        "invalid config (<where>): space.<key>: unknown key of the train config",
+        lambda t, d: sweep_config(t, d, "space.optimizer.rate={choice: [0.1, 0.01]}"),
+        cli=lambda t, d: [sweep_args(t, d, "space.optimizer.rate={choice: [0.1, 0.01]}")],
+    ),
+    Case(
+        "a sweep `space` key the sweep sets for every trial (`name`, `dataset`, ...)",
+        2,
+        "invalid config (<where>): space.<key>: not searched",
+        lambda t, d: sweep_config(t, d, "space.dataset_version={choice: [a, b]}"),
+    ),
+    Case(
+        "a sweep `space` entry that is no choice, grid, uniform or loguniform",
+        2,
+        "invalid config (<where>): space.<key>: give one of {choice: [...]}",
+        lambda t, d: sweep_config(t, d, "space.optimizer.lr=0.1"),
+    ),
+    Case(
+        "a sweep `space` range that is empty (`low >= high`)",
+        2,
+        "invalid config (<where>): space.<key>: uniform [<low>, <high>] is empty",
+        lambda t, d: sweep_config(t, d, "space.mixup_alpha={uniform: [0.4, 0.2]}"),
+    ),
+    Case(
+        "a sweep `loguniform` range from 0 or below",
+        2,
+        "invalid config (<where>): space.<key>: loguniform [<low>, <high>] needs low > 0",
+        lambda t, d: sweep_config(t, d, "space.optimizer.lr={loguniform: [0, 0.1]}"),
+    ),
+    Case(
+        "a sweep `space` value a trial's train config refuses (a range's end included)",
+        2,
+        "invalid config (<where>): space.<key>=<value>: a trial's train config is refused",
+        lambda t, d: sweep_config(t, d, "space.optimizer.momentum={uniform: [0.5, 1.0]}"),
+        cli=lambda t, d: [sweep_args(t, d, "space.optimizer.lr={choice: [-1.0, 0.1]}")],
+    ),
+    Case(
+        "a sweep `name` that is a training run",
+        2,
+        "name=<name>: <path> is a training run, not a sweep",
+        lambda t, d: sweep_over_a_run(t, d),
+    ),
+    Case(
+        "a sweep resumed with another config",
+        2,
+        "sweep <path> was started with another config",
+        lambda t, d: sweep_resumed_with(t, d, "num_samples=3"),
     ),
     Case(
         "a model name that torchvision (or timm) does not have",

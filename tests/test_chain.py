@@ -81,7 +81,7 @@ def test_plan_keeps_the_roots_query_after_every_path():
         assert Location.parse(uri).path.startswith("my-bucket/ray-cv/"), arg
 
 
-def test_all_runs_the_chain_and_export_only_when_named(monkeypatch):
+def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
     submitted = {}
 
     def submit(address, job, env_vars=None, log=None):
@@ -101,6 +101,10 @@ def test_all_runs_the_chain_and_export_only_when_named(monkeypatch):
     submitted.clear()
     assert main([*args, "export"]) == 0
     assert list(submitted) == ["export"]
+    submitted.clear()
+    assert main([*args, "tune"]) == 0
+    assert list(submitted) == ["tune"]
+    assert {"dataset=s3://b/x/dataset", "storage_path=s3://b/x/runs"} <= set(submitted["tune"])
 
 
 def test_a_local_root_becomes_absolute(tmp_path, monkeypatch):
@@ -141,15 +145,15 @@ def test_the_chain_pins_the_dataset_version_its_preprocess_step_committed():
     )
     assert committed_version(log) == "20261123T1-aa"
     assert committed_version("no such line\n") is None
-    _, train, _, _ = plan("s3://b/x", profile="demo")
+    _, train, *_ = plan("s3://b/x", profile="demo")
     assert pin_dataset(train, "v1").entrypoint == [*train.entrypoint, "dataset_version=v1"]
     # A version the user set stays.
-    _, asked, _, _ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
+    _, asked, *_ = plan("s3://b/x", profile="demo", sets=["train.dataset_version=v0"])
     assert pin_dataset(asked, "v1") == asked
 
 
 def test_a_recipe_layers_its_file_over_the_train_config(capsys):
-    _, train, infer, _ = plan("s3://b/x", profile="demo", recipe="finetune")
+    _, train, infer, *_ = plan("s3://b/x", profile="demo", recipe="finetune")
     assert train.entrypoint[3:7] == [
         "--config",
         "configs/demo-train.yaml",

@@ -12,6 +12,7 @@ from pipeline.data.config import PreprocessConfig
 from pipeline.export.config import ExportConfig
 from pipeline.infer.config import InferConfig
 from pipeline.train.config import TrainConfig
+from pipeline.tune.config import SweepConfig
 
 
 def run(*args: str) -> str:
@@ -28,6 +29,7 @@ def run(*args: str) -> str:
         ("train", TrainConfig),
         ("infer", InferConfig),
         ("export", ExportConfig),
+        ("tune", SweepConfig),
     ],
 )
 def test_job_help_lists_every_key(job, cls):
@@ -44,11 +46,15 @@ def test_job_help_lists_every_key(job, cls):
 
 def test_chain_help_lists_steps_and_their_keys():
     text = run("-m", "jobs.submit", "--help")
-    assert "steps, in this order: preprocess, train, infer (or all); export only when named" in text
+    steps = (
+        "steps, in this order: preprocess, train, infer (or all); export and tune only when named"
+    )
+    assert steps in text
     for step, cls in [
         ("preprocess", PreprocessConfig),
         ("train", TrainConfig),
         ("export", ExportConfig),
+        ("tune", SweepConfig),
     ]:
         assert f"--set {step}.KEY=VALUE" in text
         assert all(f"  {key} (" in text for key, *_ in describe_keys(cls))

@@ -26,6 +26,33 @@ def plot_curves(history: list[dict], *, best_epoch: int, chosen_by: str) -> byte
     return _png(fig)
 
 
+def plot_trials(
+    histories: dict[str, list[dict]], *, key: str, best: str | None, labels: dict[str, str]
+) -> bytes:
+    """Each trial's `key` per epoch, one line a trial named by `labels` (the `best` one drawn
+    bold), as PNG bytes: a sweep's trials side by side, those stopped early where their lines
+    end."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for trial, history in sorted(histories.items()):
+        is_best = trial == best
+        ax.plot(
+            [h["epoch"] for h in history],
+            [h[key] for h in history],
+            marker="o",
+            linewidth=2.5 if is_best else 1,
+            alpha=1 if is_best else 0.6,
+            label=f"{labels[trial]} (best)" if is_best else labels[trial],
+        )
+    ax.set(xlabel="epoch", ylabel=key, title=f"Trials: {key} per epoch")
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
 def plot_confusion(cm: list[list[int]], classes: list[str]) -> bytes:
     """A confusion matrix (rows: true class, columns: predicted), as PNG bytes."""
     plt = _pyplot()

@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from pipeline.infer.config import InferConfig
     from pipeline.model.checkpoint import CheckpointMeta
     from pipeline.tracking.outputs import DatasetTracker, PredictionsTracker
+    from pipeline.tracking.sweep import MLflowSweep
     from pipeline.tracking.training import MLflowTraining
     from pipeline.train.config import TrainConfig
+    from pipeline.tune.config import SweepConfig
 
 URI_ENV = "MLFLOW_TRACKING_URI"
 
@@ -46,6 +48,20 @@ def training_tracker(cfg: TrainConfig) -> MLflowTraining | None:
     from pipeline.tracking.training import MLflowTraining
 
     return MLflowTraining(connect(uri, cfg.tracking.experiment), cfg.tracking.registered_model)
+
+
+def sweep_tracker(cfg: SweepConfig) -> MLflowSweep | None:
+    """The sweep job's tracker, connected: its trials' train config's tracking settings; None
+    when tracking is off."""
+    tracking = cfg.base_train().tracking
+    uri = tracking_uri(tracking)
+    if uri is None:
+        return None
+    from pipeline.tracking.client import connect
+    from pipeline.tracking.sweep import MLflowSweep
+
+    conn = connect(uri, tracking.experiment)
+    return MLflowSweep(conn, tracking.experiment, tracking.registered_model)
 
 
 def dataset_tracker(cfg: PreprocessConfig) -> DatasetTracker | None:

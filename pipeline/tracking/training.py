@@ -153,8 +153,11 @@ def epochs_text(epochs: list[int]) -> str:
 class MLflowTraining:
     """The driver's TrainingTracker: the MLflow run of one training run, on `conn`'s server."""
 
-    def __init__(self, conn: Connection, registered_model: str | None):
+    def __init__(
+        self, conn: Connection, registered_model: str | None, tags: dict[str, str] | None = None
+    ):
         self.conn, self.registered_model = conn, registered_model
+        self.tags = tags or {}  # on a new MLflow run: a sweep's trial names its parent run
         self.run_id: str | None = None
         self.sink: EpochLog | None = None
 
@@ -189,7 +192,9 @@ class MLflowTraining:
             )
             return record["run_id"]
         run = self.unrecorded_run(run_dir) or client.create_run(
-            self.conn.experiment_id, run_name=cfg.name, tags={JOB: "train", RUN_DIR: run_dir.uri}
+            self.conn.experiment_id,
+            run_name=cfg.name,
+            tags={JOB: "train", RUN_DIR: run_dir.uri, **self.tags},
         )
         run_id = run.info.run_id
         log_params(self.conn, run_id, params(flatten_config(cfg.model_dump(mode="json"))))

@@ -14,11 +14,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import ray
 import ray.train
 import ray.train.torch
+from ray.train.v2.api.callback import UserCallback
 
 from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.logs import RAY_TRAIN_LOG_LEVEL
@@ -153,9 +154,11 @@ def train(
     dataset: Location,
     runs: Location,
     tracking: TrainingTracker | None = None,
+    callbacks: Sequence[UserCallback] = (),
 ) -> dict:
     """Train (or resume) the run `<runs>/<name>`; return its summary (Ray initialised). With
-    `tracking`, the run is tracked too (pipeline.tracking)."""
+    `tracking`, the run is tracked too (pipeline.tracking); `callbacks` go to Ray Train (a
+    sweep's trial passes its reports to Ray Tune)."""
     started = time.monotonic()
     run_dir = runs.child(cfg.name)
     score = SCORES[cfg.checkpoint.metric]  # a resume keeps the run's: resume_changes checks
@@ -196,7 +199,15 @@ def train(
     mark = mark_training(run_dir) if run_dir.child(RUN_SUMMARY).exists() else None
     try:
         with sigterm_raises():
-            fit(cfg, manifest, inputs, dataset=dataset, runs=runs, tracking=sink)
+            fit(
+                cfg,
+                manifest,
+                inputs,
+                dataset=dataset,
+                runs=runs,
+                tracking=sink,
+                callbacks=callbacks,
+            )
         if mark is not None:
             mark.release(restore=False)
         summary = write_reports(run_dir, score, wall_time_s=time.monotonic() - started)
@@ -316,6 +327,7 @@ def fit(
     dataset: Location,
     runs: Location,
     tracking: EpochSink | None = None,
+    callbacks: Sequence[UserCallback] = (),
 ) -> None:
     from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
@@ -344,6 +356,9 @@ def fit(
                 "ingest=ray_data needs CPUs beside the training workers' to decode, and the "
                 "cluster has none spare now: training waits until a node with CPUs joins"
             )
+    # The same bound as for a fixed count: startup_attempts placements of startup_timeout_s each.
+    limit_s = startup_attempts(cfg) * s.startup_timeout_s
+    waits = [ElasticWaitLimit(limit_s, s.min_workers)] if s.elastic else []
     trainer = ray.train.torch.TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -371,11 +386,7 @@ def fit(
             storage_filesystem=runs.fs,
             logging_config=ray.train.LoggingConfig(log_level=RAY_TRAIN_LOG_LEVEL),
             failure_config=failure_config(cfg),
-            # The same bound as for a fixed count: startup_attempts placements of
-            # startup_timeout_s each.
-            callbacks=[ElasticWaitLimit(startup_attempts(cfg) * s.startup_timeout_s, s.min_workers)]
-            if s.elastic
-            else None,
+            callbacks=[*callbacks, *waits] or None,
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.checkpoint.num_to_keep,
                 checkpoint_score_attribute=score.key,

@@ -1,0 +1,1 @@
+"""Sweeps: Ray Tune over the train job, each trial a run."""

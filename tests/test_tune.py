@@ -1,0 +1,186 @@
+"""The sweep job on a real local Ray cluster, sent with `ray job submit`: ASHA's early stops and
+the best run, and a sweep stopped and submitted again. (Bad spaces: tests/test_bad_inputs.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import history, latest_recorded, mlflow_run, wait_for
+
+from pipeline.model.checkpoint import WEIGHTS
+from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
+from pipeline.tracking.client import RUN_RECORD
+from pipeline.tracking.sweep import BEST_RUN, PARENT
+from pipeline.tune.sweep import SWEEP_SUMMARY, TRIALS_PNG
+
+pytestmark = pytest.mark.slow
+
+TUNE = ["python", "-m", "jobs.tune", "--config", "configs/demo-tune.yaml"]
+# The demo sweep's trials, smaller: a narrower network, 2 epochs.
+TINY = ("train.model.kwargs.width=8", "train.epochs=2")
+
+
+def tune_job(cluster, dataset, storage, *overrides, **submit):
+    args = [*TUNE, f"dataset={dataset}", f"storage_path={storage}", *TINY, *overrides]
+    return cluster.submit(args, capture=True, timeout_s=600, **submit)
+
+
+def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
+    cluster_2cpu, tiny_dataset, tmp_path, mlflow_server
+):
+    # Two learning rates that learn, then two that barely move the weights: the first two run
+    # first (two trials at once, in the grid's order), so the last two reach ASHA's first rung
+    # behind them, and are stopped there.
+    lrs = "space.optimizer.lr={grid: [0.003, 0.002, 1.0e-7, 2.0e-7]}"
+    tracked = (f"train.tracking.uri={mlflow_server.uri}", "train.tracking.registered_model=swept")
+    proc = tune_job(
+        cluster_2cpu, tiny_dataset, tmp_path, "name=asha", "num_samples=1", lrs, *tracked
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert "2 trial(s) at once: each asks 1 CPUs, the cluster has 2 CPUs" in proc.stdout
+    sweep = tmp_path / "asha"
+    summary = json.loads((sweep / SWEEP_SUMMARY).read_text())
+    trials = summary["trials"]
+    assert len(trials) == 4
+    by_lr = {t["config"]["optimizer.lr"]: t for t in trials}
+    assert sorted(by_lr) == [1.0e-7, 2.0e-7, 0.002, 0.003]
+    # ASHA keeps the better half at its rung (1 epoch): of the first two, the one that reaches
+    # it first goes on, the other if it is better; the last two trail them both.
+    assert by_lr[0.003]["status"] == "finished" or by_lr[0.002]["status"] == "finished"
+    stopped = [t for t in trials if t["status"] == "stopped early"]
+    assert stopped and all(t["epochs"] == 1 for t in stopped), trials
+    assert by_lr[1.0e-7]["status"] == "stopped early", trials
+    assert summary["counts"] == {
+        "finished": 4 - len(stopped),
+        "stopped early": len(stopped),
+        "failed": 0,
+    }
+    # Every trial is a run, with the train job's files; its best is its history's lowest val loss.
+    scores = {}
+    for t in trials:
+        run = Path(t["run"])
+        assert run.parent == sweep
+        for name in (RUN_SUMMARY, HISTORY_CSV, CURVES_PNG):
+            assert (run / name).is_file(), (run, name)
+        h = history(run)
+        assert len(h) == t["epochs"] and [r["epoch"] for r in h] == list(range(t["epochs"]))
+        scores[t["run"]] = min(r["val_loss"] for r in h)
+        assert t["best_score"] == pytest.approx(scores[t["run"]])
+    assert summary["metric"] == "val_loss" and summary["mode"] == "min"
+    assert summary["best_run"] == min(scores, key=scores.get)
+    assert summary["best_score"] == pytest.approx(min(scores.values()))
+    assert f"best run: {summary['best_run']}" in proc.stdout.splitlines()  # the job's last line
+    assert (sweep / TRIALS_PNG).is_file()
+
+    # Tracked: the sweep is an MLflow run, each trial's run its child, finished (those ASHA
+    # stopped too, by the sweep's driver) with each epoch once; the best checkpoint registered.
+    client = mlflow_server.client()
+    parent = json.loads((sweep / RUN_RECORD).read_text())["run_id"]
+    swept = client.get_run(parent)
+    assert swept.info.status == "FINISHED"
+    assert swept.data.tags[BEST_RUN] == summary["best_run"]
+    assert swept.data.metrics["best_val_loss"] == pytest.approx(summary["best_score"])
+    for t in trials:
+        child = mlflow_run(mlflow_server, Path(t["run"]))
+        assert child.data.tags[PARENT] == parent and child.info.status == "FINISHED", t
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "val_loss")]
+        # A stopped trial's rank 0 may have run one epoch past the checkpoint Ray recorded.
+        assert len(steps) == len(set(steps)) and set(range(t["epochs"])) <= set(steps), t
+    (version,) = client.search_model_versions("name='swept'")
+    assert version.run_id == parent
+
+
+def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_dataset, tmp_path):
+    # One trial at a time: the first trains 1 epoch, the second 3. The driver is stopped once
+    # the first has finished and the second has a checkpoint; the same command then resumes.
+    args = [
+        *TUNE,
+        f"dataset={tiny_dataset}",
+        f"storage_path={tmp_path}",
+        *TINY,
+        "name=resumed",
+        "num_samples=1",
+        "asha.enabled=false",
+        "max_concurrent_trials=1",
+        "space.epochs={grid: [1, 3]}",
+    ]
+    sweep = tmp_path / "resumed"
+    cluster_2cpu.submit(args, submission_id="tune-stopped", wait=False, timeout_s=120)
+
+    def trial_run(index: int) -> Path | None:
+        return next(sweep.glob(f"*_{index:05d}"), None)
+
+    def first_done_second_started() -> bool:
+        first, second = trial_run(0), trial_run(1)
+        return bool(first and (first / RUN_SUMMARY).exists() and second and latest_recorded(second))
+
+    wait_for(first_done_second_started, "the first trial finished, the second checkpointed", 600)
+    cluster_2cpu.ray("job", "stop", "tune-stopped", timeout_s=120)
+    assert "was stopped" in cluster_2cpu.ray("job", "status", "tune-stopped")
+    first, second = trial_run(0), trial_run(1)
+    stopped_at = latest_recorded(second)
+    print(f"sweep stopped with the second trial at {stopped_at}")
+    first_weights = (first / "epoch_0000" / WEIGHTS).stat().st_mtime_ns
+
+    proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout
+    out = proc.stdout
+    assert "resuming from Ray Tune's record" in out
+    # The finished trial is not trained again: Tune kept it finished (or, were it still
+    # running in Tune's last record, its train job found the run complete).
+    assert f"new run {first}" not in out and f"run {first} has" not in out
+    assert (first / "epoch_0000" / WEIGHTS).stat().st_mtime_ns == first_weights
+    # The running one trains on from its latest checkpoint (or was complete already).
+    done = int(stopped_at.removeprefix("epoch_")) + 1
+    if done < 3:
+        assert f"run {second} has {done} of 3 epochs: resuming from {second / stopped_at}" in out
+    else:
+        assert f"run {second} is complete" in out
+    assert f"new run {second}" not in out
+    # Every epoch of every trial once, and both trials finished.
+    assert [r["epoch"] for r in history(first)] == [0]
+    assert [r["epoch"] for r in history(second)] == [0, 1, 2]
+    summary = json.loads((sweep / SWEEP_SUMMARY).read_text())
+    assert [(t["run"], t["status"], t["epochs"]) for t in summary["trials"]] == [
+        (str(first), "finished", 1),
+        (str(second), "finished", 3),
+    ]
+
+
+def test_a_trial_that_fails_for_good_is_listed_and_the_sweep_goes_on(
+    cluster_2cpu, tiny_dataset, tmp_path
+):
+    # The second trial's worker asks 3 CPUs of a 2-CPU cluster: Ray Train cannot place it, and
+    # with max_failures=0 its one attempt of 5 s is its last.
+    args = (
+        "name=failing",
+        "num_samples=1",
+        "asha.enabled=false",
+        "train.epochs=1",
+        "train.max_failures=0",
+        "train.scaling.startup_timeout_s=5",
+        "space.scaling.cpus_per_worker={grid: [1, 3]}",
+    )
+    proc = tune_job(cluster_2cpu, tiny_dataset, tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout
+    summary = json.loads((tmp_path / "failing" / SWEEP_SUMMARY).read_text())
+    placed, unplaced = summary["trials"]
+    assert placed["status"] == "finished" and summary["best_run"] == placed["run"]
+    assert unplaced["status"] == "failed" and unplaced["epochs"] == 0, unplaced
+    assert unplaced["error"].startswith(
+        "ClusterError: the cluster could not place 1 training workers with {'CPU': 3} each"
+    ), unplaced
+    assert summary["counts"] == {"finished": 1, "stopped early": 0, "failed": 1}
+    # Submitted again with retry_failed=true: the same trial (its id, its run) tries again,
+    # and fails again; the finished one is not trained again.
+    again = tune_job(cluster_2cpu, tiny_dataset, tmp_path, *args, "retry_failed=true")
+    assert again.returncode == 0, again.stdout
+    assert again.stdout.count("starting 1 workers with {'CPU': 3} each") == 1
+    assert "starting 1 workers with {'CPU': 1} each" not in again.stdout
+    retried = json.loads((tmp_path / "failing" / SWEEP_SUMMARY).read_text())
+    assert [(t["trial"], t["status"]) for t in retried["trials"]] == [
+        (placed["trial"], "finished"),
+        (unplaced["trial"], "failed"),
+    ]
