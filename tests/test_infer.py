@@ -153,20 +153,23 @@ def test_the_export_job_exports_the_checkpoint_and_weights_inference_classifies_
 def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
     cluster_2cpu, trained, tiny_dataset, val_predictions, tmp_path
 ):
-    # A complete output from before, and a dataset whose last val shard is not Parquet: the
-    # run fails partway, with predictions of other shards perhaps staged already.
+    # A complete output from before, and a dataset whose last val shard has its first page
+    # header overwritten, its size and footer intact: the driver's check of the files passes,
+    # and the run fails partway, with predictions of other shards perhaps staged already.
     out = tmp_path / "out"
     shutil.copytree(val_predictions[0], out)
     before = committed(out)
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dataset, broken)
     shards = sorted(broken.glob("data/*/val/*.parquet"))
-    shards[-1].write_bytes(b"not parquet")
+    damaged = bytearray(shards[-1].read_bytes())
+    damaged[4:68] = b"\xff" * 64  # past the leading magic bytes: the first page's header
+    shards[-1].write_bytes(bytes(damaged))
     proc = infer_job(
         cluster_2cpu, f"model={trained}", f"input={broken}", f"output={out}", "rows_per_file=10"
     )
     assert proc.returncode != 0
-    assert "Parquet magic bytes not found" in proc.stdout, proc.stdout
+    assert "Deserializing page header failed" in proc.stdout, proc.stdout
     # Readers see the previous run whole; the failed run's own version is left to retention.
     assert committed(out) == before
     assert read_predictions(str(out)).num_rows == 119
