@@ -204,9 +204,6 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # Pillow's, on damaged files
     Image.init()  # Pillow imports its format plugins at the first open: once a process
-    # AVIF's decoder starts a thread for each CPU the process may use, each with buffers of its
-    # own (about 0.5 MiB): measure as on 2 CPUs, the same on every machine.
-    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
     print(json.dumps([measure(p, args.size, args.plain) for p in args.paths]))
 
 

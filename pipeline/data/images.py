@@ -6,7 +6,7 @@ import io
 import sys
 import warnings
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import AvifImagePlugin, Image, ImageOps, UnidentifiedImageError
 
 # ImageNet statistics: ResNet-18's pretrained weights expect them, and training normalises with
 # the pair the manifest records.
@@ -24,6 +24,10 @@ ROW_PIXELS = 2
 # The formats decode_image reads; Pillow reads some 40 more, each another decoder for untrusted
 # bytes to reach, fuzzed and measured here only for these (JPEG includes its multi-picture MPO).
 FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "TIFF", "BMP", "QOI", "PPM", "AVIF")
+# AVIF's decoder starts a thread for each CPU the process may use, each with buffers of its own
+# (about 0.8 MiB each, measured). Images are decoded one at a time in one-CPU tasks and loader
+# processes: one thread each. Pillow offers no other control than this module global.
+AvifImagePlugin.DEFAULT_MAX_THREADS = 1
 # Where an image has transparency, it is shown on white, as a browser page shows it: a fully
 # transparent pixel's hidden colour is not part of the picture.
 BACKGROUND = (255, 255, 255)
