@@ -6,11 +6,14 @@
 With a CUDA GPU (about 8 min on one H100), at 224 px and batches of 256:
 - tests: `pytest -m gpu`;
 - training images/s per model, without and with torch.compile: one Ray Train worker on a local
-  Ray cluster that this command starts, fed by the bundle's loader (`train_data`: JPEG decode
-  and augmentation in `loader_workers` processes) through the bundle's step (`train_one_epoch`
-  with `DevicePolicy`: autocast in bf16 where the GPU computes in it, else fp16; channels-last),
-  against the same model and step on one random batch already on the GPU: the model's own
-  limit. Loader over limit well under 1 says the input starves the GPU;
+  Ray cluster that this command starts, fed by the bundle's loader (`train_data`) through the
+  bundle's step (`train_one_epoch` with `DevicePolicy`: autocast in bf16 where the GPU computes
+  in it, else fp16; channels-last), against the same model and step on one random batch
+  already on the GPU: the model's own limit. Both decode paths side by side, an epoch each:
+  `decode=cpu` (JPEG decode and augmentation in `loader_workers` processes) and `decode=gpu`
+  (the processes read rows, the worker decodes with nvJPEG and augments on the GPU), each with
+  its share of the epoch the step loop waited for input. Loader over limit well under 1 says
+  the input starves the GPU;
 - inference images/s: the infer job (Ray Data, one GPU actor, ResNet-18) against the same
   model's forward pass on a random batch already on the GPU;
 - JPEG decode images/s of the dataset's images: PIL on one core (`decode_image`, as the loader
@@ -61,6 +64,7 @@ from pipeline.train.optim import build_optimizer
 from pipeline.train.worker import train_data, train_one_epoch
 
 MODELS = ("resnet18", "resnet50", "efficientnet_b0", "convnext_tiny", "vit_b_16")
+DECODES = ("cpu", "gpu")  # TrainConfig.decode: both paths, one after the other, per model
 
 
 @dataclass(frozen=True)
@@ -124,13 +128,23 @@ def train_loop(config: dict) -> None:
     policy = DevicePolicy(
         device, pick_precision(cfg.precision, device), manifest.mean, manifest.std
     )
-    loader = train_data(cfg, root, manifest, rank=0, world=1, device=device)
+    loaders = {
+        decode: train_data(
+            cfg.model_copy(update={"decode": decode}),
+            root,
+            manifest,
+            rank=0,
+            world=1,
+            device=device,
+        )
+        for decode in DECODES
+    }
     rows = []
     for name in sizes.models:
         for compiled in sizes.compile:
             row = {"model": name, "compile": compiled}
             try:
-                row |= train_row(name, compiled, cfg, sizes, policy, loader, len(manifest.classes))
+                row |= train_row(name, compiled, cfg, sizes, policy, loaders, len(manifest.classes))
             except Exception as e:  # one model's failure (a compile error, memory) is a row
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -142,7 +156,7 @@ def train_loop(config: dict) -> None:
     Path(config["out"]).write_text(json.dumps(out))
 
 
-def train_row(name, compiled, cfg, sizes, policy, loader, num_classes) -> dict:
+def train_row(name, compiled, cfg, sizes, policy, loaders, num_classes) -> dict:
     import ray.train.torch
 
     torch.manual_seed(cfg.seed)
@@ -161,7 +175,17 @@ def train_row(name, compiled, cfg, sizes, policy, loader, num_classes) -> dict:
     limit = train_one_epoch(
         model, [(x, y)] * sizes.limit_steps, optimizer, criterion, policy=policy
     )
-    rates, epoch_rates = [], []
+    limit_rate = limit["images"] / limit["seconds"]
+    row = {"limit_images_per_s": round(limit_rate, 1), "warmup_s": round(warmup_s, 1)}
+    for decode, loader in loaders.items():
+        row[decode] = loader_rates(model, loader, optimizer, criterion, policy, sizes, limit_rate)
+    return row
+
+
+def loader_rates(model, loader, optimizer, criterion, policy, sizes, limit_rate) -> dict:
+    """Images/s of the step fed by `loader`, after each epoch's first batch and whole, and the
+    share of the epoch the step loop waited for input (as the train job records it)."""
+    rates, epoch_rates, waits = [], [], []
     for epoch in range(sizes.loader_epochs):
         loader.set_epoch(epoch)
         first: list[tuple[float, int]] = []
@@ -175,14 +199,13 @@ def train_row(name, compiled, cfg, sizes, policy, loader, num_classes) -> dict:
         (at, images) = first[0]
         rates.append((t["images"] - images) / (end - at))
         epoch_rates.append(t["images"] / t["seconds"])
+        waits.append(t["input_wait_s"] / t["seconds"])
+    rate = statistics.median(rates)
     return {
-        "limit_images_per_s": round(limit["images"] / limit["seconds"], 1),
-        "loader_images_per_s": round(statistics.median(rates), 1),
-        "loader_epoch_images_per_s": round(statistics.median(epoch_rates), 1),
-        "loader_over_limit": round(
-            statistics.median(rates) * limit["seconds"] / limit["images"], 2
-        ),
-        "warmup_s": round(warmup_s, 1),
+        "images_per_s": round(rate, 1),
+        "epoch_images_per_s": round(statistics.median(epoch_rates), 1),
+        "over_limit": round(rate / limit_rate, 2),
+        "input_wait_share": round(statistics.median(waits), 3),
     }
 
 
@@ -214,6 +237,7 @@ def training(cluster: LocalCluster, dataset: Path, sizes: Sizes, cuda: bool, tmp
     metrics = json.loads(out.read_text())
     return {
         "loader_workers": cfg.scaling.loader_workers,
+        "decodes": list(DECODES),
         "augment": cfg.augment,
         "precision": metrics["precision"],
         "rows": metrics["rows"],
@@ -468,24 +492,38 @@ def table(results: dict, sizes: Sizes) -> str:
     t = results.get("training", {})
     lines += [f"## Training images/s: the loader in Ray Train against the limit{seconds(t)}", ""]
     if "rows" in t:
+        where = (
+            "on the GPU" if not env["device"].startswith("no GPU") else "in the training process"
+        )
         lines += [
             f"One worker, precision {t['precision']}, channels-last on CUDA, "
             f"{t['loader_workers']} loader processes, augment {t['augment']}. Limit: the same "
-            "step on one random batch already on the device. Loader: images/s after each "
-            "epoch's first batch (the whole epoch, loader start included, in the JSON).",
+            "step on one random batch already on the device. Each decode path an epoch, one "
+            "after the other on the same model: `decode=cpu` decodes and augments in the loader "
+            f"processes, `decode=gpu` {where} (the processes only read rows). Images/s after "
+            "each epoch's first batch (the whole epoch, loader start included, in the JSON); "
+            "wait: the share of the epoch the step loop waited for its next batch, as the "
+            "train job records it (`input_wait_share`; `decode=gpu`'s decode and augmentation "
+            "count in it).",
             "",
-            "| model | torch.compile | loader | limit | loader / limit | warm-up s |",
-            "| --- | --- | ---: | ---: | ---: | ---: |",
+            "| model | torch.compile | limit | decode=cpu | / limit | wait | decode=gpu | / limit "
+            "| wait | warm-up s |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in t["rows"]:
             compiled = "yes" if r["compile"] else "no"
             if "error" in r:
-                lines.append(f"| {r['model']} | {compiled} | failed: {r['error'][:120]} | | | |")
+                failed = f"failed: {r['error'][:120]}"
+                lines.append(f"| {r['model']} | {compiled} | {failed} | | | | | | | |")
                 continue
+            cells = [
+                f"{d['images_per_s']:,.0f} | **{d['over_limit']:.2f}x** | "
+                f"{d['input_wait_share']:.0%}"
+                for d in (r[decode] for decode in t["decodes"])
+            ]
             lines.append(
-                f"| {r['model']} | {compiled} | {r['loader_images_per_s']:,.0f} | "
-                f"{r['limit_images_per_s']:,.0f} | **{r['loader_over_limit']:.2f}x** | "
-                f"{r['warmup_s']} |"
+                f"| {r['model']} | {compiled} | {r['limit_images_per_s']:,.0f} | "
+                f"{' | '.join(cells)} | {r['warmup_s']} |"
             )
     lines += [*error_lines(t), ""]
 

@@ -173,6 +173,15 @@ def resumed_on_another_version(tmp_path, dataset):
     pick_dataset_version(cfg, Location.parse(str(dataset)), checkpoint_meta(), run="r")
 
 
+def png_dataset_decoded_on_gpu(tmp_path, dataset):
+    png = tmp_path / "png"
+    shutil.copytree(dataset, png)
+    for path in (png / VERSIONS).glob("*.json"):
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"image_format": "png"}))
+    root = Location.parse(str(png))
+    check_dataset(train_config(tmp_path, png, "decode=gpu"), root, read_manifest(root).version)
+
+
 def model_checked(tmp_path, dataset, *overrides):
     cfg = train_config(tmp_path, dataset, *overrides)
     root = Location.parse(cfg.dataset)
@@ -513,6 +522,12 @@ CASES = [
         cli=lambda t, d: [train_args(t, d, "checkpoint.every_steps=100", "ingest=ray_data")],
     ),
     Case(
+        "`decode: gpu` with `ingest: ray_data`",
+        2,
+        "invalid config (<where>): decode=gpu needs ingest=torch",
+        lambda t, d: train_config(t, d, "decode=gpu", "ingest=ray_data"),
+    ),
+    Case(
         "a sweep `space` key the train config does not have",
         2,
         "invalid config (<where>): space.<key>: unknown key of the train config",
@@ -661,6 +676,12 @@ CASES = [
         2,
         "run <name> trained on version <v> of dataset <path>",
         resumed_on_another_version,
+    ),
+    Case(
+        "`decode: gpu` on a dataset of PNG images",
+        2,
+        "decode=gpu decodes JPEG images only, and dataset <path> stores png images",
+        png_dataset_decoded_on_gpu,
     ),
     Case(
         "inference `dataset_version` for an input that is no dataset",

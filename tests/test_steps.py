@@ -1,6 +1,7 @@
 """Checkpoints inside an epoch (checkpoint.every_steps): how they are kept on storage, and on a
 real cluster a worker killed mid-epoch, at a defined step, and the run resumed from that step
-ending with exactly the weights of a run never stopped."""
+ending with exactly the weights of a run never stopped; a run with decode=gpu on CPU workers
+ends with those weights too (the same batches, decoded in the training process)."""
 
 from __future__ import annotations
 
@@ -159,3 +160,18 @@ def test_a_worker_killed_mid_epoch_resumes_at_its_step_and_ends_bit_identical(
         # Summed in another order (before and after the resume): equal to rounding.
         assert row["train_loss"] == pytest.approx(ref["train_loss"], rel=1e-9)
     assert list((run / STEPS).iterdir()) == []  # gone once their epochs' checkpoints were in
+
+
+@pytest.mark.slow
+def test_decode_gpu_on_cpu_workers_trains_the_weights_of_decode_cpu(
+    cluster_2cpu, tiny_dataset, tmp_path, never_stopped
+):
+    storage = tmp_path / "runs"
+    proc = train_job(cluster_2cpu, tiny_dataset, storage, "name=r", *RECIPE, "decode=gpu")
+    assert proc.returncode == 0, proc.stdout
+    assert "decode=gpu: JPEGs decoded and augmented on cpu" in proc.stdout
+    for name in (WEIGHTS, EMA_WEIGHTS):
+        on_device = torch.load(storage / "r" / "epoch_0000" / name, weights_only=True)
+        in_loaders = torch.load(never_stopped / "epoch_0000" / name, weights_only=True)
+        for key in in_loaders:
+            assert torch.equal(on_device[key], in_loaders[key]), (name, key)

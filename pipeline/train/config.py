@@ -164,6 +164,14 @@ class TrainConfig(Strict):
             "the spare CPUs of any node."
         ),
     )
+    decode: Literal["cpu", "gpu", "auto"] = Field(
+        "cpu",
+        description=(
+            "Where ingest=torch decodes and augments: cpu: in the DataLoader processes; gpu: on "
+            "each worker's device (nvJPEG on CUDA), JPEG datasets only; auto: gpu on a CUDA "
+            "worker with a JPEG dataset, else cpu."
+        ),
+    )
     augment: Literal["random_resized_crop", "crop_flip", "none"] = Field(
         "random_resized_crop", description="Train-time augmentation; val is never augmented."
     )
@@ -278,6 +286,16 @@ class TrainConfig(Strict):
                 "checkpoint.every_steps needs ingest=torch: Ray Data cannot resume a dataset's "
                 "iteration inside an epoch, so a resume would train rows twice. Use "
                 "ingest=torch, or checkpoints at epoch ends only (checkpoint.every_steps=null)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _device_decode_on_torch_input(self) -> TrainConfig:
+        if self.decode == "gpu" and self.ingest == "ray_data":
+            raise ValueError(
+                "decode=gpu needs ingest=torch: with ingest=ray_data, Ray Data's tasks decode on "
+                "CPUs. Use ingest=torch to decode on the workers' GPUs, or decode=cpu (auto "
+                "picks cpu with ray_data)"
             )
         return self
 

@@ -110,6 +110,12 @@ def check_dataset(cfg: TrainConfig, dataset: Location, version: str) -> Manifest
             f"dataset {dataset.uri} has no val images, and checkpoints are scored on val "
             "accuracy: preprocess with val_fraction > 0"
         )
+    if cfg.decode == "gpu" and manifest.image_format != "jpeg":
+        raise ConfigError(
+            f"decode=gpu decodes JPEG images only, and dataset {dataset.uri} stores "
+            f"{manifest.image_format} images: use decode=auto or decode=cpu (the DataLoader "
+            "processes decode them), or preprocess with image_format=jpeg"
+        )
     return manifest
 
 
@@ -144,7 +150,8 @@ def input_verdict(summary: dict) -> str:
     return (
         f"input-bound: the step loop waited for input {share:.0%} of its time. Give each worker "
         "more CPUs to decode with (scaling.cpus_per_worker, with scaling.loader_workers up to "
-        "it), or preprocess at a smaller image_size"
+        "it), decode on their GPUs (decode=gpu, for JPEG datasets), or preprocess at a smaller "
+        "image_size"
     )
 
 

@@ -5,7 +5,8 @@ augments them in `map_batches` tasks, which run on any node's spare CPUs (CPU-on
 each worker iterates its share with `iter_torch_batches`, so its own CPUs only feed the model.
 The same transforms as the torch loader (`pipeline.train.augment`), the same exact
 validation (val split with `equal=False`: every image to exactly one rank), the same resume
-(by epoch, from the checkpoint).
+(by epoch, from the checkpoint). The tasks decode on CPUs whatever `decode` says: `decode=gpu`
+is a config error with this ingest, and `auto` means cpu here.
 
 Shuffling: train blocks (row groups) are read in an order Ray Data randomizes anew each epoch,
 then rows are shuffled within a buffer of `SHUFFLE_BUFFER_BATCHES` batches on each worker,

@@ -28,6 +28,7 @@ import random
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -68,7 +69,10 @@ class RowGroupStream(IterableDataset):
 
     Use with `DataLoader(stream, batch_size=None, persistent_workers=False)`: each epoch's
     iteration forks fresh processes that copy the epoch `set_epoch` gave this object; persistent
-    ones would keep the copy of the epoch they were forked with."""
+    ones would keep the copy of the epoch they were forked with.
+
+    With `encoded`, batches are (EncodedBatch, int64 (B,)) instead: the rows as read, for
+    `device_decode.DeviceDecoded` to decode and augment with the same draws."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class RowGroupStream(IterableDataset):
         transform=None,
         shuffle_groups: int = 4,
         prefetch_groups: int = 2,
+        encoded: bool = False,
     ):
         assert 0 <= rank < world and batch_size > 0
         self.root, self.batch_size, self.rank, self.world = root, batch_size, rank, world
@@ -95,6 +100,7 @@ class RowGroupStream(IterableDataset):
             transform,
         )
         self.prefetch_groups = prefetch_groups
+        self.encoded = encoded  # yield EncodedBatch, for the worker to decode (decode=gpu)
         self.epoch = 0
         self.start_batch = 0  # batches of the epoch trained on before a resume
         self.files: list[ShardFooter] = []
@@ -216,6 +222,10 @@ class RowGroupStream(IterableDataset):
         for b, batch in enumerate(batched(rows, self.batch_size)):
             if b < skip:
                 continue  # trained on before the resume: its rows read, not decoded
+            if self.encoded:  # decoded and augmented by the worker, on its device
+                key = f"{self.seed}/{self.epoch}/{self.rank}/{process}/{b}"
+                yield EncodedBatch.of(batch, key)
+                continue
             augment = Augment(self.transform, f"{self.seed}/{self.epoch}/{self.rank}/{process}/{b}")
             images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in batch]
             labels = torch.tensor([label for _, label in batch], dtype=torch.int64)
@@ -276,6 +286,27 @@ class RowGroupStream(IterableDataset):
 
 
 DONE = object()
+
+
+class EncodedBatch(NamedTuple):
+    """A batch's encoded images, end to end in one tensor: one shared-memory transfer from a
+    DataLoader process rather than one per image (each holds a file descriptor in transit)."""
+
+    data: torch.Tensor  # uint8 (total bytes,)
+    sizes: list[int]  # bytes of each image, in order
+    key: str  # its augmentation's key: the draws `Augment` makes for the decoded batch
+
+    @classmethod
+    def of(cls, rows: list[tuple[bytes, int]], key: str) -> tuple[EncodedBatch, torch.Tensor]:
+        """(EncodedBatch, labels) of (encoded image, label) rows."""
+        data = bytearray(b"".join(image for image, _ in rows))
+        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+        sizes = [len(image) for image, _ in rows]
+        return cls(torch.frombuffer(data, dtype=torch.uint8), sizes, key), labels
+
+    def tensors(self) -> list[torch.Tensor]:
+        """One uint8 (bytes,) view per image, as `decode_jpeg` takes a batch."""
+        return list(self.data.split(self.sizes))
 
 
 @dataclass

@@ -47,6 +47,7 @@ from pipeline.model.networks import batchnorm_layers, build_model, unwrap
 from pipeline.model.runs import check_resumable, checkpoint_dir_name
 from pipeline.train.augment import batch_mix, train_transform
 from pipeline.train.config import TrainConfig
+from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
 from pipeline.train.steps import StepWriter, latest_step_checkpoint
@@ -262,9 +263,13 @@ def train_data(
     world: int,
     device: torch.device,
 ) -> EpochLoader:
-    """This worker's training batches (decode + augment in `loader_workers` processes), with
-    `set_epoch` to reshuffle. Ray Train needs no wrapping of it: the benchmark's plain loop
-    uses it as it is."""
+    """This worker's training batches (decode + augment in `loader_workers` processes, or on
+    `device` by `decode`), with `set_epoch` to reshuffle. Ray Train needs no wrapping of it:
+    the benchmark's plain loop uses it as it is."""
+    transform = train_transform(
+        cfg.augment, image_size=manifest.image_size, auto_augment=cfg.auto_augment
+    )
+    on_device = pick_decode(cfg.decode, device, manifest.image_format) == "gpu"
     stream = RowGroupStream(
         dataset,
         manifest,
@@ -276,15 +281,19 @@ def train_data(
         seed=cfg.seed,
         # A last batch of a few images would be a noisy step, and BatchNorm fails on one image.
         drop_last=True,
-        transform=train_transform(
-            cfg.augment, image_size=manifest.image_size, auto_augment=cfg.auto_augment
-        ),
+        transform=None if on_device else transform,
+        encoded=on_device,
     )
-    return EpochLoader(loader(stream, cfg, device), stream)
+    batches = loader(stream, cfg, device)
+    if on_device:
+        batches = DeviceDecoded(batches, device, transform)
+    return EpochLoader(batches, stream)
 
 
 def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
-    """This worker's contiguous share of the val split, unpadded (see `evaluate`)."""
+    """This worker's contiguous share of the val split, unpadded (see `evaluate`), decoded
+    where `decode` says."""
+    on_device = pick_decode(cfg.decode, device, manifest.image_format) == "gpu"
     stream = RowGroupStream(
         dataset,
         manifest,
@@ -292,14 +301,17 @@ def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, w
         batch_size=cfg.batch_size_per_worker(world),
         rank=rank,
         world=world,
+        encoded=on_device,
     )
-    return loader(stream, cfg, device)
+    batches = loader(stream, cfg, device)
+    return DeviceDecoded(batches, device) if on_device else batches
 
 
 class EpochLoader:
-    """A DataLoader and the stream whose `set_epoch` reshuffles it."""
+    """A DataLoader (decoding on the device, or not) and the stream whose `set_epoch`
+    reshuffles it."""
 
-    def __init__(self, loader: DataLoader, stream: RowGroupStream):
+    def __init__(self, loader: DataLoader | DeviceDecoded, stream: RowGroupStream):
         self.loader, self.stream = loader, stream
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
@@ -411,6 +423,12 @@ def train_loop_per_worker(config: dict) -> None:
             "training epochs %d to %d: %d train images, %d val (ingest=%s)",
             *(w.start_epoch, cfg.epochs - 1, rows["train"], rows["val"], cfg.ingest),
         )
+        if cfg.ingest == "torch":
+            log.info(
+                "decode=%s: %s",
+                cfg.decode,
+                decode_where(pick_decode(cfg.decode, device, manifest.image_format), device),
+            )
 
     steps = StepCheckpoints(w, device) if cfg.checkpoint.every_steps is not None else None
     if w.start_step:
@@ -691,6 +709,13 @@ def log_recipe(cfg: TrainConfig, world: int) -> None:
         on.append("torch.compile")
     if on:
         log.info("recipe: %s", ", ".join(on))
+
+
+def decode_where(picked: str, device: torch.device) -> str:
+    """Where the images are decoded and augmented, in words, for the log."""
+    if picked == "cpu":
+        return "images decoded and augmented in the DataLoader processes"
+    return f"JPEGs decoded and augmented on {device}, the DataLoader processes only read rows"
 
 
 def loaders(w: Worker, device: torch.device):
