@@ -45,7 +45,7 @@ def main(cfg: TrainConfig) -> str:
         best["val_accuracy"],
         summary["images_per_s"],
     )
-    log.info(input_verdict(summary))
+    log.info(input_verdict(summary, cfg))
     return f"best checkpoint: {summary['best_checkpoint']}"
 
 

@@ -730,8 +730,14 @@ def test_the_step_loop_counts_the_time_it_waits_for_each_batch():
 
 
 def test_the_run_says_whether_it_was_input_bound():
-    assert input_verdict({"input_wait_share": 0.04}).startswith("not input-bound: the step")
-    bound = input_verdict({"input_wait_share": 0.35})
+    cpu = config("/d", "/s")
+    assert input_verdict({"input_wait_share": 0.04}, cpu).startswith("not input-bound: the step")
+    bound = input_verdict({"input_wait_share": 0.35}, cpu)
     assert bound.startswith("input-bound: the step loop waited for input 35% of its time")
-    assert "scaling.cpus_per_worker" in bound
-    assert "not measured" in input_verdict({"input_wait_share": None})
+    assert "scaling.cpus_per_worker" in bound and "decode=gpu" not in bound
+    assert "not measured" in input_verdict({"input_wait_share": None}, cpu)
+    # GPU workers decoding on CPUs: decoding on the GPUs comes first.
+    gpu = config("/d", "/s", "scaling.use_gpu=true")
+    assert "Decode on the GPUs (decode=gpu" in input_verdict({"input_wait_share": 0.35}, gpu)
+    on_gpu = config("/d", "/s", "scaling.use_gpu=true", "decode=gpu")
+    assert "decode=gpu" not in input_verdict({"input_wait_share": 0.35}, on_gpu)

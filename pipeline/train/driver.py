@@ -140,19 +140,24 @@ def check_model(cfg: TrainConfig, manifest: Manifest, dataset: Location) -> Mode
 INPUT_BOUND_SHARE = 0.1
 
 
-def input_verdict(summary: dict) -> str:
+def input_verdict(summary: dict, cfg: TrainConfig) -> str:
     """One line: whether the run waited for its input, and what to try if it did."""
     share = summary.get("input_wait_share")
     if share is None:
         return "input wait: not measured (the run's epochs are from before it was)"
     if share <= INPUT_BOUND_SHARE:
         return f"not input-bound: the step loop waited for input {share:.0%} of its time"
-    return (
-        f"input-bound: the step loop waited for input {share:.0%} of its time. Give each worker "
+    advice = (
         "more CPUs to decode with (scaling.cpus_per_worker, with scaling.loader_workers up to "
-        "it), decode on their GPUs (decode=gpu, for JPEG datasets), or preprocess at a smaller "
-        "image_size"
+        "it), or preprocess at a smaller image_size"
     )
+    if cfg.scaling.use_gpu and cfg.ingest == "torch" and cfg.decode != "gpu":
+        advice = (
+            f"Decode on the GPUs (decode=gpu, for a JPEG dataset), or give each worker {advice}"
+        )
+    else:
+        advice = f"Give each worker {advice}"
+    return f"input-bound: the step loop waited for input {share:.0%} of its time. {advice}"
 
 
 def train(
