@@ -77,19 +77,16 @@ def test_a_writer_that_fails_says_so_at_the_next_save(tmp_path):
         writer.wait()
 
 
-def worker(tiny_dataset, run_dir: Location, world: int) -> Worker:
-    cfg = load_config(
-        TrainConfig,
-        None,
-        [f"dataset={tiny_dataset}", f"storage_path={run_dir.parent.uri}", "model.name=resnet18"],
-    )
+def worker(tiny_dataset, run_dir: Location, world: int, overrides=("scaling.loader_workers=0",)):
+    required = [f"dataset={tiny_dataset}", f"storage_path={run_dir.parent.uri}"]
+    cfg = load_config(TrainConfig, None, [*required, "model.name=resnet18", *overrides])
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)
     inputs = ModelInput(manifest.image_size, "bilinear", manifest.mean, manifest.std)
     return Worker(cfg, root, run_dir, manifest, inputs, rank=0, world=world)
 
 
-def test_a_resume_takes_the_step_checkpoint_of_its_epoch_at_its_worker_count_only(
+def test_a_resume_takes_the_step_checkpoint_of_its_epoch_in_the_same_layout_only(
     tiny_dataset, tmp_path
 ):
     run_dir = Location.parse(str(tmp_path / "r"))
@@ -109,10 +106,19 @@ def test_a_resume_takes_the_step_checkpoint_of_its_epoch_at_its_worker_count_onl
     assert (w.start_step, w.carried) == (8, so_far)
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
-    # Another worker count: each rank's rows differ, so the epoch starts over from its start.
+    # Another worker count, or loader processes, batch or seed: each step's rows differ, so
+    # the epoch starts over from its start.
     resized = worker(tiny_dataset, run_dir, world=1)
     resized.start_epoch = 1
     assert restore_step(resized, fresh) is None and resized.start_step == 0
+    for change in ("scaling.loader_workers=3", "global_batch_size=64", "seed=1"):
+        other = worker(tiny_dataset, run_dir, world=2, overrides=(change,))
+        other.start_epoch = 1
+        assert restore_step(other, fresh) is None and other.start_step == 0, change
+    # loader_workers 0 and 1 lay an epoch out alike: one process each.
+    alike = worker(tiny_dataset, run_dir, world=2, overrides=("scaling.loader_workers=1",))
+    alike.start_epoch = 1
+    assert restore_step(alike, fresh) is not None and alike.start_step == 8
     # An epoch checkpoint after it (Ray's latest is epoch 1's): it is stale.
     later = worker(tiny_dataset, run_dir, world=2)
     later.start_epoch = 2

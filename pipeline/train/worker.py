@@ -614,22 +614,29 @@ class StepCheckpoints:
 
 def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
     """Load the run's newest checkpoint inside an epoch into `model` and `w`, if it is newer
-    than the checkpoint `restore` loaded and was taken with as many workers; return its train
-    state. With another worker count (an elastic resize) the epoch starts over from that
-    checkpoint, as each rank's rows depend on the count."""
+    than the checkpoint `restore` loaded and was taken with this epoch layout; return its train
+    state. With another layout (an elastic resize, a resubmit with other loader_workers,
+    global_batch_size or seed) the epoch starts over from that checkpoint: a step of one layout
+    names no position in another."""
     found = latest_step_checkpoint(w.run_dir)
     if found is None:
         return None
     meta = read_meta(found)
     if meta.epoch != w.start_epoch:
         return None  # from before the epoch checkpoint already loaded
-    if meta.metrics.get("workers") != w.world:
+    was = {
+        k: v
+        for k, v in epoch_layout(meta.config, meta.metrics.get("workers", 0)).items()
+        if v != epoch_layout(w.cfg.model_dump(mode="json"), w.world)[k]
+    }
+    if was:
         if w.rank == 0:
+            now = epoch_layout(w.cfg.model_dump(mode="json"), w.world)
             log.warning(
-                "the checkpoint of epoch %d step %d was taken with %s workers, this attempt "
-                "has %d: epoch %d starts over from its start (each worker's rows depend on "
-                "how many there are)",
-                *(meta.epoch, meta.step, meta.metrics.get("workers"), w.world, meta.epoch),
+                "the checkpoint of epoch %d step %d was taken with %s, this attempt has %s: "
+                "epoch %d starts over from its start (which rows a step holds depends on them)",
+                *(meta.epoch, meta.step, layout_text(was), layout_text(now, keys=was)),
+                meta.epoch,
             )
         return None
     check_resumable(meta, w.manifest, checkpoint=found.uri, dataset=w.dataset.uri)
@@ -643,6 +650,21 @@ def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
             *(found.uri, meta.epoch, meta.step),
         )
     return train_state
+
+
+def epoch_layout(config: dict, workers: int) -> dict:
+    """What decides the rows of each step of an epoch (RowGroupStream), from a train config as
+    recorded in a checkpoint, with `workers` workers."""
+    return {
+        "workers": workers,
+        "global_batch_size": config["global_batch_size"],
+        "scaling.loader_workers": max(1, config["scaling"]["loader_workers"]),  # 0: in-process
+        "seed": config["seed"],
+    }
+
+
+def layout_text(layout: dict, keys=None) -> str:
+    return ", ".join(f"{k}={v}" for k, v in layout.items() if keys is None or k in keys)
 
 
 def warn_if_at_chance(metrics: dict, num_classes: int, model: torch.nn.Module) -> None:
