@@ -188,11 +188,13 @@ def test_a_trial_that_fails_for_good_is_listed_and_the_sweep_goes_on(
     cluster_2cpu, tiny_dataset, tmp_path
 ):
     # The second trial's worker asks 3 CPUs of a 2-CPU cluster: Ray Train cannot place it, and
-    # with max_failures=0 its one attempt of 5 s is its last.
+    # with max_failures=0 its one attempt of 5 s is its last. Both trials at once (the sweep
+    # would run one at a time, by the largest trial's ask): the first trains on meanwhile.
     args = (
         "name=failing",
         "num_samples=1",
         "asha.enabled=false",
+        "max_concurrent_trials=2",
         "train.epochs=1",
         "train.max_failures=0",
         "train.scaling.startup_timeout_s=5",
