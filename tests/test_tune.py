@@ -142,7 +142,9 @@ def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_n
         second = trial_run(1)
         return bool((first / RUN_SUMMARY).exists() and second and latest_recorded(second))
 
-    wait_for(first_done_second_started, "the first trial finished, the second checkpointed", 600)
+    waited = "the first trial finished, the second checkpointed"
+    wait_for(lambda: first_done_second_started() or job.done(), waited, 600)
+    assert not job.done(), f"the sweep ended first:\n{job.result().stdout}"
     cluster_2cpu.ray("job", "stop", "tune-stopped", timeout_s=120)
     assert "was stopped" in cluster_2cpu.ray("job", "status", "tune-stopped")
     out = job.result().stdout
