@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(PY) -m bench.decode_memory
 	$(PY) -m bench.checkpoint_steps --rounds 3
 	$(PY) -m bench.startup --repeat 3
+	$(PY) -m bench.tune_sweep
 
 ## What a GPU answers, in one command (bench/README.md): the gpu tests, training images/s per
 ## model against its limit, inference, JPEG decode; about 8 min on one H100. Without a GPU, the

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import ray
 from ray import tune
 
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.tune.config import SweepConfig
-from pipeline.tune.sweep import _param_space, ranking
+from pipeline.tune.sweep import _param_space, ranking, trials_at_once
 
 BASE = ["dataset=/data/d", "storage_path=/data/runs", "name=s"]
 
@@ -60,3 +61,16 @@ def test_a_range_over_an_int_key_is_refused_with_what_to_use():
         "integer" in str(e.value)
     )
     assert "for an int, choice or grid" in str(e.value)
+
+
+def test_trials_at_once_divides_the_cluster_by_the_largest_trial(monkeypatch, caplog):
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    cfg = sweep_config("space.scaling.cpus_per_worker={grid: [1, 3]}")
+    assert trials_at_once(cfg, cfg.trial_configs()) == 2  # 8 CPUs // 3
+    gpus = sweep_config("train.scaling.use_gpu=true")
+    assert trials_at_once(gpus, gpus.trial_configs()) == 2  # 2 GPUs // 1
+    assert trials_at_once(sweep_config("max_concurrent_trials=5"), []) == 5  # asked: as asked
+    # A trial larger than the cluster: one at a time, each waiting for room, and said so.
+    big = sweep_config("space.scaling.cpus_per_worker={grid: [1, 9]}")
+    assert trials_at_once(big, big.trial_configs()) == 1
+    assert "a trial asks 9 CPUs, more than the cluster has: trials run one at a time" in caplog.text

@@ -1,5 +1,6 @@
 """The sweep job on a real local Ray cluster, sent with `ray job submit`: ASHA's early stops and
-the best run, and a sweep stopped and submitted again. (Bad spaces: tests/test_bad_inputs.py.)"""
+the best run; a trial's worker killed, which its Train run replaces, then the sweep stopped and
+submitted again. (Bad spaces: tests/test_bad_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -7,8 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import history, latest_recorded, mlflow_run, wait_for
+from helpers import (
+    armed_runtime_env,
+    held_worker,
+    history,
+    in_background,
+    kill_worker,
+    latest_recorded,
+    mlflow_run,
+    wait_for,
+)
 
+from pipeline.core import faults
 from pipeline.model.checkpoint import WEIGHTS
 from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
 from pipeline.tracking.client import RUN_RECORD
@@ -92,9 +103,14 @@ def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
     assert version.run_id == parent
 
 
-def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_dataset, tmp_path):
-    # One trial at a time: the first trains 1 epoch, the second 3. The driver is stopped once
-    # the first has finished and the second has a checkpoint; the same command then resumes.
+def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_nothing_twice(
+    cluster_2cpu, tiny_dataset, tmp_path
+):
+    # One trial at a time: the first trains 2 epochs, the second 3. The first's worker is
+    # SIGKILLed once Ray has recorded its epoch 0 (the first trial's rank 0 is the first process
+    # to reach the armed point); its Train run's FailureConfig restarts it from that checkpoint.
+    # The driver is stopped once the first has finished and the second has a checkpoint; the
+    # same command, unarmed, then resumes.
     args = [
         *TUNE,
         f"dataset={tiny_dataset}",
@@ -104,25 +120,45 @@ def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_da
         "num_samples=1",
         "asha.enabled=false",
         "max_concurrent_trials=1",
-        "space.epochs={grid: [1, 3]}",
+        "space.epochs={grid: [2, 3]}",
     ]
     sweep = tmp_path / "resumed"
-    cluster_2cpu.submit(args, submission_id="tune-stopped", wait=False, timeout_s=120)
+    fault = tmp_path / "fault"
+    fault.mkdir()
+    runtime_env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
+    submit = {"submission_id": "tune-stopped", "runtime_env": runtime_env, "capture": True}
+    job = in_background(cluster_2cpu.submit, args, timeout_s=900, **submit)
 
     def trial_run(index: int) -> Path | None:
         return next(sweep.glob(f"*_{index:05d}"), None)
 
-    def first_done_second_started() -> bool:
-        first, second = trial_run(0), trial_run(1)
-        return bool(first and (first / RUN_SUMMARY).exists() and second and latest_recorded(second))
+    pid = held_worker(marker, job)
+    first = trial_run(0)
+    wait_for(lambda: latest_recorded(first) == "epoch_0000", "epoch 0 in Ray's record", 60)
+    assert trial_run(1) is None and not (first / "epoch_0001").exists()
+    kill_worker(cluster_2cpu, pid)
 
-    wait_for(first_done_second_started, "the first trial finished, the second checkpointed", 600)
+    def first_done_second_started() -> bool:
+        second = trial_run(1)
+        return bool((first / RUN_SUMMARY).exists() and second and latest_recorded(second))
+
+    waited = "the first trial finished, the second checkpointed"
+    wait_for(lambda: first_done_second_started() or job.done(), waited, 600)
+    assert not job.done(), f"the sweep ended first:\n{job.result().stdout}"
     cluster_2cpu.ray("job", "stop", "tune-stopped", timeout_s=120)
     assert "was stopped" in cluster_2cpu.ray("job", "status", "tune-stopped")
-    first, second = trial_run(0), trial_run(1)
+    out = job.result().stdout
+    second = trial_run(1)
     stopped_at = latest_recorded(second)
     print(f"sweep stopped with the second trial at {stopped_at}")
-    first_weights = (first / "epoch_0000" / WEIGHTS).stat().st_mtime_ns
+    first_weights = (first / "epoch_0001" / WEIGHTS).stat().st_mtime_ns
+    # The first trial's new worker resumed from epoch 0's checkpoint and trained epoch 1 only;
+    # the second trial's worker started once, on a new run.
+    resumed = f"resumed from checkpoint {first / 'epoch_0000'} (epoch 0 done)"
+    assert out.count(resumed) == 1, out
+    assert out.count("training epochs 0 to 1:") == 1 and out.count("training epochs 1 to 1:") == 1
+    assert out.count("training epochs 0 to 2:") == 1 and f"new run {second}" in out
+    assert f"resumed from checkpoint {second}" not in out
 
     proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
     assert proc.returncode == 0, proc.stdout
@@ -131,7 +167,7 @@ def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_da
     # The finished trial is not trained again: Tune kept it finished (or, were it still
     # running in Tune's last record, its train job found the run complete).
     assert f"new run {first}" not in out and f"run {first} has" not in out
-    assert (first / "epoch_0000" / WEIGHTS).stat().st_mtime_ns == first_weights
+    assert (first / "epoch_0001" / WEIGHTS).stat().st_mtime_ns == first_weights
     # The running one trains on from its latest checkpoint (or was complete already).
     done = int(stopped_at.removeprefix("epoch_")) + 1
     if done < 3:
@@ -139,25 +175,28 @@ def test_a_stopped_sweep_resumes_and_trains_no_trial_twice(cluster_2cpu, tiny_da
     else:
         assert f"run {second} is complete" in out
     assert f"new run {second}" not in out
-    # Every epoch of every trial once, and both trials finished.
-    assert [r["epoch"] for r in history(first)] == [0]
+    # Every epoch of every trial once, both trials finished, and each listed once.
+    assert [r["epoch"] for r in history(first)] == [0, 1]
     assert [r["epoch"] for r in history(second)] == [0, 1, 2]
     summary = json.loads((sweep / SWEEP_SUMMARY).read_text())
     assert [(t["run"], t["status"], t["epochs"]) for t in summary["trials"]] == [
-        (str(first), "finished", 1),
+        (str(first), "finished", 2),
         (str(second), "finished", 3),
     ]
+    assert summary["counts"] == {"finished": 2, "stopped early": 0, "failed": 0}
 
 
 def test_a_trial_that_fails_for_good_is_listed_and_the_sweep_goes_on(
     cluster_2cpu, tiny_dataset, tmp_path
 ):
     # The second trial's worker asks 3 CPUs of a 2-CPU cluster: Ray Train cannot place it, and
-    # with max_failures=0 its one attempt of 5 s is its last.
+    # with max_failures=0 its one attempt of 5 s is its last. Both trials at once (the sweep
+    # would run one at a time, by the largest trial's ask): the first trains on meanwhile.
     args = (
         "name=failing",
         "num_samples=1",
         "asha.enabled=false",
+        "max_concurrent_trials=2",
         "train.epochs=1",
         "train.max_failures=0",
         "train.scaling.startup_timeout_s=5",
