@@ -5,6 +5,7 @@ checkpoint, with the same global batch."""
 
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -21,6 +22,9 @@ from helpers import (
 )
 
 from pipeline.core import faults
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.train.steps import STEPS
 
 pytestmark = pytest.mark.slow
 
@@ -32,33 +36,45 @@ STARTUP = "scaling.startup_timeout_s=15"
 def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(
     head_and_two_nodes, tiny_dataset, tmp_path
 ):
-    # 1. Two workers, one per node; the node of one dies for good once Ray has recorded epoch
-    # 0. The run goes on with one worker from epoch 0's checkpoint and finishes.
+    # 1. Two workers, one per node, with checkpoints inside the epoch: the node of one dies for
+    # good once the first of them is on storage (epoch 0, step 4). The run goes on with one
+    # worker from that step, trains the rows of epoch 0 not trained yet, and finishes.
     run = tmp_path / "elastic"
-    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    args = ("name=elastic", "epochs=2", *ELASTIC, STARTUP)
+    env, marker = armed_runtime_env(tmp_path, faults.STEP_CHECKPOINTED)
+    args = ("name=elastic", "epochs=2", "checkpoint.every_steps=4", *ELASTIC, STARTUP)
     job = in_background(
         train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
     )
     held_worker(marker, job)
-    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
     assert len(set(training_worker_nodes(head_and_two_nodes))) == 2, (
         "the two workers are not on two nodes"
     )
     head_and_two_nodes.nodes[-1].kill()
     killed_at = time.monotonic()
-    wait_for(lambda: latest_recorded(run) == "epoch_0001" or job.done(), "epoch 1 in the record")
+    wait_for(lambda: latest_recorded(run) == "epoch_0000" or job.done(), "epoch 0 in the record")
     recovered_s = time.monotonic() - killed_at
     proc = job.result()
     assert proc.returncode == 0, proc.stdout
-    assert re.search(r"resumed from checkpoint \S+/elastic/epoch_0000", proc.stdout), proc.stdout
-    said = "resumed with fewer workers: 1, was 2; the global batch stays 32 (32 per worker)"
-    assert said in proc.stdout, proc.stdout
+    said = (
+        "epoch 0, continuing after its step 4 (taken with 2 workers of 16 images, 1 loader "
+        "processes each; now 1 workers of 32 images, 1 loader processes each)"
+    )
+    assert re.search(
+        rf"resumed from checkpoint \S+/elastic/steps/\S+: {re.escape(said)}", proc.stdout
+    )
+    rest = re.search(r"epoch 0: (\d+) rows not trained yet after step 4, on 1 workers", proc.stdout)
+    assert rest, proc.stdout
     rows = history(run)
-    assert [(r["epoch"], r["workers"]) for r in rows] == [(0, 2), (1, 1)]
+    assert [(r["epoch"], r["workers"]) for r in rows] == [(0, 1), (1, 1)]
+    # Every row of epoch 0 trained as often as two workers would have: each rank's slice of
+    # the rows, in whole batches of 16 (the sequence padded to an even count).
+    train = read_manifest(Location.parse(str(tiny_dataset))).splits["train"].rows
+    whole = 2 * (math.ceil(train / 2) // 16 * 16)
+    assert int(rows[0]["train_images"]) == whole == 4 * 32 + int(rest[1])
     # Exact on any count: every val image once, with one worker as with two.
     assert {r["val_images"] for r in rows} == {119}
-    print(f"node lost for good -> epoch 1 on 1 worker: {recovered_s:.0f} s")
+    assert not list((run / STEPS).iterdir())  # the epochs' own checkpoints replaced them
+    print(f"node lost for good mid-epoch -> epoch 1 on 1 worker: {recovered_s:.0f} s")
 
     # 2. The run trained on (epochs=4) on the one node left, held after its first epoch; a node
     # joins: within resize_interval_s the run restarts on two workers from that checkpoint.
@@ -83,7 +99,7 @@ def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(
     said = "resumed with more workers: 2, was 1; the global batch stays 32 (16 per worker)"
     assert said in proc.stdout, proc.stdout
     rows = history(run)
-    assert [(r["epoch"], r["workers"]) for r in rows] == [(0, 2), (1, 1), (2, 1), (3, 2)]
+    assert [(r["epoch"], r["workers"]) for r in rows] == [(0, 1), (1, 1), (2, 1), (3, 2)]
     print(f"node joined -> two workers: {grew_s:.0f} s")
 
     # 3. Room for fewer workers than the minimum: Ray Train would wait for it with no limit; the

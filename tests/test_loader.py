@@ -33,6 +33,7 @@ from pipeline.data.images import IMAGENET_MEAN, IMAGENET_STD
 from pipeline.model.device import normalize
 from pipeline.train import ray_data_input
 from pipeline.train.augment import train_transform
+from pipeline.train.rest import Segment
 from pipeline.train.torch_input import RowGroupStream
 
 CLASSES = ["a", "b", "c", "d"]
@@ -369,6 +370,78 @@ def test_an_epoch_resumed_at_a_batch_yields_the_rest_of_the_uninterrupted_one(nu
     for start in sorted({1, 2, 3, n // 2, n - 2, n - 1, n}):
         stream.set_epoch(1, start_batch=start)
         assert batches() == whole[start:], start  # the same rows, order and draws
+
+
+# (workers, images per worker batch, DataLoader processes): the layouts an epoch is resized
+# between, at a global batch of 24 (a resubmit may change it too: the last pair).
+RESIZES = [
+    ((2, 12, 2), (1, 24, 0)),
+    ((1, 24, 0), (3, 8, 2)),
+    ((3, 8, 1), (2, 12, 3)),
+    ((2, 12, 2), (2, 16, 2)),
+]
+
+
+def resized_epoch(root, manifest, layout, segments=(), steps=None) -> list[list[list[int]]]:
+    """Each rank's batches (row ids) of epoch 1 in `layout`, after `segments`; only the first
+    `steps` of each rank's, if given."""
+    workers, batch, processes = layout
+    ranks = []
+    for stream in streams(
+        root, manifest, "train", workers, batch_size=batch, shuffle=True, drop_last=True
+    ):
+        stream.set_epoch(1, 0, segments)
+        batches = epoch_batches(stream, processes)
+        assert len(batches) == len(stream)
+        ranks.append(batches[:steps])
+    assert len({len(r) for r in ranks}) == 1  # DDP steps in lockstep
+    return ranks
+
+
+def rows_trained(*parts) -> collections.Counter:
+    return collections.Counter(i for ranks in parts for batches in ranks for i in flat(batches))
+
+
+@pytest.mark.parametrize(("before", "after"), RESIZES)
+def test_an_epoch_resized_inside_trains_each_row_as_often_as_one_never_resized(
+    numbered, before, after
+):
+    root, manifest, _ = numbered
+    whole = rows_trained(resized_epoch(root, manifest, before))
+    steps = 13
+    first = resized_epoch(root, manifest, before, steps=steps)
+    seg = Segment(before[0], before[1], max(1, before[2]), steps)
+    rest = resized_epoch(root, manifest, after, [seg])
+    assert rows_trained(first, rest) == whole
+    # Resized again inside the rest: still every row as often.
+    second = resized_epoch(root, manifest, after, [seg], steps=5)
+    again = Segment(after[0], after[1], max(1, after[2]), 5)
+    last = resized_epoch(root, manifest, before, [seg, again])
+    assert rows_trained(first, second, last) == whole
+    # Batches within a row or so of the worker's share; the rest is in the epoch's order of
+    # row groups, through the shuffle buffer: batches mix several groups.
+    assert {len(b) for ranks in rest for b in ranks} <= {after[1] - 1, after[1]}
+    mixed = [len({group_of(i) for i in b}) for ranks in rest for b in ranks]
+    assert sum(mixed) / len(mixed) > 2
+
+
+def test_the_rest_of_a_resized_epoch_resumes_at_a_batch_as_the_epoch_does(numbered):
+    root, manifest, _ = numbered
+    segments = [Segment(2, 12, 2, 13)]
+    stream = RowGroupStream(
+        root, manifest, "train", batch_size=24, shuffle=True, drop_last=True, transform=tagged
+    )
+
+    def batches(start: int) -> list[tuple[list[int], list[int]]]:
+        stream.set_epoch(1, start, segments)
+        loader = DataLoader(stream, batch_size=None, num_workers=2)
+        return [(row_ids(images), images[:, 2, 0, 0].tolist()) for images, _ in loader]
+
+    whole = batches(0)
+    n = len(whole)
+    assert n == len(stream) > 6
+    for start in (1, n // 2, n - 1, n):
+        assert batches(start) == whole[start:], start  # the same rows, order and draws
 
 
 def block_order(split) -> list[int]:

@@ -107,6 +107,8 @@ class CheckpointMeta(BaseModel):
     model: Annotated[ModelSpec, BeforeValidator(_spec)] = ModelSpec()
     epoch: int  # the last completed epoch, 0-based; with `step`, the epoch in progress
     step: int | None = None  # a checkpoint inside `epoch`: its batches trained on so far
+    # ...of which the earlier layouts trained these (pipeline.train.rest.Segment, as dicts)
+    segments: list[dict[str, int]] = []
     classes: list[str]
     image_size: int  # the side of the stored images: inference shapes its inputs to it first
     # What the network takes (ModelInput): format 1 had no resize, and bilinear was its default.

@@ -21,7 +21,7 @@ at the process whose batch came next.
 from __future__ import annotations
 
 import bisect
-import itertools
+import copy
 import math
 import queue
 import random
@@ -40,6 +40,8 @@ from pipeline.core.errors import InputError
 from pipeline.core.storage import Location, retry
 from pipeline.data.dataset import SCHEMA, Manifest
 from pipeline.data.images import decode_image
+from pipeline.train.order import batched, shuffled, taken
+from pipeline.train.rest import Segment, cut, not_trained, rest_run, steps_of
 
 COLUMNS = ["image", "label"]
 
@@ -103,6 +105,11 @@ class RowGroupStream(IterableDataset):
         self.encoded = encoded  # yield EncodedBatch, for the worker to decode (decode=gpu)
         self.epoch = 0
         self.start_batch = 0  # batches of the epoch trained on before a resume
+        # The epoch's rest after steps trained in other layouts (set_epoch's segments): the
+        # positions in its row sequence not trained yet; None: the epoch's own layout.
+        self.rest: list[int] | None = None
+        self.segments: list[Segment] = []
+        self._sequence = None
         self.files: list[ShardFooter] = []
         self.groups: list[RowGroup] = []
         for f in manifest.splits[split].files:
@@ -128,10 +135,20 @@ class RowGroupStream(IterableDataset):
         largest = max((g.rows for g in self.groups), default=0)
         self.shuffle_rows = shuffle_groups * largest if shuffle else 0
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """The epoch the next iteration yields, from its batch `start_batch` on."""
+    def set_epoch(self, epoch: int, start_batch: int = 0, segments=()) -> None:
+        """The epoch the next iteration yields, from its batch `start_batch` on; after
+        `segments` (rest.Segment), steps of it trained in other layouts, only its rest."""
+        self.epoch, self.segments = epoch, list(segments)
+        self.rest = not_trained(self, self.segments) if self.segments else None
         assert 0 <= start_batch <= len(self)
-        self.epoch, self.start_batch = epoch, start_batch
+        self.start_batch = start_batch
+
+    def relaid(self, *, rank: int, world: int, batch_size: int) -> RowGroupStream:
+        """This stream's epoch in another layout (its own, not a rest)."""
+        other = copy.copy(self)
+        other.rank, other.world, other.batch_size = rank, world, batch_size
+        other.rest, other.segments = None, []
+        return other
 
     # --- which rows, in which order: a pure function of (epoch, rank, process) --------------
 
@@ -153,10 +170,25 @@ class RowGroupStream(IterableDataset):
 
     def served_rows(self) -> int:
         begin, end = self.rank_rows()
-        return min(end - begin, len(self) * self.batch_size)
+        return min(end - begin, self.batches() * self.batch_size)
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch (the same on every rank for train)."""
+        """Batches this rank yields this epoch (the same on every rank for train)."""
+        if self.rest is not None:
+            return steps_of(len(self.rest), self.layout())
+        return self.batches()
+
+    def layout(self, processes: int = 1) -> Segment:
+        """This stream's layout, as a segment of no steps yet."""
+        return Segment(self.world, self.batch_size, processes, 0)
+
+    def rest_run(self, process: int, processes: int):
+        """In the rest of the epoch, process `process`'s part (rest.rest_run)."""
+        index, seg = len(self.segments), self.layout(processes)
+        return rest_run(self, self.rest, index, seg, self.rank, process)
+
+    def batches(self) -> int:
+        """Batches this rank yields in the epoch's own layout."""
         begin, end = self.rank_rows()
         if self.drop_last and end - begin > self.batch_size:
             return (end - begin) // self.batch_size
@@ -168,42 +200,55 @@ class RowGroupStream(IterableDataset):
         return process * n // processes, (process + 1) * n // processes
 
     def resume_point(self, processes: int, start_batch: int) -> tuple[list[int], int]:
-        """After the DataLoader yielded `start_batch` batches, taking one from each process in
-        turn and passing over those that are done: how many of each process's batches it had
-        taken, and the process it takes the next one from."""
-        counts = [
-            last - first
-            for first, last in map(self.process_batches, range(processes), [processes] * processes)
-        ]
-        done, process = [0] * processes, 0
-        for _ in range(start_batch):
-            while done[process] == counts[process]:
-                process = (process + 1) % processes
-            done[process] += 1
-            process = (process + 1) % processes
-        return done, process
+        """After the DataLoader yielded `start_batch` batches: how many of each process's
+        batches it had taken, and the process it takes the next one from."""
+        if self.rest is not None:
+            counts = [len(self.rest_run(p, processes)[1]) for p in range(processes)]
+        else:
+            counts = [last - first for first, last in self.all_process_batches(processes)]
+        return taken(counts, start_batch)
+
+    def all_process_batches(self, processes: int) -> list[tuple[int, int]]:
+        return [self.process_batches(p, processes) for p in range(processes)]
+
+    def process_positions(self, process: int, processes: int) -> tuple[int, int]:
+        """[start, end) in the epoch's row sequence of what process `process` reads (past its
+        end: the padding, the sequence's first rows again)."""
+        first, last = self.process_batches(process, processes)
+        begin = self.rank_rows()[0]
+        return begin + first * self.batch_size, begin + min(
+            last * self.batch_size, self.served_rows()
+        )
 
     def runs(self, epoch: int, process: int = 0, processes: int = 1) -> list[tuple[int, int, int]]:
         """(group, first row, end row) runs of what DataLoader process `process` reads: batches
         [process * n // processes, (process + 1) * n // processes) of this rank's n."""
-        batch = self.batch_size
-        first, last = self.process_batches(process, processes)
-        begin = self.rank_rows()[0]
-        start = begin + first * batch
-        end = begin + min(last * batch, self.served_rows())
-        order = self.order(epoch)
-        starts = [0]
-        for g in order:
-            starts.append(starts[-1] + self.groups[g].rows)
+        start, end = self.process_positions(process, processes)
+        order = self.sequence(epoch)[0]
         out, pos = [], start
         while pos < end:
-            p = pos % self.rows  # past the end: the padding, the sequence's first rows again
-            i = bisect.bisect_right(starts, p) - 1
-            lo = p - starts[i]
-            take = min(self.groups[order[i]].rows - lo, end - pos)
-            out.append((order[i], lo, lo + take))
+            i, lo = self.place(pos % self.rows, epoch)
+            g = order[i]
+            take = min(self.groups[g].rows - lo, end - pos)
+            out.append((g, lo, lo + take))
             pos += take
         return out
+
+    def place(self, position: int, epoch: int) -> tuple[int, int]:
+        """(index into the epoch's group order, row in that group) of a position in the
+        epoch's row sequence."""
+        starts = self.sequence(epoch)[1]
+        i = bisect.bisect_right(starts, position) - 1
+        return i, position - starts[i]
+
+    def sequence(self, epoch: int) -> tuple[list[int], list[int]]:
+        """The epoch's group order, and where each of its groups starts in the row sequence."""
+        if self._sequence is None or self._sequence[0] != epoch:
+            order, starts = self.order(epoch), [0]
+            for g in order:
+                starts.append(starts[-1] + self.groups[g].rows)
+            self._sequence = (epoch, order, starts)
+        return self._sequence[1:]
 
     # --- reading and decoding -------------------------------------------------------------
 
@@ -215,18 +260,24 @@ class RowGroupStream(IterableDataset):
         done, first = self.resume_point(processes, self.start_batch)
         process = (first + worker) % processes
         skip = done[process]
-        rows = self._fetched(self.runs(self.epoch, process, processes))
-        if self.shuffle:
-            rng = random.Random(f"{self.seed}/{self.epoch}/{self.rank}/{process}")
-            rows = shuffled(rows, self.shuffle_rows, rng)
-        for b, batch in enumerate(batched(rows, self.batch_size)):
+        key = f"{self.seed}/{self.epoch}/{self.rank}/{process}"
+        if self.rest is not None:
+            reads, sizes, rng = self.rest_run(process, processes)
+            rows = self._fetched(self.pieces(reads), self.read_rows)
+            batches = cut(shuffled(rows, self.shuffle_rows, rng), sizes)
+            key = f"{self.seed}/{self.epoch}/rest{len(self.segments)}/{self.rank}/{process}"
+        else:
+            rows = self._fetched(self.runs(self.epoch, process, processes), self.read)
+            if self.shuffle:
+                rows = shuffled(rows, self.shuffle_rows, random.Random(key))
+            batches = batched(rows, self.batch_size)
+        for b, batch in enumerate(batches):
             if b < skip:
                 continue  # trained on before the resume: its rows read, not decoded
             if self.encoded:  # decoded and augmented by the worker, on its device
-                key = f"{self.seed}/{self.epoch}/{self.rank}/{process}/{b}"
-                yield EncodedBatch.of(batch, key)
+                yield EncodedBatch.of(batch, f"{key}/{b}")
                 continue
-            augment = Augment(self.transform, f"{self.seed}/{self.epoch}/{self.rank}/{process}/{b}")
+            augment = Augment(self.transform, f"{key}/{b}")
             images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in batch]
             labels = torch.tensor([label for _, label in batch], dtype=torch.int64)
             yield torch.stack(augment(images)), labels
@@ -248,9 +299,26 @@ class RowGroupStream(IterableDataset):
             raise InputError(missing(Location(self.root.fs, f.path, f.uri))) from None
         return table.column("image").to_pylist(), table.column("label").to_pylist()
 
-    def _fetched(self, runs: list[tuple[int, int, int]]) -> Iterator[tuple[bytes, int]]:
-        """The rows of `runs`, read `prefetch_groups` ahead by a thread while the caller
-        decodes. Started here, in the process that iterates: threads do not survive a fork."""
+    def pieces(self, positions: list[int]) -> list[tuple[int, list[int]]]:
+        """(group, its rows) of positions of the epoch's row sequence, in sequence order."""
+        order, out = self.sequence(self.epoch)[0], []
+        for position in positions:
+            i, row = self.place(position, self.epoch)
+            if out and out[-1][0] == order[i]:
+                out[-1][1].append(row)
+            else:
+                out.append((order[i], [row]))
+        return out
+
+    def read_rows(self, group: int, rows: list[int]) -> tuple[list[bytes], list[int]]:
+        """Rows `rows` (ascending) of one row group: encoded images and labels."""
+        images, labels = self.read(group, rows[0], rows[-1] + 1)
+        return [images[r - rows[0]] for r in rows], [labels[r - rows[0]] for r in rows]
+
+    def _fetched(self, runs: list[tuple], read) -> Iterator[tuple[bytes, int]]:
+        """The rows of `runs`, each `read(*run)`, read `prefetch_groups` ahead by a thread while
+        the caller decodes. Started here, in the process that iterates: threads do not survive
+        a fork."""
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch_groups)
         stop = threading.Event()
 
@@ -267,7 +335,7 @@ class RowGroupStream(IterableDataset):
         def fetch() -> None:
             try:
                 for run in runs:
-                    if not put(self.read(*run)):
+                    if not put(read(*run)):
                         return
             except BaseException as e:  # handed to the consumer, which raises it
                 put(Failed(e))
@@ -344,28 +412,6 @@ class Augment:
             out = fn()
             self.state = torch.get_rng_state()
         return out
-
-
-def batched(rows, size: int):
-    """Lists of `size` rows, the last one shorter (itertools.batched, from Python 3.12 on)."""
-    rows = iter(rows)
-    while batch := list(itertools.islice(rows, size)):
-        yield batch
-
-
-def shuffled(rows, capacity: int, rng: random.Random):
-    """`rows` through a shuffle buffer of `capacity`: each row out is a random pick of the
-    buffer, replaced by the next row in."""
-    buffer = []
-    for row in rows:
-        if len(buffer) < capacity:
-            buffer.append(row)
-            continue
-        i = rng.randrange(capacity)
-        yield buffer[i]
-        buffer[i] = row
-    rng.shuffle(buffer)
-    yield from buffer
 
 
 def footer(loc: Location) -> pq.FileMetaData:

@@ -50,6 +50,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
+from pipeline.train.rest import Segment
 from pipeline.train.steps import StepWriter, latest_step_checkpoint
 from pipeline.train.torch_input import Augment, RowGroupStream
 
@@ -314,8 +315,8 @@ class EpochLoader:
     def __init__(self, loader: DataLoader | DeviceDecoded, stream: RowGroupStream):
         self.loader, self.stream = loader, stream
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.stream.set_epoch(epoch, start_batch)
+    def set_epoch(self, epoch: int, start_batch: int = 0, segments=()) -> None:
+        self.stream.set_epoch(epoch, start_batch, segments)
 
     def __iter__(self):
         return iter(self.loader)
@@ -342,6 +343,9 @@ class Worker:
     world: int
     start_epoch: int = 0
     start_step: int = 0  # batches of start_epoch trained on: a resume inside the epoch
+    # Steps of start_epoch trained in other layouts (an elastic resize inside it): this
+    # attempt trains the epoch's rest (pipeline.train.rest).
+    segments: list[Segment] = field(default_factory=list)
     # What those batches added up to over all ranks: loss_sum, images and seconds.
     carried: dict = field(default_factory=lambda: dict(NOTHING_CARRIED))
     history: list[dict] = field(default_factory=list)
@@ -435,11 +439,20 @@ def train_loop_per_worker(config: dict) -> None:
         set_rng_state(train_state["rng"], device)  # as it was after that step: dropout's draws
     for epoch in range(w.start_epoch, cfg.epochs):
         start = w.start_step if epoch == w.start_epoch else 0
+        segments = w.segments if epoch == w.start_epoch else []
         carried = w.carried if start else NOTHING_CARRIED
-        train_loader.set_epoch(epoch, start)
+        # Steps are numbered through the epoch, over its layouts; the loader counts its own.
+        before = sum(seg.steps for seg in segments)
+        train_loader.set_epoch(epoch, start - before, segments)
+        batches = before + len(train_loader)
+        if segments and rank == 0:
+            log.info(
+                "epoch %d: %d rows not trained yet after step %d, on %d workers: %d steps",
+                *(epoch, len(train_loader.stream.rest), start, world, len(train_loader)),
+            )
         began = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
-        progress = Progress(epoch, cfg.epochs, len(train_loader), every_s=cfg.log_every_s)
+        progress = Progress(epoch, cfg.epochs, batches, every_s=cfg.log_every_s)
         progress = progress if rank == 0 else None
         if ema is not None:
             ema.following = epoch < cfg.optimizer.warmup_epochs
@@ -452,11 +465,20 @@ def train_loop_per_worker(config: dict) -> None:
             ema=ema,
         )
 
-        def after_step(step: int, totals, epoch=epoch, carried=carried, began=began) -> None:
+        def after_step(
+            step: int,
+            totals,
+            epoch=epoch,
+            carried=carried,
+            began=began,
+            batches=batches,
+            segments=segments,
+        ) -> None:
             steps.after_step(
                 epoch,
                 step,
-                len(train_loader),
+                batches,
+                segments=segments,
                 so_far=lambda: epoch_so_far(totals(), carried, began, device),
                 state=lambda: (
                     unwrap(model).state_dict(),
@@ -510,6 +532,7 @@ def train_loop_per_worker(config: dict) -> None:
             # Of the epoch since this attempt started it (a resume inside it: its rest).
             "input_wait_share": waited,
             "workers": w.world,  # an elastic run's count can change from epoch to epoch
+            "train_images": int(images),  # over all workers, each time a row was trained
             "dataset_version": manifest.version,  # changes only where the run was told to switch
         }
         w.history.append(metrics)
@@ -576,7 +599,9 @@ class StepCheckpoints:
         self.writer = StepWriter(w.run_dir) if w.rank == 0 else None
         self.noticed = False
 
-    def after_step(self, epoch: int, step: int, batches: int, *, so_far, state) -> None:
+    def after_step(
+        self, epoch: int, step: int, batches: int, *, segments: list[Segment], so_far, state
+    ) -> None:
         # Every rank asks after every step, the same number of times: Ray's call is a barrier.
         notice = ray.train.get_preemption_info()
         first_notice = notice is not None and not self.noticed
@@ -590,7 +615,7 @@ class StepCheckpoints:
         weights, train_state, ema_weights = state()
         train_state |= {"epoch_so_far": totals, "rng": rng_state(self.device)}
         metrics = {"epoch": epoch, "step": step, "workers": self.w.world}
-        meta = checkpoint_meta(self.w, metrics, step=step)
+        meta = checkpoint_meta(self.w, metrics, step=step, segments=segments)
         save = functools.partial(save_checkpoint, weights=weights, meta=meta, ema=ema_weights)
         self.writer.save(epoch, step, lambda d: save(d, train_state=train_state))
         if first_notice:
@@ -614,29 +639,22 @@ class StepCheckpoints:
 
 def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
     """Load the run's newest checkpoint inside an epoch into `model` and `w`, if it is newer
-    than the checkpoint `restore` loaded and was taken with this epoch layout; return its train
-    state. With another layout (an elastic resize, a resubmit with other loader_workers,
-    global_batch_size or seed) the epoch starts over from that checkpoint: a step of one layout
-    names no position in another."""
+    than the checkpoint `restore` loaded; return its train state. Taken in another layout (an
+    elastic resize; a resubmit with other loader_workers or global_batch_size), the steps it
+    trained are a segment of the epoch, and this attempt trains the rest (pipeline.train.rest).
+    With another seed the epoch starts over from that checkpoint: its order is another."""
     found = latest_step_checkpoint(w.run_dir)
     if found is None:
         return None
     meta = read_meta(found)
     if meta.epoch != w.start_epoch:
         return None  # from before the epoch checkpoint already loaded
-    was = {
-        k: v
-        for k, v in epoch_layout(meta.config, meta.metrics.get("workers", 0)).items()
-        if v != epoch_layout(w.cfg.model_dump(mode="json"), w.world)[k]
-    }
-    if was:
+    if meta.config["seed"] != w.cfg.seed:
         if w.rank == 0:
-            now = epoch_layout(w.cfg.model_dump(mode="json"), w.world)
             log.warning(
-                "the checkpoint of epoch %d step %d was taken with %s, this attempt has %s: "
-                "epoch %d starts over from its start (which rows a step holds depends on them)",
-                *(meta.epoch, meta.step, layout_text(was), layout_text(now, keys=was)),
-                meta.epoch,
+                "the checkpoint of epoch %d step %d was taken with seed=%s, this attempt has "
+                "seed=%s: epoch %d starts over from its start (the seed orders its rows)",
+                *(meta.epoch, meta.step, meta.config["seed"], w.cfg.seed, meta.epoch),
             )
         return None
     check_resumable(meta, w.manifest, checkpoint=found.uri, dataset=w.dataset.uri)
@@ -644,27 +662,34 @@ def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
     train_state = load_train_state(found)
     w.ema_weights = load_weights(found, meta, EMA) if meta.ema_weights else None
     w.start_step, w.carried, w.history = meta.step, train_state["epoch_so_far"], meta.history
+    w.segments = [Segment(**seg) for seg in meta.segments]
+    was = epoch_layout(meta.config, meta.metrics["workers"])
+    now = epoch_layout(w.cfg.model_dump(mode="json"), w.world)
+    if was != now:
+        steps = meta.step - sum(seg.steps for seg in w.segments)
+        w.segments.append(Segment(**was, steps=steps))
     if w.rank == 0:
         log.info(
-            "resumed from checkpoint %s: epoch %d, continuing after its step %d",
+            "resumed from checkpoint %s: epoch %d, continuing after its step %d%s",
             *(found.uri, meta.epoch, meta.step),
+            f" (taken with {layout_text(was)}; now {layout_text(now)})" if was != now else "",
         )
     return train_state
 
 
 def epoch_layout(config: dict, workers: int) -> dict:
-    """What decides the rows of each step of an epoch (RowGroupStream), from a train config as
-    recorded in a checkpoint, with `workers` workers."""
+    """The layout of an epoch's steps (pipeline.train.rest.Segment, less its steps) from a
+    train config as a checkpoint records it, with `workers` workers."""
     return {
         "workers": workers,
-        "global_batch_size": config["global_batch_size"],
-        "scaling.loader_workers": max(1, config["scaling"]["loader_workers"]),  # 0: in-process
-        "seed": config["seed"],
+        "batch": config["global_batch_size"] // workers,
+        "processes": max(1, config["scaling"]["loader_workers"]),  # 0: decoding in-process
     }
 
 
-def layout_text(layout: dict, keys=None) -> str:
-    return ", ".join(f"{k}={v}" for k, v in layout.items() if keys is None or k in keys)
+def layout_text(layout: dict) -> str:
+    workers, batch, processes = layout["workers"], layout["batch"], layout["processes"]
+    return f"{workers} workers of {batch} images, {processes} loader processes each"
 
 
 def warn_if_at_chance(metrics: dict, num_classes: int, model: torch.nn.Module) -> None:
@@ -790,9 +815,11 @@ def restore(w: Worker, model: torch.nn.Module) -> dict | None:
     return train_state
 
 
-def checkpoint_meta(w: Worker, metrics: dict, *, step: int | None = None) -> CheckpointMeta:
+def checkpoint_meta(
+    w: Worker, metrics: dict, *, step: int | None = None, segments: list[Segment] = ()
+) -> CheckpointMeta:
     """metadata.json of a checkpoint at the end of epoch `metrics["epoch"]`, or inside it at
-    `step`."""
+    `step`, after `segments` in earlier layouts."""
     return CheckpointMeta(
         model=ModelSpec(
             name=w.cfg.model.name,
@@ -802,6 +829,7 @@ def checkpoint_meta(w: Worker, metrics: dict, *, step: int | None = None) -> Che
         ),
         epoch=metrics["epoch"],
         step=step,
+        segments=[seg.record() for seg in segments],
         classes=w.manifest.classes,
         image_size=w.manifest.image_size,
         input_size=w.inputs.image_size,
