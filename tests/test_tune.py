@@ -20,6 +20,7 @@ from helpers import (
 )
 
 from pipeline.core import faults
+from pipeline.infer.predictions import SUMMARY as PREDICTIONS_SUMMARY
 from pipeline.model.checkpoint import WEIGHTS
 from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
 from pipeline.tracking.client import RUN_RECORD
@@ -38,7 +39,7 @@ def tune_job(cluster, dataset, storage, *overrides, **submit):
     return cluster.submit(args, capture=True, timeout_s=600, **submit)
 
 
-def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
+def test_asha_stops_trailing_trials_and_inference_takes_the_best_run(
     cluster_2cpu, tiny_dataset, tmp_path, mlflow_server
 ):
     # Two learning rates that learn, then two that barely move the weights: the first two run
@@ -101,6 +102,16 @@ def test_asha_stops_trailing_trials_and_the_summary_names_the_best_run(
         assert len(steps) == len(set(steps)) and set(range(t["epochs"])) <= set(steps), t
     (version,) = client.search_model_versions("name='swept'")
     assert version.run_id == parent
+
+    # Inference takes the best run's directory alone, as any run's: its best checkpoint.
+    out = tmp_path / "predictions"
+    args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
+    args += [f"model={summary['best_run']}", f"input={tiny_dataset}", f"output={out}"]
+    proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout
+    predicted = json.loads((out / PREDICTIONS_SUMMARY).read_text())
+    best = json.loads((Path(summary["best_run"]) / RUN_SUMMARY).read_text())
+    assert predicted["checkpoint"] == best["best_checkpoint"] and predicted["images"] == 119
 
 
 def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_nothing_twice(
