@@ -33,12 +33,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location, retry
 from pipeline.data.dataset import SCHEMA, Manifest
-from pipeline.data.images import decode_image
+from pipeline.data.images import decode_image, jpeg_header
 
 COLUMNS = ["image", "label"]
 
@@ -95,6 +96,7 @@ class RowGroupStream(IterableDataset):
             transform,
         )
         self.prefetch_groups = prefetch_groups
+        self.image_size = manifest.image_size
         self.epoch = 0
         self.start_batch = 0  # batches of the epoch trained on before a resume
         self.files: list[ShardFooter] = []
@@ -216,10 +218,13 @@ class RowGroupStream(IterableDataset):
         for b, batch in enumerate(batched(rows, self.batch_size)):
             if b < skip:
                 continue  # trained on before the resume: its rows read, not decoded
-            augment = Augment(self.transform, f"{self.seed}/{self.epoch}/{self.rank}/{process}/{b}")
-            images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in batch]
-            labels = torch.tensor([label for _, label in batch], dtype=torch.int64)
-            yield torch.stack(augment(images)), labels
+            yield self.decoded(batch, f"{self.seed}/{self.epoch}/{self.rank}/{process}/{b}")
+
+    def decoded(self, rows: list[tuple[bytes, int]], key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch: its rows decoded, augmented with the draws of `key`, stacked."""
+        images = [decode(data, self.image_size) for data, _ in rows]
+        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+        return torch.stack(Augment(self.transform, key)(images)), labels
 
     def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int]]:
         """Rows [lo, hi) of one row group: encoded images and labels."""
@@ -276,6 +281,28 @@ class RowGroupStream(IterableDataset):
 
 
 DONE = object()
+
+
+def decode(data: bytes, size: int) -> torch.Tensor:
+    """A stored image -> uint8 (3, H, W): `decode_image`'s pixels. A plain JPEG of `size` x
+    `size` px (8-bit, 3 components, no segment Pillow acts on: `PLAIN_SEGMENTS`), what
+    preprocessing writes, through torchvision's `decode_jpeg`, straight into a tensor: the same
+    libjpeg-turbo as Pillow's, at about 0.7x its CPU time (no image object, no copy, none of
+    decode_image's conversions, which a plain JPEG does not need). Anything else,
+    and bytes it fails on, through `decode_image`, which decodes them or says what is wrong."""
+    header = jpeg_header(data)
+    if (
+        header is not None
+        and (header.width, header.height, header.components, header.precision) == (size, size, 3, 8)
+        and header.plain
+    ):
+        try:
+            return decode_jpeg(
+                torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB
+            )
+        except RuntimeError:
+            pass  # damaged: decode_image's error names the reason
+    return v2.functional.pil_to_tensor(decode_image(data))
 
 
 @dataclass
