@@ -41,10 +41,10 @@ from pipeline.data.images import (
     decode_image,
     jpeg_header,
 )
-from pipeline.model.device import normalize
+from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
-from pipeline.train.torch_input import RowGroupStream, decode
+from pipeline.train.torch_input import Augment, RowGroupStream, decode
 
 CLASSES = ["a", "b", "c", "d"]
 # The numbered dataset: files of 97 rows in row groups of 10 (the last one of 7), so groups
@@ -398,6 +398,66 @@ def test_jpeg_header_reads_the_frame_without_decoding():
     assert jpeg_header(data[: data.find(b"\xff\xda")]) is None  # no scan: the markers ran out
     assert jpeg_header(save(img, "PNG")) is None
     assert jpeg_header(b"") is None
+
+
+class PillowStream(RowGroupStream):
+    """The loader's previous per-batch path: Pillow, pil_to_tensor, transform, torch.stack."""
+
+    def decoded(self, rows, key):
+        images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in rows]
+        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+        return torch.stack(Augment(self.transform, key)(images)), labels
+
+
+def torchvisions(image_size: int) -> v2.Transform:
+    """train_transform("random_resized_crop") as torchvision gives it."""
+    return v2.Compose(
+        [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset, workers):
+    root, manifest = dataset
+    assert manifest.image_format == "jpeg"
+    kwargs, size = dict(batch_size=16, shuffle=True, drop_last=True, seed=3), manifest.image_size
+    ours, theirs = (
+        list(
+            DataLoader(
+                cls(root, manifest, "train", transform=transform, **kwargs),
+                batch_size=None,
+                num_workers=workers,
+            )
+        )
+        for cls, transform in (
+            (RowGroupStream, train_transform("random_resized_crop", image_size=size)),
+            (PillowStream, torchvisions(size)),
+        )
+    )
+    assert len(ours) == len(theirs) > 3
+    for (x, y), (px, py) in zip(ours, theirs, strict=True):
+        assert torch.equal(x, px) and torch.equal(y, py)
+        assert x.is_contiguous(memory_format=torch.channels_last)
+    # Off the GPU, the network takes them contiguous, as before.
+    policy = DevicePolicy(torch.device("cpu"), "fp32", IMAGENET_MEAN, IMAGENET_STD)
+    x = policy.inputs(ours[0][0])
+    assert x.is_contiguous()
+    assert torch.equal(x, normalize(theirs[0][0], mean=IMAGENET_MEAN, std=IMAGENET_STD))
+
+
+def test_the_random_resized_crop_draws_and_crops_as_torchvisions():
+    channels_last = decode(save(rgb(48, 48), "JPEG"), 48)
+    assert channels_last.permute(1, 2, 0).is_contiguous()
+    ours = train_transform("random_resized_crop", image_size=32)
+    for image in (channels_last, channels_last.contiguous(), channels_last[None]):
+        for seed in range(20):
+            torch.manual_seed(seed)
+            out = ours(image)
+            after = torch.rand(1)  # the draws after it: as many were taken
+            torch.manual_seed(seed)
+            assert torch.equal(out, torchvisions(32)(image)) and torch.equal(after, torch.rand(1))
+            if image is channels_last:
+                assert out.permute(1, 2, 0).is_contiguous()  # stacked with plain copies
 
 
 # --- augmentation and Ray Data's block order: different per rank, process and epoch ----------

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
@@ -59,7 +59,8 @@ class ShardFooter:
 
 
 class RowGroupStream(IterableDataset):
-    """Rank `rank`'s batches of one split for one epoch: (uint8 (B, 3, S, S), int64 (B,)).
+    """Rank `rank`'s batches of one split for one epoch: (uint8 (B, 3, S, S), int64 (B,)); the
+    images channels-last in memory where decoding and augmentation leave them so (`stacked`).
 
     train (`shuffle=True`): the row sequence is padded to a multiple of `world` by repeating
     its first rows, as DistributedSampler does, so every rank gets the same rows and batches
@@ -224,7 +225,7 @@ class RowGroupStream(IterableDataset):
         """One batch: its rows decoded, augmented with the draws of `key`, stacked."""
         images = [decode(data, self.image_size) for data, _ in rows]
         labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
-        return torch.stack(Augment(self.transform, key)(images)), labels
+        return stacked(Augment(self.transform, key)(images)), labels
 
     def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int]]:
         """Rows [lo, hi) of one row group: encoded images and labels."""
@@ -281,6 +282,17 @@ class RowGroupStream(IterableDataset):
 
 
 DONE = object()
+
+
+def stacked(images: list[torch.Tensor]) -> torch.Tensor:
+    """uint8 (3, H, W) images -> (B, 3, H, W) in their own memory layout: channels-last where
+    the first one is (decoded, or resized by the augmentation's crop: height, width, then a
+    pixel's 3 channels), the layout a GPU step takes, else contiguous. Each image's copy is then
+    a plain one, not a transposition. In a DataLoader process, default_collate stacks into
+    shared memory, which the trainer's process maps: handing the batch over copies nothing."""
+    if images[0].permute(1, 2, 0).is_contiguous():
+        return default_collate([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
+    return default_collate(images)
 
 
 def decode(data: bytes, size: int) -> torch.Tensor:
