@@ -48,9 +48,11 @@ SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 # Markers that stand alone, without a length: TEM and RST0-RST7.
 BARE_MARKERS = frozenset({0x01, *range(0xD0, 0xD8)})
 # The segments of a plain JPEG's header, what Pillow writes: JFIF (APP0), quantisation and
-# Huffman tables, restart interval, comment, the frame. Pillow acts on others: the orientation
-# of EXIF or XMP (APP1), MPO's index (APP2), Adobe's colour transform (APP14).
-PLAIN_SEGMENTS = frozenset({0xE0, 0xDB, 0xC4, 0xDD, 0xFE}) | SOF_MARKERS
+# Huffman tables, restart interval, comment, a Huffman-coded frame (baseline, extended,
+# progressive). Pillow acts on others: the orientation of EXIF or XMP (APP1), MPO's index
+# (APP2), Adobe's colour transform (APP14); and lossless or arithmetic-coded frames are decoded
+# only by some libjpeg-turbo versions.
+PLAIN_SEGMENTS = frozenset({0xE0, 0xDB, 0xC4, 0xDD, 0xFE, 0xC0, 0xC1, 0xC2})
 
 
 class BadImageError(ValueError):

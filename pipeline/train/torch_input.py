@@ -298,10 +298,10 @@ def stacked(images: list[torch.Tensor]) -> torch.Tensor:
 def decode(data: bytes, size: int) -> torch.Tensor:
     """A stored image -> uint8 (3, H, W): `decode_image`'s pixels. A plain JPEG of `size` x
     `size` px (8-bit, 3 components, no segment Pillow acts on: `PLAIN_SEGMENTS`), what
-    preprocessing writes, through torchvision's `decode_jpeg`, straight into a tensor: the same
-    libjpeg-turbo as Pillow's, at about 0.7x its CPU time (no image object, no copy, none of
-    decode_image's conversions, which a plain JPEG does not need). Anything else,
-    and bytes it fails on, through `decode_image`, which decodes them or says what is wrong."""
+    preprocessing writes, through torchvision's `decode_jpeg`, straight into a tensor: libjpeg-
+    turbo as in Pillow, at about 0.65x the CPU time (no image object, no copy, none of
+    decode_image's conversions, which a plain JPEG does not need). Anything else, and bytes it
+    fails on, through `decode_image`, which decodes them or says what is wrong."""
     header = jpeg_header(data)
     if (
         header is not None
