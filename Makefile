@@ -58,6 +58,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.preprocess_throughput
 	$(PY) -m bench.loader
+	$(PY) -m bench.loader_cores
 	$(PY) -m bench.train_throughput --repeat 3
 	$(PY) -m bench.infer_throughput
 	$(PY) -m bench.serve

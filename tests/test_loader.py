@@ -4,6 +4,7 @@ DataLoader processes, each row read about once per epoch."""
 import collections
 import io
 import os
+import random
 import shutil
 import threading
 
@@ -14,10 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 import ray.data
 import torch
+from corpus import damaged, resized_header
 from PIL import Image
 from torch.utils.data import DataLoader
+from torchvision.transforms import v2
 
 from harness.counting import ByteCounter, FlakyHandler
+from harness.images import VARIANTS, exif, rgb, save
 from pipeline.core import storage
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
@@ -29,12 +33,19 @@ from pipeline.data.dataset import (
     read_manifest,
     write_shard,
 )
-from pipeline.data.images import IMAGENET_MEAN, IMAGENET_STD
-from pipeline.model.device import normalize
-from pipeline.train import ray_data_input
+from pipeline.data.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    BadImageError,
+    JpegHeader,
+    decode_image,
+    jpeg_header,
+)
+from pipeline.model.device import DevicePolicy, normalize
+from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
 from pipeline.train.rest import Segment
-from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.torch_input import Augment, RowGroupStream, decode
 
 CLASSES = ["a", "b", "c", "d"]
 # The numbered dataset: files of 97 rows in row groups of 10 (the last one of 7), so groups
@@ -313,6 +324,141 @@ def test_missing_shard_and_wrong_schema_are_clear_errors(dataset, tmp_path):
         pq.write_table(table.cast(pa.schema([*table.schema])), tmp_path / f.path)
     with pytest.raises(InputError, match="does not have the schema"):
         RowGroupStream(other, manifest, "train", batch_size=8)
+
+
+# --- decoding: decode_image's pixels, faster --------------------------------------------------
+
+# XMP that says to turn the image: Pillow reads an orientation from it as from EXIF.
+XMP_TURNED = (
+    b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF '
+    b'xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#"><rdf:Description '
+    b'xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>'
+)
+
+
+def square_files(side: int) -> dict[str, bytes]:
+    """Every variant decode_image reads at `side` x `side`, whole, damaged and with a header
+    over the pixel limit; and JPEGs that Pillow turns by their EXIF or XMP."""
+    rng = random.Random(0)
+    files = {"jpeg-exif-3": save(rgb(side, side), "JPEG", exif=exif(3))}
+    files["jpeg-xmp-turned"] = save(rgb(side, side), "JPEG", xmp=XMP_TURNED)
+    files["jpeg-restarts"] = save(rgb(side, side), "JPEG", restart_marker_blocks=1)
+    for name, make in VARIANTS.items():
+        data = files[name] = make(side, side)
+        files.update({f"{name}/{how}": d for how, d in damaged(data, rng).items()})
+        files[f"{name}/says-20000x20000"] = resized_header(data, 20_000, 20_000)
+    return files
+
+
+def pixels_or_error(fn, data: bytes):
+    try:
+        return fn(data)
+    except BadImageError as e:
+        return f"BadImageError: {e}"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # PIL's own, on the damaged EXIF
+def test_the_loaders_decode_gives_decode_images_pixels_or_its_error(monkeypatch):
+    side, calls = 24, []
+    decode_jpeg = torch_input.decode_jpeg
+    monkeypatch.setattr(
+        torch_input, "decode_jpeg", lambda *a, **k: calls.append(1) or decode_jpeg(*a, **k)
+    )
+    files, fast = square_files(side), set()
+    for name, data in files.items():
+        before = len(calls)
+        ours = pixels_or_error(lambda d: decode(d, side), data)
+        if len(calls) > before:
+            fast.add(name)
+        theirs = pixels_or_error(lambda d: v2.functional.pil_to_tensor(decode_image(d)), data)
+        if isinstance(theirs, str):
+            assert ours == theirs, name
+        else:
+            assert isinstance(ours, torch.Tensor) and torch.equal(ours, theirs), name
+    # decode_jpeg decoded what preprocessing writes, damaged copies of it too...
+    assert {"jpeg", "jpeg-progressive-444", "jpeg-restarts"} <= fast
+    assert len([n for n in fast if n.startswith("jpeg/")]) > 5
+    # ...and nothing Pillow turns, converts, or refuses from the header.
+    turned = {"jpeg-exif-3", "jpeg-xmp-turned", "jpeg-exif-turned", "jpeg-grey", "jpeg-cmyk"}
+    assert not fast & turned and not [n for n in fast if "says-20000x20000" in n]
+    # Pillow turns by an XMP orientation as by EXIF's: decode_jpeg alone would not have.
+    xmp = files["jpeg-xmp-turned"]
+    assert not torch.equal(
+        decode(xmp, side),
+        decode_jpeg(torch.frombuffer(bytearray(xmp), dtype=torch.uint8), mode="RGB"),
+    )
+
+
+def test_jpeg_header_reads_the_frame_without_decoding():
+    img = rgb(40, 30)
+    assert jpeg_header(save(img, "JPEG")) == JpegHeader(40, 30, 3, 8, plain=True)
+    progressive = save(img, "JPEG", progressive=True, exif=exif(6))
+    assert jpeg_header(progressive) == JpegHeader(40, 30, 3, 8, plain=False)
+    assert jpeg_header(save(img.convert("L"), "JPEG")) == JpegHeader(40, 30, 1, 8, plain=True)
+    data = save(img, "JPEG")
+    assert jpeg_header(data[: data.find(b"\xff\xda")]) is None  # no scan: the markers ran out
+    assert jpeg_header(save(img, "PNG")) is None
+    assert jpeg_header(b"") is None
+
+
+class PillowStream(RowGroupStream):
+    """The loader's previous per-batch path: Pillow, pil_to_tensor, transform, torch.stack."""
+
+    def decoded(self, rows, key):
+        images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in rows]
+        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+        return torch.stack(Augment(self.transform, key)(images)), labels
+
+
+def torchvisions(image_size: int) -> v2.Transform:
+    """train_transform("random_resized_crop") as torchvision gives it."""
+    return v2.Compose(
+        [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset, workers):
+    root, manifest = dataset
+    assert manifest.image_format == "jpeg"
+    kwargs, size = dict(batch_size=16, shuffle=True, drop_last=True, seed=3), manifest.image_size
+    ours, theirs = (
+        list(
+            DataLoader(
+                cls(root, manifest, "train", transform=transform, **kwargs),
+                batch_size=None,
+                num_workers=workers,
+            )
+        )
+        for cls, transform in (
+            (RowGroupStream, train_transform("random_resized_crop", image_size=size)),
+            (PillowStream, torchvisions(size)),
+        )
+    )
+    assert len(ours) == len(theirs) > 3
+    for (x, y), (px, py) in zip(ours, theirs, strict=True):
+        assert torch.equal(x, px) and torch.equal(y, py)
+        assert x.is_contiguous(memory_format=torch.channels_last)
+    # Off the GPU, the network takes them contiguous, as before.
+    policy = DevicePolicy(torch.device("cpu"), "fp32", IMAGENET_MEAN, IMAGENET_STD)
+    x = policy.inputs(ours[0][0])
+    assert x.is_contiguous()
+    assert torch.equal(x, normalize(theirs[0][0], mean=IMAGENET_MEAN, std=IMAGENET_STD))
+
+
+def test_the_random_resized_crop_draws_and_crops_as_torchvisions():
+    channels_last = decode(save(rgb(48, 48), "JPEG"), 48)
+    assert channels_last.permute(1, 2, 0).is_contiguous()
+    ours = train_transform("random_resized_crop", image_size=32)
+    for image in (channels_last, channels_last.contiguous(), channels_last[None]):
+        for seed in range(20):
+            torch.manual_seed(seed)
+            out = ours(image)
+            after = torch.rand(1)  # the draws after it: as many were taken
+            torch.manual_seed(seed)
+            assert torch.equal(out, torchvisions(32)(image)) and torch.equal(after, torch.rand(1))
+            if image is channels_last:
+                assert out.permute(1, 2, 0).is_contiguous()  # stacked with plain copies
 
 
 # --- augmentation and Ray Data's block order: different per rank, process and epoch ----------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import sys
 import warnings
+from dataclasses import dataclass
 
 from PIL import AvifImagePlugin, Image, ImageOps, UnidentifiedImageError
 
@@ -39,6 +40,19 @@ HIGH_BYTE = {
     "I;16N": "L;16" if sys.byteorder == "little" else "L;16B",
 }
 ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa")
+
+
+# The JPEG markers that start a frame (SOF0-SOF15, less DHT C4, JPG C8 and DAC CC): their segment
+# holds the sample precision, height, width and number of components.
+SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# Markers that stand alone, without a length: TEM and RST0-RST7.
+BARE_MARKERS = frozenset({0x01, *range(0xD0, 0xD8)})
+# The segments of a plain JPEG's header, what Pillow writes: JFIF (APP0), quantisation and
+# Huffman tables, restart interval, comment, a Huffman-coded frame (baseline, extended,
+# progressive). Pillow acts on others: the orientation of EXIF or XMP (APP1), MPO's index
+# (APP2), Adobe's colour transform (APP14); and lossless or arithmetic-coded frames are decoded
+# only by some libjpeg-turbo versions.
+PLAIN_SEGMENTS = frozenset({0xE0, 0xDB, 0xC4, 0xDD, 0xFE, 0xC0, 0xC1, 0xC2})
 
 
 class BadImageError(ValueError):
@@ -76,6 +90,49 @@ def decode_image(data: bytes) -> Image.Image:
         # (IndexError from a truncated QOI, TypeError from one changed byte of EXIF, struct.error
         # from a WEBP): any failure to decode is the file's, to skip and count, not the job's.
         raise BadImageError(f"truncated or corrupt image ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True)
+class JpegHeader:
+    width: int
+    height: int
+    components: int
+    precision: int  # bits per sample
+    plain: bool  # no segment but PLAIN_SEGMENTS
+
+
+def jpeg_header(data: bytes) -> JpegHeader | None:
+    """A JPEG's frame header, read from its markers up to the first scan, nothing decoded: a few
+    microseconds. None where the bytes do not start as a JPEG or its markers end first."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    pos, end, frame, plain = 2, len(data), None, True
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # a fill byte before the marker
+            pos += 1
+            continue
+        if marker in BARE_MARKERS:
+            pos += 2
+            continue
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xDA:  # start of scan: the header is over
+            if frame is None:
+                return None
+            return JpegHeader(*frame, plain=plain)
+        if marker in (0xD8, 0xD9) or length < 2:
+            return None
+        plain = plain and marker in PLAIN_SEGMENTS
+        if marker in SOF_MARKERS:
+            if length < 8 or pos + 10 > end:
+                return None
+            height = int.from_bytes(data[pos + 5 : pos + 7], "big")
+            width = int.from_bytes(data[pos + 7 : pos + 9], "big")
+            frame = (width, height, data[pos + 9], data[pos + 4])
+        pos += 2 + length
+    return None
 
 
 def check_size(img: Image.Image) -> None:

@@ -99,7 +99,9 @@ class DevicePolicy:
         x = normalize(images.to(self.device, non_blocking=True), mean=self.mean, std=self.std)
         if self.input_size is not None:
             x = resize(x, size=self.input_size, interpolation=self.interpolation)
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+        # The loader's batches are channels-last; off the GPU the network is not.
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        return x.contiguous(memory_format=layout)
 
     def autocast(self):
         dtype = AMP_DTYPES.get(self.precision, torch.float32)

@@ -3,6 +3,7 @@ squares, and per batch (MixUp, CutMix) on the normalised batch in the worker's l
 
 from __future__ import annotations
 
+import torch
 from torchvision.transforms import v2
 
 AUTO_AUGMENT = {
@@ -15,7 +16,7 @@ def train_transform(kind: str, *, image_size: int, auto_augment: str = "none") -
     """Augmentation on uint8 (3, H, W); the images are already `image_size` squares. The
     `auto_augment` policy comes after the crop and flip, as in torchvision's presets."""
     if kind == "random_resized_crop":
-        steps = [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
+        steps = [RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
     elif kind == "crop_flip":
         pad = max(1, image_size // 8)
         steps = [v2.RandomCrop(image_size, padding=pad), v2.RandomHorizontalFlip()]
@@ -30,6 +31,27 @@ def train_transform(kind: str, *, image_size: int, auto_augment: str = "none") -
             )
         steps.append(AUTO_AUGMENT[auto_augment]())
     return v2.Compose(steps) if steps else v2.Identity()
+
+
+class RandomResizedCrop(v2.RandomResizedCrop):
+    """torchvision's, with its draws and pixels, faster on an image tensor in channels-last
+    memory (height, width, then a pixel's 3 channels: what decoding gives). A crop of one is a
+    view in neither layout, which torch's uint8 resize packs into channels-last and returns
+    contiguous; copied into channels-last memory first, the crop is resized as it is, at about
+    two thirds of the CPU time, and stays channels-last, which the batch stacks with plain
+    copies (`torch_input.stacked`)."""
+
+    def transform(self, inpt, params):
+        if type(inpt) is not torch.Tensor or inpt.ndim != 3:
+            return super().transform(inpt, params)
+        crop = v2.functional.crop(inpt, **params)[None]
+        out = v2.functional.resize(
+            crop.contiguous(memory_format=torch.channels_last),
+            self.size,
+            interpolation=self.interpolation,
+            antialias=self.antialias,
+        )
+        return out[0]
 
 
 def batch_mix(*, mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> v2.Transform | None:
