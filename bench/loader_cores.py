@@ -19,7 +19,7 @@ Target: the loader (--loader-workers DataLoader processes) delivers at least 0.8
   job builds it, --epochs epochs, images/s from each epoch's first batch on (the processes'
   start-up excluded); the consumer copies each batch into one buffer, as the pin-memory copy
   before a host-to-device transfer does. Beside it the previous per-batch path
-  (`BaselineStream`: decode_image, pil_to_tensor, torchvision's crop and flip, torch.stack), on
+  (`PillowStream`: decode_image, pil_to_tensor, torchvision's crop and flip, torch.stack), on
   the same rows; and that path's per-core figure.
 - CPU seconds per image: the loader processes' (their rusage once they have exited, start-up
   included) and the consumer's, against the per-core limit's.
@@ -50,6 +50,7 @@ from torchvision.transforms import v2
 
 from bench.common import write_results
 from bench.loader import generate
+from harness.baseline import PillowStream, torchvisions_crop
 from harness.cluster import BUNDLE_ROOT
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
@@ -70,23 +71,6 @@ try:  # not a dependency of the bundle: measured where it is installed
     DECODERS["torchcodec"] = lambda data, size: torchcodec_jpeg(data, mode="RGB")
 except ImportError:
     pass
-
-
-class BaselineStream(RowGroupStream):
-    """The previous per-batch path: Pillow's decode, pil_to_tensor, transform (give it
-    `torchvisions_crop`), torch.stack."""
-
-    def decoded(self, rows, key):
-        images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in rows]
-        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
-        return torch.stack(Augment(self.transform, key)(images)), labels
-
-
-def torchvisions_crop(image_size: int) -> v2.Transform:
-    """The previous train_transform("random_resized_crop"): torchvision's crop and flip."""
-    return v2.Compose(
-        [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
-    )
 
 
 def per_core(rows: list[bytes], *, decoder: str, transform, size: int, batch: int) -> dict:
@@ -247,7 +231,7 @@ def one_round(root: Location, rows: list[bytes], args, *, baseline_first: bool) 
         rows, processes=args.loader_workers, transform=transform, size=size, batch=args.batch
     )
     streams = [
-        ("baseline", BaselineStream, torchvisions_crop(size)),
+        ("baseline", PillowStream, torchvisions_crop(size)),
         ("loader", RowGroupStream, transform),
     ]
     for name, cls, augment in streams if baseline_first else streams[::-1]:

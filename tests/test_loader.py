@@ -20,6 +20,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
+from harness.baseline import PillowStream, torchvisions_crop
 from harness.counting import ByteCounter, FlakyHandler
 from harness.images import VARIANTS, exif, rgb, save
 from pipeline.core import storage
@@ -45,7 +46,7 @@ from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
 from pipeline.train.rest import Segment
-from pipeline.train.torch_input import Augment, RowGroupStream, decode
+from pipeline.train.torch_input import RowGroupStream, decode
 
 CLASSES = ["a", "b", "c", "d"]
 # The numbered dataset: files of 97 rows in row groups of 10 (the last one of 7), so groups
@@ -401,22 +402,6 @@ def test_jpeg_header_reads_the_frame_without_decoding():
     assert jpeg_header(b"") is None
 
 
-class PillowStream(RowGroupStream):
-    """The loader's previous per-batch path: Pillow, pil_to_tensor, transform, torch.stack."""
-
-    def decoded(self, rows, key):
-        images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in rows]
-        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
-        return torch.stack(Augment(self.transform, key)(images)), labels
-
-
-def torchvisions(image_size: int) -> v2.Transform:
-    """train_transform("random_resized_crop") as torchvision gives it."""
-    return v2.Compose(
-        [v2.RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
-    )
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset, workers):
     root, manifest = dataset
@@ -432,7 +417,7 @@ def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset
         )
         for cls, transform in (
             (RowGroupStream, train_transform("random_resized_crop", image_size=size)),
-            (PillowStream, torchvisions(size)),
+            (PillowStream, torchvisions_crop(size)),
         )
     )
     assert len(ours) == len(theirs) > 3
@@ -446,7 +431,7 @@ def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset
     assert torch.equal(x, normalize(theirs[0][0], mean=IMAGENET_MEAN, std=IMAGENET_STD))
 
 
-def test_the_random_resized_crop_draws_and_crops_as_torchvisions():
+def test_the_random_resized_crop_draws_and_crops_as_torchvisions_crop():
     channels_last = decode(save(rgb(48, 48), "JPEG"), 48)
     assert channels_last.permute(1, 2, 0).is_contiguous()
     ours = train_transform("random_resized_crop", image_size=32)
@@ -456,7 +441,8 @@ def test_the_random_resized_crop_draws_and_crops_as_torchvisions():
             out = ours(image)
             after = torch.rand(1)  # the draws after it: as many were taken
             torch.manual_seed(seed)
-            assert torch.equal(out, torchvisions(32)(image)) and torch.equal(after, torch.rand(1))
+            assert torch.equal(out, torchvisions_crop(32)(image))
+            assert torch.equal(after, torch.rand(1))
             if image is channels_last:
                 assert out.permute(1, 2, 0).is_contiguous()  # stacked with plain copies
 
