@@ -28,8 +28,8 @@ from pipeline.core.storage import Location
 from pipeline.model.checkpoint import CheckpointMeta, save_checkpoint
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import build_model
+from pipeline.train.step import train_one_epoch
 from pipeline.train.steps import StepWriter
-from pipeline.train.worker import train_one_epoch
 
 CLASSES = 10
 

@@ -23,8 +23,8 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.driver import check_dataset
 from pipeline.train.optim import build_optimizer
+from pipeline.train.step import EpochLoader, train_data, train_one_epoch, val_data
 from pipeline.train.torch_input import Augment, EncodedBatch, RowGroupStream
-from pipeline.train.worker import EpochLoader, train_data, train_one_epoch, val_data
 
 CPU = torch.device("cpu")
 

@@ -57,8 +57,8 @@ from pipeline.train.driver import (
 )
 from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
+from pipeline.train.step import Progress, StepRecipe, evaluate, train_data, train_one_epoch
 from pipeline.train.torch_input import Augment, RowGroupStream
-from pipeline.train.worker import Progress, StepRecipe, evaluate, train_data, train_one_epoch
 
 
 def config(dataset, storage, *overrides) -> TrainConfig:
@@ -106,7 +106,7 @@ def test_progress_lines_within_an_epoch(caplog):
         progress=lambda *a: calls.append(a),
     )
     assert calls == [(1, 4), (2, 8), (3, 12), (4, 16), (5, 20)] and t["images"] == 20
-    caplog.set_level(logging.INFO, logger="pipeline.train.worker")
+    caplog.set_level(logging.INFO, logger="pipeline.train.step")
     progress = Progress(epoch=2, epochs=10, batches=5, every_s=0)
     for batch in range(1, 6):
         progress(batch, 4 * batch)

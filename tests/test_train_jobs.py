@@ -48,8 +48,8 @@ from pipeline.model.runs import (
 from pipeline.model.source import resolve_checkpoint
 from pipeline.tracking import registered_checkpoint
 from pipeline.tracking.registry import model_spec
+from pipeline.train.step import evaluate
 from pipeline.train.torch_input import RowGroupStream
-from pipeline.train.worker import evaluate
 
 pytestmark = pytest.mark.slow
 # A preprocess job of other images (3 classes, 40 px) for an output given by the caller.

@@ -9,7 +9,6 @@ need torchvision or torchmetrics.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -22,9 +21,6 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
-from torchmetrics.classification import MulticlassAccuracy
 
 from pipeline.core import faults
 from pipeline.core.config import validate_config
@@ -45,284 +41,26 @@ from pipeline.model.checkpoint import (
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import batchnorm_layers, build_model, unwrap
 from pipeline.model.runs import check_resumable, checkpoint_dir_name
-from pipeline.train.augment import batch_mix, train_transform
+from pipeline.train.augment import batch_mix
 from pipeline.train.config import TrainConfig
-from pipeline.train.device_decode import DeviceDecoded, pick_decode
+from pipeline.train.device_decode import pick_decode
 from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
 from pipeline.train.rest import Segment
+from pipeline.train.step import (
+    Progress,
+    StepRecipe,
+    all_reduce,
+    broadcast_buffers,
+    evaluate,
+    train_data,
+    train_one_epoch,
+    val_data,
+)
 from pipeline.train.steps import StepWriter, latest_step_checkpoint
-from pipeline.train.torch_input import Augment, RowGroupStream
+from pipeline.train.torch_input import Augment
 
 log = logging.getLogger(__name__)
-
-
-# --- one epoch ---------------------------------------------------------------------------------
-
-
-class Progress:
-    """Lines within an epoch, at most one per `every_s`: batches done and images/s."""
-
-    def __init__(self, epoch: int, epochs: int, batches: int, *, every_s: float):
-        self.epoch, self.epochs, self.batches, self.every_s = epoch, epochs, batches, every_s
-        self.start = self.last = time.perf_counter()
-
-    def __call__(self, batch: int, images: int) -> None:
-        now = time.perf_counter()
-        if now - self.last >= self.every_s and batch < self.batches:
-            self.last = now
-            rate = images / (now - self.start)
-            log.info(
-                "epoch %d/%d: batch %d/%d, %.1f images/s on this worker",
-                *(self.epoch, self.epochs - 1, batch, self.batches, rate),
-            )
-
-
-@dataclass
-class StepRecipe:
-    """What a training step does beyond forward, backward and step; all off by default."""
-
-    # (images, labels, step) -> mixed images, soft labels (MixUp/CutMix); its draws are the
-    # step's own, so that a resume inside an epoch draws what the uninterrupted epoch drew.
-    mix: Callable | None = None
-    micro_batch: int | None = None  # images per forward pass; the step accumulates them
-    clip_grad_norm: float | None = None  # the gradients' total norm, at most
-    ema: ModelEMA | None = None  # updated after each step
-
-
-def train_one_epoch(
-    model,
-    loader,
-    optimizer,
-    criterion,
-    *,
-    policy: DevicePolicy,
-    progress=None,
-    recipe: StepRecipe | None = None,
-    start: int = 0,
-    after_step: Callable | None = None,
-) -> dict:
-    """One pass over this worker's shard, or its batches after the first `start` (a resume
-    inside the epoch: the loader yields the rest); returns the summed loss, images, seconds and
-    seconds waited for input of the batches it trained on. `progress(batches_done,
-    images_done)` is called after each batch, `after_step(step, totals)` after each step,
-    `totals()` giving the loss and images summed so far. With a mix, the loss is against the
-    mixed (soft) labels."""
-    recipe = recipe or StepRecipe()
-    model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
-    images = 0
-    began = time.perf_counter()
-    batches = WaitTimed(loader)
-    for i, (batch, labels) in enumerate(batches, start=start + 1):
-        x, y = policy.inputs(batch), labels.to(policy.device, non_blocking=True)
-        if recipe.mix is not None:
-            x, y = recipe.mix(x, y, i)
-        optimizer.zero_grad(set_to_none=True)
-        loss = backward(model, x, y, criterion, policy=policy, micro_batch=recipe.micro_batch)
-        if recipe.clip_grad_norm is not None:
-            policy.scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
-        policy.scaler.step(optimizer)
-        policy.scaler.update()
-        if recipe.ema is not None:
-            recipe.ema.step(unwrap(model))
-        loss_sum += loss.double() * len(y)
-        images += len(y)
-        if progress is not None:
-            progress(i, images)
-        if after_step is not None:
-            after_step(i, lambda total=loss_sum, n=images: (total.item(), n))
-    return {
-        "loss_sum": loss_sum.item(),
-        "images": images,
-        "seconds": time.perf_counter() - began,
-        "input_wait_s": batches.waited_s,
-    }
-
-
-class WaitTimed:
-    """`loader`'s batches, timing how long the step loop waits for each: the input's share of
-    an epoch (on a GPU the loop runs ahead of the device, so a wait here is the input's)."""
-
-    def __init__(self, loader):
-        self.loader, self.waited_s = loader, 0.0
-
-    def __iter__(self):
-        batches = iter(self.loader)
-        while True:
-            asked = time.perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            finally:
-                self.waited_s += time.perf_counter() - asked
-            yield batch
-
-
-def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int | None = None):
-    """Gradients of the mean loss over the batch `x`, `y`, in micro-batches of `micro_batch`
-    images (all at once without): each micro-batch's mean loss is weighted by its share of the
-    batch, so the summed gradient is the whole batch's. Under DDP only the last micro-batch's
-    backward all-reduces (`no_sync` on the others). Returns the batch's mean loss, detached."""
-    size = micro_batch or len(y)
-    chunks = list(zip(x.split(size), y.split(size), strict=True))
-    total = torch.zeros((), device=policy.device)
-    for j, (xc, yc) in enumerate(chunks, start=1):
-        last = j == len(chunks)
-        sync = (
-            contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        )
-        with sync:
-            with policy.autocast():
-                loss = criterion(model(xc), yc) * (len(yc) / len(y))
-            policy.scaler.scale(loss).backward()
-        total += loss.detach().float()
-    return total
-
-
-@torch.no_grad()
-def evaluate(model, loader, *, policy: DevicePolicy, num_classes: int, ema=None) -> dict:
-    """Loss and accuracy over the samples of every rank, each counted once; with `ema` (the
-    averaged model) its loss and accuracy too (`ema_val_loss`, `ema_val_accuracy`), from the
-    same pass over the batches.
-
-    `model` must be the bare model: DDP's forward would sync buffers, and ranks may hold
-    different numbers of val batches (no padding, so that the accuracy is exact)."""
-    models = {"": model} | ({"ema_": ema} if ema is not None else {})
-    accuracy, loss_sum = {}, {}
-    for prefix, m in models.items():
-        m.eval()
-        metric = MulticlassAccuracy(num_classes, average="micro", sync_on_compute=True)
-        accuracy[prefix] = metric.to(policy.device)
-        loss_sum[prefix] = torch.zeros((), dtype=torch.float64, device=policy.device)
-    count = 0
-    for batch, labels in loader:
-        x, y = policy.inputs(batch), labels.to(policy.device, non_blocking=True)
-        for prefix, m in models.items():
-            with policy.autocast():
-                logits = m(x).float()
-            loss_sum[prefix] += F.cross_entropy(logits, y, reduction="sum").double()
-            accuracy[prefix].update(logits.argmax(dim=1), y)
-        count += len(y)
-    total, *losses = all_reduce(
-        [count, *(s.item() for s in loss_sum.values())], device=policy.device
-    )
-    out = {"val_images": total}
-    for prefix, loss in zip(models, losses, strict=True):
-        out[f"{prefix}val_loss"] = loss / max(total, 1)
-        out[f"{prefix}val_accuracy"] = accuracy[prefix].compute().item()
-    return out
-
-
-def all_reduce(values: list[float], *, device: torch.device, op=None) -> list[float]:
-    """Sum (or `op`) of `values` over all ranks; the values themselves outside a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t.tolist()
-
-
-def broadcast_buffers(model: torch.nn.Module) -> None:
-    """Give every rank rank 0's buffers (BatchNorm running stats).
-
-    DDP broadcasts them at the start of each training forward, but each rank's last forward
-    then updates its own copy: without this, the ranks would evaluate slightly different
-    models, none of them exactly the one rank 0 checkpoints."""
-    if dist.is_available() and dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-
-
-# --- the loaders -------------------------------------------------------------------------------
-
-
-def loader(stream: RowGroupStream, cfg: TrainConfig, device: torch.device) -> DataLoader:
-    """The stream's batches, decoded in `loader_workers` processes."""
-    return DataLoader(
-        stream,
-        batch_size=None,  # the stream yields whole batches
-        num_workers=cfg.scaling.loader_workers,
-        # Fresh processes each epoch, forked with the epoch set_epoch gave the stream: persistent
-        # ones would keep the copy of the stream (and its epoch) they were started with.
-        persistent_workers=False,
-        pin_memory=device.type == "cuda",
-        # The stream seeds its own draws; a DataLoader otherwise takes a seed from the global
-        # generator at each iteration, which a resume inside an epoch would take at another step.
-        generator=torch.Generator(),
-    )
-
-
-def train_data(
-    cfg: TrainConfig,
-    dataset: Location,
-    manifest: Manifest,
-    *,
-    rank: int,
-    world: int,
-    device: torch.device,
-) -> EpochLoader:
-    """This worker's training batches (decode + augment in `loader_workers` processes, or on
-    `device` by `decode`), with `set_epoch` to reshuffle. Ray Train needs no wrapping of it:
-    the benchmark's plain loop uses it as it is."""
-    transform = train_transform(
-        cfg.augment, image_size=manifest.image_size, auto_augment=cfg.auto_augment
-    )
-    on_device = pick_decode(cfg.decode, device, manifest.image_format) == "gpu"
-    stream = RowGroupStream(
-        dataset,
-        manifest,
-        "train",
-        batch_size=cfg.batch_size_per_worker(world),
-        rank=rank,
-        world=world,
-        shuffle=True,
-        seed=cfg.seed,
-        # A last batch of a few images would be a noisy step, and BatchNorm fails on one image.
-        drop_last=True,
-        transform=None if on_device else transform,
-        encoded=on_device,
-    )
-    batches = loader(stream, cfg, device)
-    if on_device:
-        batches = DeviceDecoded(batches, device, transform)
-    return EpochLoader(batches, stream)
-
-
-def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
-    """This worker's contiguous share of the val split, unpadded (see `evaluate`), decoded
-    where `decode` says."""
-    on_device = pick_decode(cfg.decode, device, manifest.image_format) == "gpu"
-    stream = RowGroupStream(
-        dataset,
-        manifest,
-        "val",
-        batch_size=cfg.batch_size_per_worker(world),
-        rank=rank,
-        world=world,
-        encoded=on_device,
-    )
-    batches = loader(stream, cfg, device)
-    return DeviceDecoded(batches, device) if on_device else batches
-
-
-class EpochLoader:
-    """A DataLoader (decoding on the device, or not) and the stream whose `set_epoch`
-    reshuffles it."""
-
-    def __init__(self, loader: DataLoader | DeviceDecoded, stream: RowGroupStream):
-        self.loader, self.stream = loader, stream
-
-    def set_epoch(self, epoch: int, start_batch: int = 0, segments=()) -> None:
-        self.stream.set_epoch(epoch, start_batch, segments)
-
-    def __iter__(self):
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return len(self.loader)
 
 
 # --- one worker's run --------------------------------------------------------------------------
