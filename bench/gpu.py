@@ -30,7 +30,9 @@ says which, and still holds the rest.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -45,6 +47,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 import torch
@@ -54,15 +57,38 @@ from bench.common import command, preprocess_generated, random_checkpoint, write
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from pipeline.core.config import load_config, validate_config
 from pipeline.core.storage import Location
-from pipeline.data.dataset import read_manifest
-from pipeline.data.images import decode_image
-from pipeline.infer.batch import Classifier
-from pipeline.infer.predictions import SUMMARY
+from pipeline.data.config import PreprocessConfig, SyntheticSourceConfig
+from pipeline.data.dataset import (
+    DATA,
+    Manifest,
+    ShardFile,
+    SplitInfo,
+    commit,
+    read_manifest,
+    start_version,
+    write_shard,
+)
+from pipeline.data.images import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    decode_image,
+    encode_image,
+    resize_center_crop,
+)
+from pipeline.data.sources import SyntheticSource, assign_split, render_synthetic
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.train.config import TrainConfig
 from pipeline.train.optim import build_optimizer
-from pipeline.train.worker import train_data, train_one_epoch
+from pipeline.train.step import train_data, train_one_epoch
 
+if TYPE_CHECKING:
+    from pipeline.infer.batch import Classifier
+
+# The lent GPU machines have torch, torchvision, pyarrow and Pillow, but no Ray (its wheel is
+# larger than what a call to them may carry): there, the parts that need no cluster run in this
+# process, and the table says which did not.
+RAY = importlib.util.find_spec("ray") is not None
+NO_RAY = "needs Ray, which is not installed here"
 MODELS = ("resnet18", "resnet50", "efficientnet_b0", "convnext_tiny", "vit_b_16")
 DECODES = ("cpu", "gpu")  # TrainConfig.decode: both paths, one after the other, per model
 
@@ -112,19 +138,84 @@ def make_dataset(cluster: LocalCluster, dataset: Path, sizes: Sizes) -> dict:
     return {split: info.rows for split, info in splits.items()}
 
 
-# --- training, in the Ray Train worker ---------------------------------------------------------
+def write_dataset(dataset: Path, sizes: Sizes) -> dict:
+    """The same generated images as `make_dataset`, written without Ray: rendered, resized,
+    cropped and encoded as the preprocess job does it, in shards as it writes them."""
+    cfg = PreprocessConfig(
+        output=str(dataset),
+        source={"kind": "synthetic", "synthetic": synthetic(sizes)},
+        image_size=sizes.image_size,
+    )
+    source = SyntheticSource(SyntheticSourceConfig(**synthetic(sizes)))
+    items = source.list_items()
+    render = [(source.classes[i.label], i.source_id, source.cfg.seed) for i in items]
+    with concurrent.futures.ProcessPoolExecutor() as pool:
+        images = list(pool.map(encoded, render, [sizes] * len(render), chunksize=64))
+    root = Location.parse(str(dataset))
+    version = start_version(root)
+    splits: dict[str, SplitInfo] = {}
+    rows: dict[str, list[dict]] = {}
+    for item, image, (name, *_) in zip(items, images, render, strict=True):
+        row = {"image": image, "label": item.label, "label_name": name, "source_id": item.source_id}
+        rows.setdefault(assign_split(item, cfg.val_fraction), []).append(row)
+    for split, split_rows in rows.items():
+        info = splits[split] = SplitInfo()
+        for shard, at in enumerate(range(0, len(split_rows), 1000)):
+            part = split_rows[at : at + 1000]
+            rel = f"{DATA}/{version}/{split}/part-{shard:05d}.parquet"
+            size = write_shard(root.child(rel), part, row_group_size=128)
+            info.files.append(ShardFile(path=rel, rows=len(part), size=size))
+            info.rows += len(part)
+    manifest = Manifest(
+        version=version,
+        created_at=Manifest.now(),
+        fingerprint=cfg.fingerprint(),
+        classes=source.classes,
+        image_size=sizes.image_size,
+        image_format="jpeg",
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        splits=splits,
+        skipped=[],
+        config=cfg.model_dump(mode="json"),
+    )
+    commit(root, manifest, "")
+    return {split: info.rows for split, info in splits.items()}
+
+
+def synthetic(sizes: Sizes) -> dict:
+    raw = sizes.image_size + sizes.image_size // 7
+    return {"num_classes": CLASSES, "images_per_class": sizes.images_per_class, "raw_size": raw}
+
+
+def encoded(render: tuple[str, str, int], sizes: Sizes) -> bytes:
+    name, source_id, seed = render
+    index = int(source_id.rsplit("/", 1)[1])
+    raw = sizes.image_size + sizes.image_size // 7
+    img = render_synthetic(name, size=raw, seed=seed, index=index)
+    return encode_image(resize_center_crop(img, size=sizes.image_size), image_format="jpeg")
+
+
+# --- training: in a Ray Train worker, or in this process without Ray ---------------------------
 
 
 def train_loop(config: dict) -> None:
-    """Ray Train worker: for each model and compile setting, the limit, then the loader."""
-    import ray.train
+    """Ray Train worker: the rows of `train_rows`, written to a file (a run's Result keeps only
+    metrics sent with a checkpoint)."""
     import ray.train.torch
 
     cfg = validate_config(TrainConfig, config["train"])
     sizes = Sizes(**config["sizes"])
+    device = ray.train.torch.get_device()
+    out = train_rows(cfg, sizes, device, ray.train.torch.prepare_model)
+    Path(config["out"]).write_text(json.dumps(out))
+
+
+def train_rows(cfg: TrainConfig, sizes: Sizes, device: torch.device, prepare) -> dict:
+    """For each model and compile setting, the limit, then each decode path's loader;
+    `prepare` takes the model to the training setup (Ray Train's prepare_model, or nothing)."""
     root = Location.parse(cfg.dataset)
     manifest = read_manifest(root)
-    device = ray.train.torch.get_device()
     policy = DevicePolicy(
         device, pick_precision(cfg.precision, device), manifest.mean, manifest.std
     )
@@ -144,23 +235,21 @@ def train_loop(config: dict) -> None:
         for compiled in sizes.compile:
             row = {"model": name, "compile": compiled}
             try:
-                row |= train_row(name, compiled, cfg, sizes, policy, loaders, len(manifest.classes))
+                torch.manual_seed(cfg.seed)
+                model = prepare(policy.prepare(build_network(name, len(manifest.classes))))
+                row |= train_row(
+                    model, compiled, cfg, sizes, policy, loaders, len(manifest.classes)
+                )
             except Exception as e:  # one model's failure (a compile error, memory) is a row
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             free_memory()
             print(f"training: {json.dumps(row)}", flush=True)
             rows.append(row)
-    # A file, not ray.train.report: a run's Result keeps only metrics sent with a checkpoint.
-    out = {"rows": rows, "precision": policy.precision}
-    Path(config["out"]).write_text(json.dumps(out))
+    return {"rows": rows, "precision": policy.precision}
 
 
-def train_row(name, compiled, cfg, sizes, policy, loaders, num_classes) -> dict:
-    import ray.train.torch
-
-    torch.manual_seed(cfg.seed)
-    model = ray.train.torch.prepare_model(policy.prepare(build_network(name, num_classes)))
+def train_row(model, compiled, cfg, sizes, policy, loaders, num_classes) -> dict:
     if compiled:
         model = torch.compile(model)
     optimizer, _ = build_optimizer(model, cfg)
@@ -212,17 +301,7 @@ def loader_rates(model, loader, optimizer, criterion, policy, sizes, limit_rate)
 def training(cluster: LocalCluster, dataset: Path, sizes: Sizes, cuda: bool, tmp: Path) -> dict:
     """One Ray Train worker on `cluster` (a GPU, and all CPUs but one for it and its loader),
     driven from a fresh process that joins the cluster with its token, as a job's driver does."""
-    cpus = max(1, (os.cpu_count() or 2) - 1)
-    overrides = [
-        f"dataset={dataset}",
-        f"storage_path={tmp / 'runs'}",
-        f"global_batch_size={sizes.batch_size}",
-        "scaling.num_workers=1",
-        f"scaling.cpus_per_worker={cpus}",
-        f"scaling.loader_workers={max(1, cpus - 1)}",
-        f"scaling.use_gpu={str(cuda).lower()}",
-    ]
-    cfg = load_config(TrainConfig, None, overrides)
+    cfg = training_config(dataset, sizes, cuda, tmp)
     spec, out = tmp / "train.json", tmp / "train-rows.json"
     train = {"train": cfg.model_dump(mode="json"), "sizes": asdict(sizes), "out": str(out)}
     spec.write_text(json.dumps(train))
@@ -234,8 +313,34 @@ def training(cluster: LocalCluster, dataset: Path, sizes: Sizes, cuda: bool, tmp
     )
     if proc.returncode != 0:
         raise RuntimeError(f"the Ray Train run exited {proc.returncode} (its log is above)")
-    metrics = json.loads(out.read_text())
+    return training_result(cfg, json.loads(out.read_text()), "in a Ray Train worker")
+
+
+def training_here(dataset: Path, sizes: Sizes, cuda: bool, tmp: Path) -> dict:
+    """The same rows in this process, where there is no Ray: the same loaders and step."""
+    cfg = training_config(dataset, sizes, cuda, tmp)
+    device = torch.device("cuda" if cuda else "cpu")
+    rows = train_rows(cfg, sizes, device, lambda model: model)
+    return training_result(cfg, rows, "in this process (no Ray here)")
+
+
+def training_config(dataset: Path, sizes: Sizes, cuda: bool, tmp: Path) -> TrainConfig:
+    cpus = max(1, (os.cpu_count() or 2) - 1)
+    overrides = [
+        f"dataset={dataset}",
+        f"storage_path={tmp / 'runs'}",
+        f"global_batch_size={sizes.batch_size}",
+        "scaling.num_workers=1",
+        f"scaling.cpus_per_worker={cpus}",
+        f"scaling.loader_workers={max(1, cpus - 1)}",
+        f"scaling.use_gpu={str(cuda).lower()}",
+    ]
+    return load_config(TrainConfig, None, overrides)
+
+
+def training_result(cfg: TrainConfig, metrics: dict, where: str) -> dict:
     return {
+        "where": where,
         "loader_workers": cfg.scaling.loader_workers,
         "decodes": list(DECODES),
         "augment": cfg.augment,
@@ -274,6 +379,9 @@ def ray_train(spec: Path) -> None:
 
 def inference(cluster: LocalCluster, dataset: Path, sizes: Sizes, cuda: bool, tmp: Path) -> dict:
     """The infer job over the train split against the model's forward pass on the device."""
+    from pipeline.infer.batch import Classifier
+    from pipeline.infer.predictions import SUMMARY
+
     checkpoint = random_checkpoint(dataset, tmp / "checkpoint")
     cpus = os.cpu_count() or 2
     args = command(
@@ -404,7 +512,6 @@ def gpu_tests(tmp: Path) -> dict:
 
 def environment(cuda: bool) -> dict:
     import PIL
-    import ray
 
     if cuda:
         props = torch.cuda.get_device_properties(0)
@@ -421,7 +528,7 @@ def environment(cuda: bool) -> dict:
             "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version() if cuda else None,
             "torchvision": torchvision.__version__,
-            "ray": ray.__version__,
+            "ray": importlib.import_module("ray").__version__ if RAY else "not installed",
             "pillow": PIL.__version__,
         },
     }
@@ -475,7 +582,8 @@ def table(results: dict, sizes: Sizes) -> str:
     if "train" in d:
         lines += [
             f"Dataset: {d['train']} train and {d['val']} val images of {CLASSES} generated "
-            f"classes, by the preprocess job ({d['part_s']:.0f} s).",
+            f"classes, {'by the preprocess job' if RAY else 'written as it writes them'} "
+            f"({d['part_s']:.0f} s).",
             "",
         ]
     lines += error_lines(d)
@@ -490,13 +598,13 @@ def table(results: dict, sizes: Sizes) -> str:
     lines += [*error_lines(t), ""]
 
     t = results.get("training", {})
-    lines += [f"## Training images/s: the loader in Ray Train against the limit{seconds(t)}", ""]
+    lines += [f"## Training images/s: the loader against the limit{seconds(t)}", ""]
     if "rows" in t:
         where = (
             "on the GPU" if not env["device"].startswith("no GPU") else "in the training process"
         )
         lines += [
-            f"One worker, precision {t['precision']}, channels-last on CUDA, "
+            f"One worker, {t['where']}, precision {t['precision']}, channels-last on CUDA, "
             f"{t['loader_workers']} loader processes, augment {t['augment']}. Limit: the same "
             "step on one random batch already on the device. Each decode path an epoch, one "
             "after the other on the same model: `decode=cpu` decodes and augments in the loader "
@@ -566,6 +674,8 @@ def table(results: dict, sizes: Sizes) -> str:
 
 
 def seconds(part_result: dict) -> str:
+    if "not_run" in part_result:
+        return f" (not run: {part_result['not_run']})"
     return f" ({part_result['part_s']:.0f} s)" if "part_s" in part_result else " (not run)"
 
 
@@ -608,13 +718,19 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        part(results, "gpu_tests", gpu_tests, tmp)
         dataset = tmp / "dataset"
-        with LocalCluster(num_cpus=os.cpu_count()) as cluster:
-            part(results, "dataset", make_dataset, cluster, dataset, sizes)
+        if RAY:
+            part(results, "gpu_tests", gpu_tests, tmp)
+            with LocalCluster(num_cpus=os.cpu_count()) as cluster:
+                part(results, "dataset", make_dataset, cluster, dataset, sizes)
+                if "error" not in results["dataset"]:
+                    part(results, "training", training, cluster, dataset, sizes, cuda, tmp)
+                    part(results, "inference", inference, cluster, dataset, sizes, cuda, tmp)
+        else:  # the tests' fixtures and the infer job start Ray clusters
+            results["gpu_tests"] = results["inference"] = {"not_run": NO_RAY}
+            part(results, "dataset", write_dataset, dataset, sizes)
             if "error" not in results["dataset"]:
-                part(results, "training", training, cluster, dataset, sizes, cuda, tmp)
-                part(results, "inference", inference, cluster, dataset, sizes, cuda, tmp)
+                part(results, "training", training_here, dataset, sizes, cuda, tmp)
         if "error" not in results["dataset"]:
             part(results, "jpeg_decode", jpeg_decode, dataset, sizes, cuda)
     results["seconds"] = round(time.monotonic() - started, 1)
