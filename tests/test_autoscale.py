@@ -205,7 +205,7 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(idle_cluster
     slow = checkpoint_meta(image_size=224)
     save_checkpoint(checkpoint, build_model(len(slow.classes)).eval().state_dict(), slow, {})
     images = tmp_path / "images"
-    make_image_folder(images, per_class=200, corrupt=False)
+    make_image_folder(images, per_class=600, corrupt=False)
     idle_cluster.add_node(num_cpus=1)
     job = in_background(
         infer, idle_cluster, (checkpoint, images), tmp_path / "out", submission_id="grow"
@@ -225,4 +225,4 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(idle_cluster
     assert proc.returncode == 0, proc.stdout
     assert "1 to 2 predictor actors" in proc.stdout
     assert max(n for _, n in sizes) == 2, sizes
-    assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 600
+    assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 1800
