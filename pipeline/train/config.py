@@ -167,9 +167,8 @@ class TrainConfig(Strict):
     decode: Literal["cpu", "gpu", "auto"] = Field(
         "cpu",
         description=(
-            "Where ingest=torch decodes and augments: cpu: in the DataLoader processes; gpu: on "
-            "each worker's device (nvJPEG on CUDA), JPEG datasets only; auto: gpu on a CUDA "
-            "worker with a JPEG dataset, else cpu."
+            "Where ingest=torch decodes and augments: cpu (loader processes), gpu (the worker's "
+            "device; JPEG only), auto (gpu on CUDA workers with JPEG datasets)."
         ),
     )
     augment: Literal["random_resized_crop", "crop_flip", "none"] = Field(
