@@ -110,8 +110,9 @@ CPU = Sizes(32, 40, ("resnet18", "efficientnet_b0"), (False,), 16, 3, 10, 1)
 CLASSES = 6
 
 
-def build_network(name: str, num_classes: int) -> torch.nn.Module:
+def build_network(name: str, num_classes: int, seed: int) -> torch.nn.Module:
     """A torchvision architecture by name with a fresh `num_classes` head, random weights."""
+    torch.manual_seed(seed)
     return torchvision.models.get_model(name, num_classes=num_classes)
 
 
@@ -235,11 +236,11 @@ def train_rows(cfg: TrainConfig, sizes: Sizes, device: torch.device, prepare) ->
         for compiled in sizes.compile:
             row = {"model": name, "compile": compiled}
             try:
-                torch.manual_seed(cfg.seed)
-                model = prepare(policy.prepare(build_network(name, len(manifest.classes))))
-                row |= train_row(
-                    model, compiled, cfg, sizes, policy, loaders, len(manifest.classes)
-                )
+                # No torch.<name> in this function: cloudpickle, sending it to a Ray Train
+                # worker, would take torch.classes for a submodule by manifest.classes' name.
+                classes = len(manifest.classes)
+                model = prepare(policy.prepare(build_network(name, classes, cfg.seed)))
+                row |= train_row(model, compiled, cfg, sizes, policy, loaders, classes)
             except Exception as e:  # one model's failure (a compile error, memory) is a row
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
