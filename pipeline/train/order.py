@@ -40,3 +40,11 @@ def taken(counts: list[int], steps: int) -> tuple[list[int], int]:
         done[process] += 1
         process = (process + 1) % len(counts)
     return done, process
+
+
+def process_key(seed: int, epoch: int, rank: int, process: int, segment: int = 0) -> str:
+    """The key of a DataLoader process's draws in an epoch: its shuffle buffer's, and with
+    `/<batch>` added, each batch's augmentation. `segment`: the layout of the epoch's rest
+    after a resize inside it (rest.py); 0, the epoch's own."""
+    rest = f"rest{segment}/" if segment else ""
+    return f"{seed}/{epoch}/{rest}{rank}/{process}"

@@ -23,7 +23,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.train.order import batched, shuffled, taken
+from pipeline.train.order import batched, process_key, shuffled, taken
 
 if TYPE_CHECKING:
     from pipeline.train.torch_input import RowGroupStream
@@ -47,7 +47,7 @@ def first_layout(stream: RowGroupStream, seg: Segment, rank: int, process: int) 
     rank `rank` yields in the epoch's own layout: as RowGroupStream.__iter__ lays them out."""
     s = stream.relaid(rank=rank, world=seg.workers, batch_size=seg.batch)
     positions = [p % s.rows for p in range(*s.process_positions(process, seg.processes))]
-    rng = random.Random(f"{s.seed}/{s.epoch}/{rank}/{process}")
+    rng = random.Random(process_key(s.seed, s.epoch, rank, process))
     return list(batched(shuffled(positions, s.shuffle_rows, rng), seg.batch))
 
 
@@ -62,7 +62,7 @@ def rest_run(
     first, last = process * n // seg.processes, (process + 1) * n // seg.processes
     begin += sum(sizes[:first])
     reads = rest[begin : begin + sum(sizes[first:last])]
-    rng = random.Random(f"{stream.seed}/{stream.epoch}/rest{index}/{rank}/{process}")
+    rng = random.Random(process_key(stream.seed, stream.epoch, rank, process, index))
     return reads, sizes[first:last], rng
 
 

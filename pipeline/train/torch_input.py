@@ -41,7 +41,7 @@ from pipeline.core.errors import InputError
 from pipeline.core.storage import Location, retry
 from pipeline.data.dataset import SCHEMA, Manifest
 from pipeline.data.images import decode_image, jpeg_header
-from pipeline.train.order import batched, shuffled, taken
+from pipeline.train.order import batched, process_key, shuffled, taken
 from pipeline.train.rest import Segment, cut, not_trained, rest_run, steps_of
 
 COLUMNS = ["image", "label"]
@@ -263,12 +263,12 @@ class RowGroupStream(IterableDataset):
         done, first = self.resume_point(processes, self.start_batch)
         process = (first + worker) % processes
         skip = done[process]
-        key = f"{self.seed}/{self.epoch}/{self.rank}/{process}"
+        key = process_key(self.seed, self.epoch, self.rank, process)
         if self.rest is not None:
             reads, sizes, rng = self.rest_run(process, processes)
             rows = self._fetched(self.pieces(reads), self.read_rows)
             batches = cut(shuffled(rows, self.shuffle_rows, rng), sizes)
-            key = f"{self.seed}/{self.epoch}/rest{len(self.segments)}/{self.rank}/{process}"
+            key = process_key(self.seed, self.epoch, self.rank, process, len(self.segments))
         else:
             rows = self._fetched(self.runs(self.epoch, process, processes), self.read)
             if self.shuffle:
