@@ -56,6 +56,7 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.data.images import decode_image
 from pipeline.train.augment import train_transform
+from pipeline.train.ring import RingLoader
 from pipeline.train.torch_input import Augment, RowGroupStream, decode
 
 DECODERS = {
@@ -154,9 +155,10 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def loader_run(root: Location, *, stream_class, args, transform) -> dict:
-    """--epochs epochs of the stream through a DataLoader: images/s after each epoch's first
-    batch, and CPU s per image of the loader processes and of this one (the consumer)."""
+def loader_run(root: Location, *, stream_class, args, transform, ring: bool) -> dict:
+    """--epochs epochs of the stream through the training job's `RingLoader` (`ring`) or a
+    plain DataLoader: images/s after each epoch's first batch, and CPU s per image of the loader
+    processes and of this one (the consumer)."""
     stream = stream_class(
         root,
         read_manifest(root),
@@ -171,18 +173,22 @@ def loader_run(root: Location, *, stream_class, args, transform) -> dict:
     all_images, workers_cpu, own_cpu = 0, children_cpu(), time.process_time()
     for epoch in range(args.epochs):
         stream.set_epoch(epoch)
-        loader = DataLoader(
-            stream,
-            batch_size=None,
-            num_workers=args.loader_workers,
-            persistent_workers=False,
-            generator=torch.Generator(),
-        )
+        if ring:  # the training job's loader: its batches already copied out of the ring
+            loader = RingLoader(stream, processes=args.loader_workers)
+        else:
+            loader = DataLoader(
+                stream,
+                batch_size=None,
+                num_workers=args.loader_workers,
+                persistent_workers=False,
+                generator=torch.Generator(),
+            )
         first = None
         for x, _ in loader:
-            if buffer is None:
-                buffer = torch.empty_like(x)  # in x's memory format: a plain copy
-            buffer[: len(x)].copy_(x)
+            if not ring:
+                if buffer is None:
+                    buffer = torch.empty_like(x)  # in x's memory format: a plain copy
+                buffer[: len(x)].copy_(x)
             all_images += len(x)
             if first is None:  # the processes have started, and read and decoded ahead
                 first = time.perf_counter()
@@ -231,11 +237,11 @@ def one_round(root: Location, rows: list[bytes], args, *, baseline_first: bool) 
         rows, processes=args.loader_workers, transform=transform, size=size, batch=args.batch
     )
     streams = [
-        ("baseline", PillowStream, torchvisions_crop(size)),
-        ("loader", RowGroupStream, transform),
+        ("baseline", PillowStream, torchvisions_crop(size), False),
+        ("loader", RowGroupStream, transform, True),
     ]
-    for name, cls, augment in streams if baseline_first else streams[::-1]:
-        out[name] = loader_run(root, stream_class=cls, args=args, transform=augment)
+    for name, cls, augment, ring in streams if baseline_first else streams[::-1]:
+        out[name] = loader_run(root, stream_class=cls, args=args, transform=augment, ring=ring)
     limit = out["stream+augment"]
     for name in ("baseline", "loader"):
         run = out[name]

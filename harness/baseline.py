@@ -14,10 +14,10 @@ class PillowStream(RowGroupStream):
     """Pillow's decode (decode_image), pil_to_tensor, the transform (give it
     `torchvisions_crop`), torch.stack."""
 
-    def decoded(self, rows, key):
+    def decoded(self, rows, key, out=None):
         images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in rows]
         labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
-        return torch.stack(Augment(self.transform, key)(images)), labels
+        return torch.stack(Augment(self.transform, key)(images), out=out), labels
 
 
 def torchvisions_crop(image_size: int) -> v2.Transform:

@@ -23,6 +23,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.driver import check_dataset
 from pipeline.train.optim import build_optimizer
+from pipeline.train.ring import RingLoader
 from pipeline.train.step import EpochLoader, train_data, train_one_epoch, val_data
 from pipeline.train.torch_input import Augment, EncodedBatch, RowGroupStream
 
@@ -90,7 +91,7 @@ def test_the_loader_processes_only_read_rows(tiny_dataset):
     stream = RowGroupStream(root, manifest, "val", batch_size=16, encoded=True)
     plain = RowGroupStream(root, manifest, "val", batch_size=16)
     encoded = DataLoader(stream, batch_size=None, num_workers=2)
-    decoded = DataLoader(plain, batch_size=None, num_workers=2)
+    decoded = RingLoader(plain, processes=2)
     for (batch, labels), (images, expected) in zip(encoded, decoded, strict=True):
         assert isinstance(batch, EncodedBatch) and batch.data.dtype == torch.uint8
         assert len(batch.sizes) == len(labels) and sum(batch.sizes) == len(batch.data)

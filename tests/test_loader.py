@@ -3,10 +3,12 @@ DataLoader processes, each row read about once per epoch."""
 
 import collections
 import io
+import multiprocessing
 import os
 import random
 import shutil
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +48,7 @@ from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
 from pipeline.train.rest import Segment
+from pipeline.train.ring import BatchRing, RingLoader
 from pipeline.train.torch_input import RowGroupStream, decode
 
 CLASSES = ["a", "b", "c", "d"]
@@ -128,8 +131,8 @@ def group_of(row_id: int) -> tuple[int, int]:
 
 
 def epoch_batches(stream: RowGroupStream, workers: int) -> list[list[int]]:
-    """One epoch of the stream through a DataLoader: the row ids of each batch, in order."""
-    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    """One epoch of the stream through the training loader: the row ids of each batch, in order."""
+    loader = RingLoader(stream, processes=workers)
     batches = []
     for images, labels in loader:
         assert images.dtype == torch.uint8 and images.shape[1:] == (3, SIZE, SIZE)
@@ -243,7 +246,7 @@ def test_a_failed_read_raises_in_the_consumer(numbered, tmp_path, workers):
     shutil.copytree(root.path, copy.path)
     stream = RowGroupStream(copy, manifest, "train", batch_size=16, shuffle=True)
     os.remove(copy.child(manifest.splits["train"].files[5].path).path)
-    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    loader = RingLoader(stream, processes=workers)
     with pytest.raises(
         InputError, match=r"part-00005\.parquet is listed in the manifest but missing"
     ):
@@ -274,6 +277,80 @@ def test_a_consumer_that_stops_early_leaves_no_thread_behind(numbered):
         if t.name == "row-group-prefetch":
             t.join(timeout=5)
             assert not t.is_alive()
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_the_ring_hands_a_slow_consumer_every_batch_intact(numbered, processes):
+    # 61 batches: the processes yield unequal counts, so near the end the DataLoader asks the
+    # ones left for more batches ahead than they have slots.
+    root, manifest, _ = numbered
+    stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
+    plain = DataLoader(stream, batch_size=None, num_workers=processes)
+    expected = [row_ids(images) for images, _ in plain]
+    assert len(expected) == 61
+    got = []
+    for images, labels in RingLoader(stream, processes=processes):
+        time.sleep(0.02)  # the processes run ahead, as far as their slots let them
+        got.append(row_ids(images))
+        assert labels.tolist() == [i % len(CLASSES) for i in got[-1]]
+    assert got == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_ring_hands_pinned_batches_to_a_gpu_worker(numbered):
+    root, manifest, _ = numbered
+    stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
+    plain = DataLoader(stream, batch_size=None, num_workers=2)
+    for (images, labels), (expected, _) in zip(
+        RingLoader(stream, processes=2, pin_memory=True), plain, strict=True
+    ):
+        assert images.is_pinned() and labels.is_pinned()
+        assert torch.equal(images, expected)
+
+
+def test_a_process_waits_for_a_free_slot_of_its_ring():
+    ring = BatchRing(1, batch=2, size=4, slots=3)
+    ring.attach(0)  # this process plays the DataLoader's
+    handed, claimed = [], threading.Semaphore(0)
+
+    def fill(batches: int) -> None:
+        for b in range(batches):
+            slot, out = ring.claim(2)
+            out.fill_(b)
+            handed.append(ring.handed(slot, [b, b]))
+            claimed.release()
+
+    thread = threading.Thread(target=fill, args=(4,), daemon=True)
+    thread.start()
+    for _ in range(3):
+        assert claimed.acquire(timeout=30)
+    assert not claimed.acquire(timeout=1)  # all 3 slots hold batches not taken yet
+    images, labels = handed[0].take()
+    assert images.eq(0).all() and labels.tolist() == [0, 0]
+    assert claimed.acquire(timeout=30)  # the slot taken first holds the 4th batch
+    assert handed[3].slot == handed[0].slot and handed[1].take()[0].eq(1).all()
+    thread = threading.Thread(target=fill, args=(3,), daemon=True)
+    thread.start()
+    assert claimed.acquire(timeout=30) and not claimed.acquire(timeout=1)
+    ring.release_all()  # the consumer is gone: nothing waits for it
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_a_consumer_that_stops_the_ring_early_leaves_no_process_waiting(numbered):
+    root, manifest, _ = numbered
+    stream = RowGroupStream(root, manifest, "train", batch_size=8, shuffle=True)
+    batches = iter(RingLoader(stream, processes=2))
+    next(batches)
+    time.sleep(1)  # each process has filled its slots and waits for a free one
+    processes = multiprocessing.active_children()
+    assert len(processes) == 2
+    batches.close()
+    for process in processes:
+        process.join(timeout=30)
+        assert process.exitcode == 0  # ended, not terminated by the DataLoader's shutdown
+    assert list(RingLoader(stream, processes=2))  # the next epoch starts afresh
 
 
 # --- the tiny dataset of the other tests: real preprocessed images ----------------------------
@@ -407,19 +484,16 @@ def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset
     root, manifest = dataset
     assert manifest.image_format == "jpeg"
     kwargs, size = dict(batch_size=16, shuffle=True, drop_last=True, seed=3), manifest.image_size
-    ours, theirs = (
-        list(
-            DataLoader(
-                cls(root, manifest, "train", transform=transform, **kwargs),
-                batch_size=None,
-                num_workers=workers,
-            )
-        )
-        for cls, transform in (
-            (RowGroupStream, train_transform("random_resized_crop", image_size=size)),
-            (PillowStream, torchvisions_crop(size)),
-        )
+    ours = RowGroupStream(
+        root,
+        manifest,
+        "train",
+        transform=train_transform("random_resized_crop", image_size=size),
+        **kwargs,
     )
+    theirs = PillowStream(root, manifest, "train", transform=torchvisions_crop(size), **kwargs)
+    ours = list(RingLoader(ours, processes=workers))
+    theirs = list(DataLoader(theirs, batch_size=None, num_workers=workers))
     assert len(ours) == len(theirs) > 3
     for (x, y), (px, py) in zip(ours, theirs, strict=True):
         assert torch.equal(x, px) and torch.equal(y, py)
@@ -458,7 +532,7 @@ def drawn(image: torch.Tensor) -> torch.Tensor:
 def draws(stream: RowGroupStream, workers: int) -> list[list[int]]:
     """The numbers each batch's augmentation drew, on a rank seeded as training seeds them."""
     torch.manual_seed(0)  # as every rank does, for the model's initial weights
-    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    loader = RingLoader(stream, processes=workers)
     return [images[:, 0, 0, 0].tolist() for images, _ in loader]
 
 
@@ -493,7 +567,7 @@ def test_an_epoch_resumed_at_a_batch_yields_the_rest_of_the_uninterrupted_one(nu
 
     def batches() -> list[tuple[list[int], list[int]]]:
         torch.manual_seed(0)  # as every rank does, for the model's initial weights
-        loader = DataLoader(stream, batch_size=None, num_workers=workers)
+        loader = RingLoader(stream, processes=workers)
         return [(row_ids(images), images[:, 2, 0, 0].tolist()) for images, _ in loader]
 
     whole = batches()
@@ -566,7 +640,7 @@ def test_the_rest_of_a_resized_epoch_resumes_at_a_batch_as_the_epoch_does(number
 
     def batches(start: int) -> list[tuple[list[int], list[int]]]:
         stream.set_epoch(1, start, segments)
-        loader = DataLoader(stream, batch_size=None, num_workers=2)
+        loader = RingLoader(stream, processes=2)
         return [(row_ids(images), images[:, 2, 0, 0].tolist()) for images, _ in loader]
 
     whole = batches(0)

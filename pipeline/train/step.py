@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 
 from pipeline.core.storage import Location
@@ -25,6 +24,7 @@ from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.ema import ModelEMA
+from pipeline.train.ring import RingLoader
 from pipeline.train.torch_input import RowGroupStream
 
 log = logging.getLogger(__name__)
@@ -212,19 +212,10 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
 # --- the loaders -------------------------------------------------------------------------------
 
 
-def loader(stream: RowGroupStream, cfg: TrainConfig, device: torch.device) -> DataLoader:
+def loader(stream: RowGroupStream, cfg: TrainConfig, device: torch.device) -> RingLoader:
     """The stream's batches, decoded in `loader_workers` processes."""
-    return DataLoader(
-        stream,
-        batch_size=None,  # the stream yields whole batches
-        num_workers=cfg.scaling.loader_workers,
-        # Fresh processes each epoch, forked with the epoch set_epoch gave the stream: persistent
-        # ones would keep the copy of the stream (and its epoch) they were started with.
-        persistent_workers=False,
-        pin_memory=device.type == "cuda",
-        # The stream seeds its own draws; a DataLoader otherwise takes a seed from the global
-        # generator at each iteration, which a resume inside an epoch would take at another step.
-        generator=torch.Generator(),
+    return RingLoader(
+        stream, processes=cfg.scaling.loader_workers, pin_memory=device.type == "cuda"
     )
 
 
@@ -282,10 +273,10 @@ def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, w
 
 
 class EpochLoader:
-    """A DataLoader (decoding on the device, or not) and the stream whose `set_epoch`
+    """A loader (decoding on the device, or not) and the stream whose `set_epoch`
     reshuffles it."""
 
-    def __init__(self, loader: DataLoader | DeviceDecoded, stream: RowGroupStream):
+    def __init__(self, loader: RingLoader | DeviceDecoded, stream: RowGroupStream):
         self.loader, self.stream = loader, stream
 
     def set_epoch(self, epoch: int, start_batch: int = 0, segments=()) -> None:

@@ -105,6 +105,7 @@ class RowGroupStream(IterableDataset):
         )
         self.prefetch_groups = prefetch_groups
         self.encoded = encoded  # yield EncodedBatch, for the worker to decode (decode=gpu)
+        self.ring = None  # in a DataLoader process of ring.RingLoader: where batches go
         self.image_size = manifest.image_size
         self.epoch = 0
         self.start_batch = 0  # batches of the epoch trained on before a resume
@@ -279,14 +280,21 @@ class RowGroupStream(IterableDataset):
                 continue  # trained on before the resume: its rows read, not decoded
             if self.encoded:  # decoded and augmented by the worker, on its device
                 yield EncodedBatch.of(batch, f"{key}/{b}")
-                continue
-            yield self.decoded(batch, f"{key}/{b}")
+            elif self.ring is not None:  # stacked into memory the trainer's process maps
+                slot, out = self.ring.claim(len(batch))
+                self.decoded(batch, f"{key}/{b}", out)
+                yield self.ring.handed(slot, [label for _, label in batch])
+            else:
+                yield self.decoded(batch, f"{key}/{b}")
 
-    def decoded(self, rows: list[tuple[bytes, int]], key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch: its rows decoded, augmented with the draws of `key`, stacked."""
+    def decoded(
+        self, rows: list[tuple[bytes, int]], key: str, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch: its rows decoded, augmented with the draws of `key`, stacked (into
+        `out`, if given)."""
         images = [decode(data, self.image_size) for data, _ in rows]
         labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
-        return stacked(Augment(self.transform, key)(images)), labels
+        return stacked(Augment(self.transform, key)(images), out), labels
 
     def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int]]:
         """Rows [lo, hi) of one row group: encoded images and labels."""
@@ -383,12 +391,17 @@ class EncodedBatch(NamedTuple):
         return list(self.data.split(self.sizes))
 
 
-def stacked(images: list[torch.Tensor]) -> torch.Tensor:
+def stacked(images: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 (3, H, W) images -> (B, 3, H, W) in their own memory layout: channels-last where
     the first one is (decoded, or resized by the augmentation's crop: height, width, then a
     pixel's 3 channels), the layout a GPU step takes, else contiguous. Each image's copy is then
     a plain one, not a transposition. In a DataLoader process, default_collate stacks into
-    shared memory, which the trainer's process maps: handing the batch over copies nothing."""
+    shared memory, which the trainer's process maps: handing the batch over copies nothing.
+    With `out`, into `out` (a ring's slot), in its layout."""
+    if out is not None:
+        for image, into in zip(images, out, strict=True):
+            into.copy_(image)
+        return out
     if images[0].permute(1, 2, 0).is_contiguous():
         return default_collate([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
     return default_collate(images)
