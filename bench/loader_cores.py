@@ -157,8 +157,8 @@ def children_cpu() -> float:
 
 def loader_run(root: Location, *, stream_class, args, transform, ring: bool) -> dict:
     """--epochs epochs of the stream through the training job's `RingLoader` (`ring`) or a
-    plain DataLoader: images/s after each epoch's first batch, and CPU s per image of the loader
-    processes and of this one (the consumer)."""
+    plain DataLoader (the previous path): images/s after each epoch's first batch, and CPU s
+    per image of the loader processes and of this one (the consumer)."""
     stream = stream_class(
         root,
         read_manifest(root),
@@ -168,21 +168,23 @@ def loader_run(root: Location, *, stream_class, args, transform, ring: bool) -> 
         drop_last=True,
         transform=transform,
     )
+    # The training job's loader, one for the run as the job makes it: its batches are already
+    # copied out of the ring. Or a plain DataLoader's, which the consumer copies.
+    if ring:
+        loader = RingLoader(stream, processes=args.loader_workers)
+    else:
+        loader = DataLoader(
+            stream,
+            batch_size=None,
+            num_workers=args.loader_workers,
+            persistent_workers=False,
+            generator=torch.Generator(),
+        )
     buffer = None
     images = seconds = 0.0
     all_images, workers_cpu, own_cpu = 0, children_cpu(), time.process_time()
     for epoch in range(args.epochs):
         stream.set_epoch(epoch)
-        if ring:  # the training job's loader: its batches already copied out of the ring
-            loader = RingLoader(stream, processes=args.loader_workers)
-        else:
-            loader = DataLoader(
-                stream,
-                batch_size=None,
-                num_workers=args.loader_workers,
-                persistent_workers=False,
-                generator=torch.Generator(),
-            )
         first = None
         for x, _ in loader:
             if not ring:

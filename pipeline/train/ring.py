@@ -1,10 +1,11 @@
-"""Batches from DataLoader processes through a ring of shared memory made once per epoch.
+"""Batches from DataLoader processes through a ring of shared memory, made once.
 
 A DataLoader process hands each batch tensor over in shared memory of its own: a new file per
 batch, whose pages the process faults in and zeroes as it stacks the batch, and which the
 trainer's process maps and faults in again as it reads it, about a sixth of the loader's CPU
 time at 224 px. Here each process stacks its batches into a few slots of one shared buffer,
-mapped before the processes start, and sends only the slot's number and the labels; the
+mapped before the processes start (the same pages every epoch), and sends only the slot's
+number and the labels; the
 trainer's process copies the batch out (into pinned memory where the batches go to a GPU: the
 copy the DataLoader's pinning made anyway) and frees the slot. A process waits for a free slot,
 so a batch is never overwritten before it was copied.
@@ -50,11 +51,21 @@ class BatchRing:
     count of free slots per process. Made in the trainer's process, before the DataLoader's
     processes start (its `attach` runs in each of them)."""
 
-    def __init__(self, processes: int, *, batch: int, size: int, slots: int = PREFETCH + 1):
+    def __init__(
+        self,
+        processes: int,
+        *,
+        batch: int,
+        size: int,
+        slots: int = PREFETCH + 1,
+        memory: torch.Tensor | None = None,
+    ):
         self.id, self.slots = next(_ids), slots
         shape = (processes, slots, batch, size, size, 3)
-        storage = torch.UntypedStorage._new_shared(torch.Size(shape).numel())
-        self.memory = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+        if memory is None or memory.shape != shape:  # else an earlier ring's, no longer used
+            storage = torch.UntypedStorage._new_shared(torch.Size(shape).numel())
+            memory = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+        self.memory = memory
         self.free = [multiprocessing.Semaphore(slots) for _ in range(processes)]
         self.process: int | None = None  # in a DataLoader process: its index
         self.filled = 0  # batches this process wrote
@@ -103,6 +114,7 @@ class RingLoader:
 
     def __init__(self, stream: RowGroupStream, *, processes: int, pin_memory: bool = False):
         self.stream, self.processes, self.pin_memory = stream, processes, pin_memory
+        self.spare: torch.Tensor | None = None  # the last epoch's ring memory, once unused
 
     def __len__(self) -> int:
         return len(self.stream)
@@ -110,9 +122,9 @@ class RingLoader:
     def __iter__(self):
         ring = None
         if self.processes and not self.stream.encoded:
-            ring = BatchRing(
-                self.processes, batch=self.stream.batch_size, size=self.stream.image_size
-            )
+            batch, size = self.stream.batch_size, self.stream.image_size
+            ring = BatchRing(self.processes, batch=batch, size=size, memory=self.spare)
+            self.spare = None
         loader = DataLoader(
             self.stream,
             batch_size=None,  # the stream yields whole batches
@@ -127,9 +139,15 @@ class RingLoader:
             # generator at each iteration, which a resume inside an epoch takes at another step.
             generator=torch.Generator(),
         )
+        batches = iter(loader)
         try:
-            for batch in loader:
+            for batch in batches:
                 yield batch.take() if isinstance(batch, Slot) else batch
         finally:  # also when the consumer stopped early: no process left waiting for a slot
             if ring is not None:
                 ring.release_all()
+                # Joined now (already, after the last batch), none of them writes to the ring
+                # any more: the next epoch's processes reuse its pages, which a new ring's would
+                # each fault in and zero again, in them and in this process.
+                batches._shutdown_workers()
+                self.spare = ring.memory
