@@ -15,8 +15,8 @@ class PillowStream(RowGroupStream):
     `torchvisions_crop`), torch.stack."""
 
     def decoded(self, rows, key, out=None):
-        images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _ in rows]
-        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+        images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _, _ in rows]
+        labels = torch.tensor([label for _, label, _ in rows], dtype=torch.int64)
         return torch.stack(Augment(self.transform, key)(images), out=out), labels
 
 

@@ -708,6 +708,14 @@ CASES = [
         on_cluster=True,
     ),
     Case(
+        "an image in a dataset's shard damaged since it was written (the file's size unchanged): "
+        "the job ends at once, not after `max_failures` retries",
+        1,
+        "dataset <path> is damaged: row <n> of row group <g> of <file>: not an image",
+        test="tests/test_train_jobs.py::"
+        "test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row",
+    ),
+    Case(
         "a checkpoint whose weights file is cut short",
         1,
         "<path> is damaged",

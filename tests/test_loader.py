@@ -9,6 +9,7 @@ import random
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -251,6 +252,26 @@ def test_a_failed_read_raises_in_the_consumer(numbered, tmp_path, workers):
         InputError, match=r"part-00005\.parquet is listed in the manifest but missing"
     ):
         list(loader)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_row_damaged_in_storage_is_one_error_naming_it(numbered, tmp_path, workers):
+    root, manifest, _ = numbered
+    copy = Location.parse(str(tmp_path / "copy"))
+    shutil.copytree(root.path, copy.path)
+    shard = Path(copy.child(manifest.splits["val"].files[1].path).path)
+    image = pq.read_table(shard)["image"][23].as_py()  # row 3 of row group 2
+    # Its PNG signature overwritten, the file's size unchanged.
+    shard.write_bytes(shard.read_bytes().replace(image, b"BAD" + image[3:]))
+    stream = RowGroupStream(copy, manifest, "val", batch_size=16)
+    with pytest.raises(InputError) as raised:
+        list(RingLoader(stream, processes=workers))
+    assert str(raised.value) == (
+        f"dataset {copy.uri} is damaged: row 3 of row group 2 of {copy.uri}/"
+        f"{manifest.splits['val'].files[1].path}: not an image (unrecognised format): the "
+        "formats read are JPEG, PNG, GIF, WEBP, TIFF, BMP, QOI, PPM, AVIF; re-run preprocessing "
+        "with overwrite=true"
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import struct
 import time
 import uuid
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import (
@@ -291,6 +293,30 @@ def test_deterministic_input_errors_fail_once_before_any_worker(
     assert proc.returncode != 0
     assert f"error: model.weights {missing} do not exist" in proc.stdout, proc.stdout
     assert "RayTrainWorker" not in proc.stdout and not (tmp_path / "bad").exists()
+
+
+def test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row(
+    cluster_2cpu, tiny_dataset, tmp_path
+):
+    # Bytes of one stored image overwritten, the shard's size unchanged: the driver's checks of
+    # the files pass and a loader process fails on the row. Every retry would fail on it again.
+    copy = tmp_path / "damaged"
+    shutil.copytree(tiny_dataset, copy)
+    shard = sorted(copy.glob("data/*/train/*.parquet"))[0]
+    image = pq.ParquetFile(shard).read_row_group(0, columns=["image"])["image"][0].as_py()
+    data = bytearray(shard.read_bytes())
+    at = data.index(struct.pack("<I", len(image)) + image) + 4  # row 0's value, PLAIN-encoded
+    data[at : at + 3] = b"BAD"
+    shard.write_bytes(data)
+    proc = train_job(cluster_2cpu, copy, tmp_path, "name=damaged", "max_failures=3")
+    assert "failed with exit code 1" in proc.stdout, proc.stdout  # the job's: bad input
+    assert re.search(
+        rf"error: dataset {copy}\S* is damaged: row 0 of row group 0 of \S+/{shard.name}"
+        r": not an image \(unrecognised format\).*; re-run preprocessing with overwrite=true",
+        proc.stdout,
+    ), proc.stdout
+    # Its workers started once (rank 0 says so as it starts): not again for max_failures.
+    assert len(re.findall(r"\d+ workers on cpu, precision", proc.stdout)) == 1, proc.stdout
 
 
 def test_ray_data_ingest_evaluates_exactly_and_resumes_after_a_kill_on_its_dataset_version(

@@ -39,9 +39,14 @@ from ray.experimental.internal_kv import (
     internal_kv_get_gcs_client,
 )
 
-# The training driver: the time Ray Train gives a worker group to start, and its error past it.
+# The training driver: the time Ray Train gives a worker group to start, and its error past it;
+# a worker's error as the controller holds it: what the worker raised (`_base_exc`) with its
+# traceback's text (the driver ends a run at once on a worker's InputError).
 from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
-from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+from ray.train.v2._internal.exceptions import (
+    UserExceptionWithTraceback,
+    WorkerGroupStartupTimeoutError,
+)
 
 # Its logger is named by the module's file path: quieted in job logs (pipeline.core.logs).
 from ray.train.v2._internal.execution import context as train_context
@@ -74,6 +79,7 @@ __all__ = [
     "RestartingState",
     "RunningState",
     "TaskContext",
+    "UserExceptionWithTraceback",
     "WorkerGroupStartupTimeoutError",
     "_internal_kv_get",
     "_internal_kv_put",

@@ -29,6 +29,7 @@ from pipeline.core.ray_internals import (
     InitializingState,
     ReschedulingState,
     RestartingState,
+    UserExceptionWithTraceback,
     WorkerGroupStartupTimeoutError,
 )
 from pipeline.core.storage import Location
@@ -331,6 +332,31 @@ class ElasticWaitLimit(ControllerCallback):
             )
 
 
+class WorkerInputError(RuntimeError):
+    """Raised on Ray Train's controller when a worker failed on its input (an InputError)."""
+
+
+class InputErrorsEndTheRun(ControllerCallback):
+    """Ends a run at a worker's InputError (a stored image damaged since it was written, a
+    shard gone) instead of retrying it `max_failures` times: the same rows fail again. Runs on
+    the controller, on the state its failure policy picked for a failed worker group."""
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        error = getattr(current_state, "training_failed_error", None)
+        if (cause := worker_input_error(error)) is not None:
+            raise WorkerInputError(str(cause))
+
+
+def worker_input_error(error: BaseException | None) -> InputError | None:
+    """The InputError a worker raised, where that is what failed its worker group."""
+    for failure in getattr(error, "worker_failures", {}).values():
+        if isinstance(failure, UserExceptionWithTraceback):
+            failure = failure._base_exc
+        if isinstance(failure, InputError):
+            return failure
+    return None
+
+
 def fit(
     cfg: TrainConfig,
     manifest: Manifest,
@@ -398,7 +424,7 @@ def fit(
             storage_filesystem=runs.fs,
             logging_config=ray.train.LoggingConfig(log_level=RAY_TRAIN_LOG_LEVEL),
             failure_config=failure_config(cfg),
-            callbacks=[*callbacks, *waits] or None,
+            callbacks=[*callbacks, *waits, InputErrorsEndTheRun()],
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.checkpoint.num_to_keep,
                 checkpoint_score_attribute=score.key,
@@ -432,6 +458,8 @@ def fit(
                 f"{per_worker} each within {s.startup_timeout_s:.0f} s (startup_timeout_s), "
                 f"{startup_attempts(cfg)} times (max_failures={cfg.max_failures}); {advice}"
             ) from None
+        if isinstance(e.controller_failure, WorkerInputError):
+            raise InputError(str(e.controller_failure)) from None
         raise ClusterError(f"training failed: {e}") from None
     except PreemptionError as e:
         raise ClusterError(
@@ -439,6 +467,8 @@ def fit(
             f"preemptions; the last: {e}"
         ) from None
     except ray.train.TrainingFailedError as e:
+        if (cause := worker_input_error(e)) is not None:  # max_failures=0: no retry to stop
+            raise InputError(str(cause)) from None
         raise ClusterError(
             f"training failed and max_failures={cfg.max_failures} retries are used up; "
             f"the last error: {e}"

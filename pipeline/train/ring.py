@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.torch_input import Failed, RowGroupStream
 
 PREFETCH = 2  # batches each process decodes ahead: the DataLoader's default prefetch_factor
 _rings: weakref.WeakValueDictionary[int, BatchRing] = weakref.WeakValueDictionary()
@@ -49,7 +49,8 @@ class Slot(NamedTuple):
 class BatchRing:
     """`slots` batches of (batch, size, size, 3) uint8 for each of `processes` processes, and a
     count of free slots per process. Made in the trainer's process, before the DataLoader's
-    processes start (its `attach` runs in each of them)."""
+    processes start (its `attach` runs in each of them). With `batch` 0 it holds no images:
+    the stream's batches (encoded ones) go as they are, and only its errors through it."""
 
     def __init__(
         self,
@@ -62,11 +63,11 @@ class BatchRing:
     ):
         self.id, self.slots = next(_ids), slots
         shape = (processes, slots, batch, size, size, 3)
-        if memory is None or memory.shape != shape:  # else an earlier ring's, no longer used
+        if batch and (memory is None or memory.shape != shape):  # else unused since: reused
             storage = torch.UntypedStorage._new_shared(torch.Size(shape).numel())
             memory = torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
-        self.memory = memory
-        self.free = [multiprocessing.Semaphore(slots) for _ in range(processes)]
+        self.memory = memory if batch else None
+        self.free = [multiprocessing.Semaphore(slots) for _ in range(processes if batch else 0)]
         self.process: int | None = None  # in a DataLoader process: its index
         self.filled = 0  # batches this process wrote
         _rings[self.id] = self
@@ -110,7 +111,9 @@ class BatchRing:
 class RingLoader:
     """`stream`'s batches decoded in `processes` DataLoader processes (in this one with 0),
     handed over through a `BatchRing`; uint8 (B, 3, S, S) channels-last and int64 labels, pinned
-    with `pin_memory`. Batches of encoded images (`decode=gpu`) are small and go as they are."""
+    with `pin_memory`. Batches of encoded images (`decode=gpu`) are small and go as they are.
+    An InputError in a process (a damaged row, a missing shard) is raised here as it was raised
+    there, one line, where a DataLoader's own would carry the process's traceback instead."""
 
     def __init__(self, stream: RowGroupStream, *, processes: int, pin_memory: bool = False):
         self.stream, self.processes, self.pin_memory = stream, processes, pin_memory
@@ -121,8 +124,9 @@ class RingLoader:
 
     def __iter__(self):
         ring = None
-        if self.processes and not self.stream.encoded:
-            batch, size = self.stream.batch_size, self.stream.image_size
+        if self.processes:
+            batch = 0 if self.stream.encoded else self.stream.batch_size
+            size = self.stream.image_size
             ring = BatchRing(self.processes, batch=batch, size=size, memory=self.spare)
             self.spare = None
         loader = DataLoader(
@@ -142,6 +146,8 @@ class RingLoader:
         batches = iter(loader)
         try:
             for batch in batches:
+                if isinstance(batch, Failed):
+                    raise batch.error
                 yield batch.take() if isinstance(batch, Slot) else batch
         finally:  # also when the consumer stopped early: no process left waiting for a slot
             if ring is not None:

@@ -37,14 +37,16 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, first_line
 from pipeline.core.storage import Location, retry
 from pipeline.data.dataset import SCHEMA, Manifest
-from pipeline.data.images import decode_image, jpeg_header
+from pipeline.data.images import BadImageError, decode_image, jpeg_header
 from pipeline.train.order import batched, process_key, shuffled, taken
 from pipeline.train.rest import Segment, cut, not_trained, rest_run, steps_of
 
 COLUMNS = ["image", "label"]
+Place = tuple[int, int]  # (index into RowGroupStream.groups, row in that group)
+Row = tuple[bytes, int, Place]  # an encoded image, its label, where it is stored
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,16 @@ class RowGroupStream(IterableDataset):
     # --- reading and decoding -------------------------------------------------------------
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        try:
+            yield from self._batches()
+        except InputError as e:
+            if self.ring is None:
+                raise
+            # Handed over as it is: a DataLoader raises a process's error again with the
+            # process's traceback for its message.
+            yield Failed(e)
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         worker, processes = (info.id, info.num_workers) if info else (0, 1)
         # The DataLoader takes its first batch from worker 0: worker 0 plays the process whose
@@ -267,37 +279,63 @@ class RowGroupStream(IterableDataset):
         key = process_key(self.seed, self.epoch, self.rank, process)
         if self.rest is not None:
             reads, sizes, rng = self.rest_run(process, processes)
-            rows = self._fetched(self.pieces(reads), self.read_rows)
-            batches = cut(shuffled(rows, self.shuffle_rows, rng), sizes)
+            fetched = self._fetched(self.pieces(reads), self.read_rows)
+            batches = cut(shuffled(fetched, self.shuffle_rows, rng), sizes)
             key = process_key(self.seed, self.epoch, self.rank, process, len(self.segments))
         else:
-            rows = self._fetched(self.runs(self.epoch, process, processes), self.read)
+            fetched = rows = self._fetched(self.runs(self.epoch, process, processes), self.read)
             if self.shuffle:
                 rows = shuffled(rows, self.shuffle_rows, random.Random(key))
             batches = batched(rows, self.batch_size)
-        for b, batch in enumerate(batches):
-            if b < skip:
-                continue  # trained on before the resume: its rows read, not decoded
-            if self.encoded:  # decoded and augmented by the worker, on its device
-                yield EncodedBatch.of(batch, f"{key}/{b}")
-            elif self.ring is not None:  # stacked into memory the trainer's process maps
-                slot, out = self.ring.claim(len(batch))
-                self.decoded(batch, f"{key}/{b}", out)
-                yield self.ring.handed(slot, [label for _, label in batch])
-            else:
-                yield self.decoded(batch, f"{key}/{b}")
+        try:
+            for b, batch in enumerate(batches):
+                if b < skip:
+                    continue  # trained on before the resume: its rows read, not decoded
+                if self.encoded:  # decoded and augmented by the worker, on its device
+                    yield EncodedBatch.of(batch, f"{key}/{b}")
+                elif self.ring is not None:  # stacked into memory the trainer's process maps
+                    slot, out = self.ring.claim(len(batch))
+                    self.decoded(batch, f"{key}/{b}", out)
+                    yield self.ring.handed(slot, [label for _, label, _ in batch])
+                else:
+                    yield self.decoded(batch, f"{key}/{b}")
+        finally:  # its reading thread ends now, not once an error's traceback is dropped
+            fetched.close()
 
     def decoded(
-        self, rows: list[tuple[bytes, int]], key: str, out: torch.Tensor | None = None
+        self, rows: list[Row], key: str, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One batch: its rows decoded, augmented with the draws of `key`, stacked (into
         `out`, if given)."""
-        images = [decode(data, self.image_size) for data, _ in rows]
-        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
+        images = [self.image(row) for row in rows]
+        labels = torch.tensor([label for _, label, _ in rows], dtype=torch.int64)
         return stacked(Augment(self.transform, key)(images), out), labels
 
-    def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int]]:
-        """Rows [lo, hi) of one row group: encoded images and labels."""
+    def image(self, row: Row) -> torch.Tensor:
+        """A row's image, decoded; an InputError naming the row if it is not the image that
+        preprocessing wrote (bytes damaged in storage since: the files' sizes, which the driver
+        checks, may not have changed)."""
+        data, _, (group, index) = row
+        try:
+            image = decode(data, self.image_size)
+        except BadImageError as e:
+            raise InputError(self.damaged(group, str(e), row=index)) from None
+        if image.shape[1:] != (self.image_size, self.image_size):
+            (h, w), size = image.shape[1:], self.image_size
+            what = f"a {w}x{h} px image, not {size}x{size} as the manifest says"
+            raise InputError(self.damaged(group, what, row=index))
+        return image
+
+    def damaged(self, group: int, what: str, *, row: int | None = None) -> str:
+        g = self.groups[group]
+        where = f"row group {g.index} of {self.files[g.file].uri}"
+        return (
+            f"dataset {self.root.uri} is damaged: {'' if row is None else f'row {row} of '}"
+            f"{where}: {what}; re-run preprocessing with overwrite=true"
+        )
+
+    def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int], list[Place]]:
+        """Rows [lo, hi) of one row group: encoded images, labels, and where each is stored."""
         g = self.groups[group]
         f = self.files[g.file]
 
@@ -311,7 +349,11 @@ class RowGroupStream(IterableDataset):
             table = retry(read, f"reading {f.uri}").slice(lo, hi - lo)
         except FileNotFoundError:
             raise InputError(missing(Location(self.root.fs, f.path, f.uri))) from None
-        return table.column("image").to_pylist(), table.column("label").to_pylist()
+        except pa.ArrowInvalid as e:  # read, and not Parquet: not what preprocessing wrote
+            what = f"it does not read as Parquet ({first_line(e)})"
+            raise InputError(self.damaged(group, what)) from None
+        places = [(group, row) for row in range(lo, hi)]
+        return table.column("image").to_pylist(), table.column("label").to_pylist(), places
 
     def pieces(self, positions: list[int]) -> list[tuple[int, list[int]]]:
         """(group, its rows) of positions of the epoch's row sequence, in sequence order."""
@@ -324,12 +366,12 @@ class RowGroupStream(IterableDataset):
                 out.append((order[i], [row]))
         return out
 
-    def read_rows(self, group: int, rows: list[int]) -> tuple[list[bytes], list[int]]:
-        """Rows `rows` (ascending) of one row group: encoded images and labels."""
-        images, labels = self.read(group, rows[0], rows[-1] + 1)
-        return [images[r - rows[0]] for r in rows], [labels[r - rows[0]] for r in rows]
+    def read_rows(self, group: int, rows: list[int]) -> tuple[list, list, list]:
+        """Rows `rows` (ascending) of one row group, as `read` gives them."""
+        columns = self.read(group, rows[0], rows[-1] + 1)
+        return tuple([column[r - rows[0]] for r in rows] for column in columns)
 
-    def _fetched(self, runs: list[tuple], read) -> Iterator[tuple[bytes, int]]:
+    def _fetched(self, runs: list[tuple], read) -> Iterator[Row]:
         """The rows of `runs`, each `read(*run)`, read `prefetch_groups` ahead by a thread while
         the caller decodes. Started here, in the process that iterates: threads do not survive
         a fork."""
@@ -379,11 +421,11 @@ class EncodedBatch(NamedTuple):
     key: str  # its augmentation's key: the draws `Augment` makes for the decoded batch
 
     @classmethod
-    def of(cls, rows: list[tuple[bytes, int]], key: str) -> tuple[EncodedBatch, torch.Tensor]:
-        """(EncodedBatch, labels) of (encoded image, label) rows."""
-        data = bytearray(b"".join(image for image, _ in rows))
-        labels = torch.tensor([label for _, label in rows], dtype=torch.int64)
-        sizes = [len(image) for image, _ in rows]
+    def of(cls, rows: list[Row], key: str) -> tuple[EncodedBatch, torch.Tensor]:
+        """(EncodedBatch, labels) of rows."""
+        data = bytearray(b"".join(image for image, _, _ in rows))
+        labels = torch.tensor([label for _, label, _ in rows], dtype=torch.int64)
+        sizes = [len(image) for image, _, _ in rows]
         return cls(torch.frombuffer(data, dtype=torch.uint8), sizes, key), labels
 
     def tensors(self) -> list[torch.Tensor]:
