@@ -9,6 +9,9 @@ import random
 import struct
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
 
 from harness.images import VARIANTS, exif, rgb, save
 from pipeline.data.images import MAX_PIXELS, MAX_WHOLE_RESIZE
@@ -153,3 +156,15 @@ def share(count: int, max_bytes: int, seed: int = SEED) -> list[Case]:
     rng = random.Random(seed)
     whole = rng.sample([c for c in cases if c.intact], count // 6)
     return whole + rng.sample([c for c in cases if not c.intact], count - len(whole))
+
+
+def damage_stored_image(shard: Path, group: int, row: int) -> None:
+    """Overwrites the first 3 bytes of the image that row `row` of row group `group` of a
+    preprocessed shard stores (its format's signature): the file's size stays the same, as when
+    storage damages bytes in place."""
+    image = pq.ParquetFile(shard).read_row_group(group, columns=["image"])["image"][row].as_py()
+    data = bytearray(shard.read_bytes())
+    # The value as Parquet stores it, PLAIN-encoded: its length, then its bytes.
+    at = data.index(struct.pack("<I", len(image)) + image) + 4
+    data[at : at + 3] = b"BAD"
+    shard.write_bytes(data)

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from corpus import damage_stored_image
 from torch.utils.data import DataLoader
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from pipeline.core.config import load_config
-from pipeline.core.errors import ConfigError
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import VERSIONS, read_manifest
 from pipeline.model.device import DevicePolicy, pick_precision
@@ -85,6 +87,24 @@ def test_on_the_cpu_the_device_path_gives_the_cpu_paths_batches(
     assert_same(batches(gpu_val), batches(cpu_val))
 
 
+def test_a_stored_image_that_does_not_decode_is_named_as_the_cpu_path_names_it(
+    tiny_dataset, tmp_path
+):
+    copy = tmp_path / "damaged"
+    shutil.copytree(tiny_dataset, copy)
+    root = Location.parse(str(copy))
+    manifest = read_manifest(root)
+    damage_stored_image(Path(root.child(manifest.splits["val"].files[0].path).path), 0, 5)
+    errors = []
+    for encoded in (True, False):
+        stream = RowGroupStream(root, manifest, "val", batch_size=16, encoded=encoded)
+        batches = RingLoader(stream, processes=2)
+        with pytest.raises(InputError, match=r"is damaged: row 5 of row group 0 of ") as raised:
+            list(DeviceDecoded(batches, CPU, rows=stream) if encoded else batches)
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1]
+
+
 def test_the_loader_processes_only_read_rows(tiny_dataset):
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)
@@ -97,7 +117,7 @@ def test_the_loader_processes_only_read_rows(tiny_dataset):
         assert len(batch.sizes) == len(labels) and sum(batch.sizes) == len(batch.data)
         assert all(t[:2].tolist() == [0xFF, 0xD8] for t in batch.tensors())  # JPEG's SOI
         assert torch.equal(labels, expected)
-        ((out, _),) = list(DeviceDecoded([(batch, labels)], CPU))
+        ((out, _),) = list(DeviceDecoded([(batch, labels)], CPU, rows=stream))
         assert torch.equal(out, images)
 
 
@@ -164,7 +184,7 @@ def test_on_cuda_each_batch_is_decoded_and_augmented_there_with_the_cpu_paths_dr
     stream = RowGroupStream(
         root, manifest, "train", batch_size=16, shuffle=True, seed=3, encoded=True
     )
-    decoded = DeviceDecoded(stream, cuda, transform)
+    decoded = DeviceDecoded(stream, cuda, transform, rows=stream)
     for (batch, labels), (images, same_labels) in zip(stream, decoded, strict=True):
         assert images.device == cuda and images.dtype == torch.uint8
         assert images.shape == (len(labels), 3, 32, 32) and torch.equal(labels, same_labels)

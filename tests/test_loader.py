@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray.data
 import torch
-from corpus import damaged, resized_header
+from corpus import damage_stored_image, damaged, resized_header
 from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
@@ -259,10 +259,7 @@ def test_a_row_damaged_in_storage_is_one_error_naming_it(numbered, tmp_path, wor
     root, manifest, _ = numbered
     copy = Location.parse(str(tmp_path / "copy"))
     shutil.copytree(root.path, copy.path)
-    shard = Path(copy.child(manifest.splits["val"].files[1].path).path)
-    image = pq.read_table(shard)["image"][23].as_py()  # row 3 of row group 2
-    # Its PNG signature overwritten, the file's size unchanged.
-    shard.write_bytes(shard.read_bytes().replace(image, b"BAD" + image[3:]))
+    damage_stored_image(Path(copy.child(manifest.splits["val"].files[1].path).path), 2, 3)
     stream = RowGroupStream(copy, manifest, "val", batch_size=16)
     with pytest.raises(InputError) as raised:
         list(RingLoader(stream, processes=workers))

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import struct
 import time
 import uuid
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
+from corpus import damage_stored_image
 from helpers import (
     MAIN_RUN_RECIPE,
     armed_runtime_env,
@@ -303,11 +302,7 @@ def test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row(
     copy = tmp_path / "damaged"
     shutil.copytree(tiny_dataset, copy)
     shard = sorted(copy.glob("data/*/train/*.parquet"))[0]
-    image = pq.ParquetFile(shard).read_row_group(0, columns=["image"])["image"][0].as_py()
-    data = bytearray(shard.read_bytes())
-    at = data.index(struct.pack("<I", len(image)) + image) + 4  # row 0's value, PLAIN-encoded
-    data[at : at + 3] = b"BAD"
-    shard.write_bytes(data)
+    damage_stored_image(shard, group=0, row=0)
     proc = train_job(cluster_2cpu, copy, tmp_path, "name=damaged", "max_failures=3")
     assert "failed with exit code 1" in proc.stdout, proc.stdout  # the job's: bad input
     assert re.search(

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from pipeline.train.torch_input import Augment, EncodedBatch
+from pipeline.train.torch_input import Augment, EncodedBatch, RowGroupStream
 
 
 def pick_decode(decode: str, device: torch.device, image_format: str) -> str:
@@ -37,10 +37,12 @@ def decode_batch(batch: EncodedBatch, device: torch.device, transform=None) -> t
 
 
 class DeviceDecoded:
-    """A loader of (EncodedBatch, labels) batches as (uint8 (B, 3, S, S) on `device`, labels)."""
+    """A loader of (EncodedBatch, labels) batches as (uint8 (B, 3, S, S) on `device`, labels).
+    `rows`: the RowGroupStream the batches come from, which names a stored image that does not
+    decode."""
 
-    def __init__(self, loader, device: torch.device, transform=None):
-        self.loader, self.device, self.transform = loader, device, transform
+    def __init__(self, loader, device: torch.device, transform=None, *, rows: RowGroupStream):
+        self.loader, self.device, self.transform, self.rows = loader, device, transform, rows
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __len__(self) -> int:
@@ -48,7 +50,13 @@ class DeviceDecoded:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for batch, labels in self.loader:
-            yield self.decode(batch), labels
+            try:
+                images = self.decode(batch)
+            except RuntimeError:  # decode_jpeg's, naming no image: the CPU path's names it
+                for data, place in zip(batch.tensors(), batch.places, strict=True):
+                    self.rows.image((data.numpy().tobytes(), 0, place))
+                raise  # each decodes on the CPU: the device's decoder failed on its own
+            yield images, labels
 
     def decode(self, batch: EncodedBatch) -> torch.Tensor:
         if self.stream is None:

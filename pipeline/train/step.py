@@ -251,7 +251,7 @@ def train_data(
     )
     batches = loader(stream, cfg, device)
     if on_device:
-        batches = DeviceDecoded(batches, device, transform)
+        batches = DeviceDecoded(batches, device, transform, rows=stream)
     return EpochLoader(batches, stream)
 
 
@@ -269,7 +269,7 @@ def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, w
         encoded=on_device,
     )
     batches = loader(stream, cfg, device)
-    return DeviceDecoded(batches, device) if on_device else batches
+    return DeviceDecoded(batches, device, rows=stream) if on_device else batches
 
 
 class EpochLoader:

@@ -419,6 +419,7 @@ class EncodedBatch(NamedTuple):
     data: torch.Tensor  # uint8 (total bytes,)
     sizes: list[int]  # bytes of each image, in order
     key: str  # its augmentation's key: the draws `Augment` makes for the decoded batch
+    places: list[Place]  # where each image is stored, to name one that does not decode
 
     @classmethod
     def of(cls, rows: list[Row], key: str) -> tuple[EncodedBatch, torch.Tensor]:
@@ -426,7 +427,8 @@ class EncodedBatch(NamedTuple):
         data = bytearray(b"".join(image for image, _, _ in rows))
         labels = torch.tensor([label for _, label, _ in rows], dtype=torch.int64)
         sizes = [len(image) for image, _, _ in rows]
-        return cls(torch.frombuffer(data, dtype=torch.uint8), sizes, key), labels
+        places = [place for _, _, place in rows]
+        return cls(torch.frombuffer(data, dtype=torch.uint8), sizes, key, places), labels
 
     def tensors(self) -> list[torch.Tensor]:
         """One uint8 (bytes,) view per image, as `decode_jpeg` takes a batch."""
