@@ -158,6 +158,15 @@ def share(count: int, max_bytes: int, seed: int = SEED) -> list[Case]:
     return whole + rng.sample([c for c in cases if not c.intact], count - len(whole))
 
 
+def damage_page_header(shard: Path, group: int) -> None:
+    """Overwrites the first bytes of the image column's first page header in row group `group`
+    of a preprocessed shard, the file's size unchanged."""
+    at = pq.ParquetFile(shard).metadata.row_group(group).column(0).data_page_offset
+    data = bytearray(shard.read_bytes())
+    data[at : at + 4] = bytes(4)
+    shard.write_bytes(data)
+
+
 def damage_stored_image(shard: Path, group: int, row: int) -> None:
     """Overwrites the first 3 bytes of the image that row `row` of row group `group` of a
     preprocessed shard stores (its format's signature): the file's size stays the same, as when

@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 import torchvision
+from corpus import damage_page_header
 from helpers import checkpoint_meta, errors_table, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT, free_port
@@ -50,6 +51,7 @@ from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import check_dataset, check_model, pick_dataset_version
+from pipeline.train.torch_input import RowGroupStream
 from pipeline.tune.config import SweepConfig
 from pipeline.tune.sweep import pinned_version, sweep
 
@@ -123,6 +125,13 @@ def damaged_copy(tmp_path, dataset, split: str, *, cut: bool) -> Path:
     else:
         shard.unlink()
     return copy
+
+
+def damaged_row_group(tmp_path, dataset):
+    shutil.copytree(dataset, tmp_path / "d")
+    damage_page_header(next((tmp_path / "d").glob("data/*/val/*.parquet")), 0)
+    root = Location.parse(str(tmp_path / "d"))
+    list(RowGroupStream(root, read_manifest(root), "val", batch_size=16))
 
 
 def damaged_shards(tmp_path, dataset):
@@ -714,6 +723,12 @@ CASES = [
         "dataset <path> is damaged: row <n> of row group <g> of <file>: not an image",
         test="tests/test_train_jobs.py::"
         "test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row",
+    ),
+    Case(
+        "a row group of a dataset's shard damaged since it was written (the file's size unchanged)",
+        1,
+        "dataset <path> is damaged: row group <g> of <file>: it does not read as Parquet",
+        damaged_row_group,
     ),
     Case(
         "a checkpoint whose weights file is cut short",

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import ray.data
 import torch
-from corpus import damage_stored_image, damaged, resized_header
+from corpus import damage_page_header, damage_stored_image, damaged, resized_header
 from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
@@ -268,6 +268,23 @@ def test_a_row_damaged_in_storage_is_one_error_naming_it(numbered, tmp_path, wor
         f"{manifest.splits['val'].files[1].path}: not an image (unrecognised format): the "
         "formats read are JPEG, PNG, GIF, WEBP, TIFF, BMP, QOI, PPM, AVIF; re-run preprocessing "
         "with overwrite=true"
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_row_group_damaged_in_storage_is_one_error_naming_it(numbered, tmp_path, workers):
+    root, manifest, _ = numbered
+    copy = Location.parse(str(tmp_path / "copy"))
+    shutil.copytree(root.path, copy.path)
+    path = manifest.splits["val"].files[0].path
+    damage_page_header(Path(copy.child(path).path), 4)
+    stream = RowGroupStream(copy, manifest, "val", batch_size=16)
+    with pytest.raises(InputError) as raised:  # at once: no retry reads other bytes
+        list(RingLoader(stream, processes=workers))
+    assert str(raised.value) == (
+        f"dataset {copy.uri} is damaged: row group 4 of {copy.uri}/{path}: it does not read as "
+        "Parquet (Couldn't deserialize thrift: TProtocolException: Invalid data); re-run "
+        "preprocessing with overwrite=true"
     )
 
 

@@ -22,7 +22,14 @@ class ClusterError(RuntimeError):
 EXIT_CODES: dict[type[Exception], int] = {InputError: 1, ConfigError: 2, ClusterError: 3}
 
 
-# Storage errors that retrying cannot fix: the request itself is wrong.
+# pyarrow's errors for Parquet bytes that are not what was written, OSErrors as a failed read's
+# are: reading them again reads the same bytes.
+PARQUET_DAMAGE_MARKS = (
+    "Couldn't deserialize thrift",
+    "Unexpected end of stream",
+    "decompression failed",
+)
+# Storage errors that retrying cannot fix: the request itself is wrong, or the bytes.
 PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 PERMANENT_MARKS = (
     # pyarrow names S3's errors by its own enum ("AWS Error NO_SUCH_KEY during CopyObject"),
@@ -37,6 +44,7 @@ PERMANENT_MARKS = (
     "SignatureDoesNotMatch",
     "Path does not exist",
     "No such file",
+    *PARQUET_DAMAGE_MARKS,
 )
 
 

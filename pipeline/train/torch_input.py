@@ -37,7 +37,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
-from pipeline.core.errors import InputError, first_line
+from pipeline.core.errors import PARQUET_DAMAGE_MARKS, InputError, first_line
 from pipeline.core.storage import Location, retry
 from pipeline.data.dataset import SCHEMA, Manifest
 from pipeline.data.images import BadImageError, decode_image, jpeg_header
@@ -349,7 +349,9 @@ class RowGroupStream(IterableDataset):
             table = retry(read, f"reading {f.uri}").slice(lo, hi - lo)
         except FileNotFoundError:
             raise InputError(missing(Location(self.root.fs, f.path, f.uri))) from None
-        except pa.ArrowInvalid as e:  # read, and not Parquet: not what preprocessing wrote
+        except (pa.ArrowInvalid, OSError) as e:
+            if isinstance(e, OSError) and not any(m in str(e) for m in PARQUET_DAMAGE_MARKS):
+                raise  # storage's, not the bytes'
             what = f"it does not read as Parquet ({first_line(e)})"
             raise InputError(self.damaged(group, what)) from None
         places = [(group, row) for row in range(lo, hi)]
