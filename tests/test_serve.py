@@ -249,6 +249,7 @@ def test_answers_are_the_batch_jobs_for_the_same_images(
     info = Client(app.url).request("GET").json()
     assert info["classes"] == list(CLASSES) and info["image_size"] == 32
     assert info["precision"] == "fp32"
+    assert info["decodes_at_once"] == 1  # a replica of 0.5 CPU decodes one body at a time
 
 
 @pytest.mark.slow

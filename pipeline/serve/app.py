@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -68,6 +70,11 @@ class ImageClassifier:
         use_gpu = bool(ray.get_gpu_ids())
         if not use_gpu:
             use_threads(assigned.get("CPU", 1))
+        # Decoding is CPU work: as many images at once as the replica holds CPUs. The event
+        # loop's default pool runs up to 32, each image up to its decode's memory bound
+        # (docs/errors.md), for no more throughput.
+        self.decodes_at_once = max(1, math.ceil(assigned.get("CPU", 1)))
+        self.decoders = ThreadPoolExecutor(self.decodes_at_once, thread_name_prefix="decode")
         # What answers name: the checkpoint, or the registered version as models:/name/version.
         self.model = model
         if model.startswith(REGISTERED_MODEL):
@@ -102,7 +109,8 @@ class ImageClassifier:
                 raise BadRequest(405, f"{request.method} is not served here; {HOW_TO_POST}")
             started = time.perf_counter()
             data = await read_body(request, self.cfg.max_request_bytes)
-            pixels = await asyncio.to_thread(self.prepare, data)
+            loop = asyncio.get_running_loop()
+            pixels = await loop.run_in_executor(self.decoders, self.prepare, data)
         except BadRequest as e:
             return JSONResponse({"error": str(e)}, status_code=e.status)
         queued = time.perf_counter()
@@ -153,6 +161,7 @@ class ImageClassifier:
             "precision": self.classifier.precision,
             "top_k": self.cfg.top_k,
             "max_request_bytes": self.cfg.max_request_bytes,
+            "decodes_at_once": self.decodes_at_once,
         }
 
 
