@@ -22,8 +22,8 @@ class ClusterError(RuntimeError):
 EXIT_CODES: dict[type[Exception], int] = {InputError: 1, ConfigError: 2, ClusterError: 3}
 
 
-# pyarrow's errors for Parquet bytes that are not what was written, OSErrors as a failed read's
-# are: reading them again reads the same bytes.
+# pyarrow's errors for Parquet bytes that are not what was written. They are OSErrors, as a
+# failed read's are, but reading again reads the same bytes.
 PARQUET_DAMAGE_MARKS = (
     "Couldn't deserialize thrift",
     "Unexpected end of stream",

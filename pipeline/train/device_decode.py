@@ -54,7 +54,7 @@ class DeviceDecoded:
                 images = self.decode(batch)
             except RuntimeError:  # decode_jpeg's, naming no image: the CPU path's names it
                 for data, place in zip(batch.tensors(), batch.places, strict=True):
-                    self.rows.image((data.numpy().tobytes(), 0, place))
+                    self.rows.image(data.numpy().tobytes(), place)
                 raise  # each decodes on the CPU: the device's decoder failed on its own
             yield images, labels
 

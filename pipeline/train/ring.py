@@ -5,10 +5,9 @@ batch, whose pages the process faults in and zeroes as it stacks the batch, and 
 trainer's process maps and faults in again as it reads it, about a sixth of the loader's CPU
 time at 224 px. Here each process stacks its batches into a few slots of one shared buffer,
 mapped before the processes start (the same pages every epoch), and sends only the slot's
-number and the labels; the
-trainer's process copies the batch out (into pinned memory where the batches go to a GPU: the
-copy the DataLoader's pinning made anyway) and frees the slot. A process waits for a free slot,
-so a batch is never overwritten before it was copied.
+number and the labels; the trainer's process copies the batch out (into pinned memory where the
+batches go to a GPU: the copy the DataLoader's pinning made anyway) and frees the slot. A
+process waits for a free slot, so a batch is never overwritten before it was copied.
 """
 
 from __future__ import annotations

@@ -307,15 +307,15 @@ class RowGroupStream(IterableDataset):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One batch: its rows decoded, augmented with the draws of `key`, stacked (into
         `out`, if given)."""
-        images = [self.image(row) for row in rows]
+        images = [self.image(data, place) for data, _, place in rows]
         labels = torch.tensor([label for _, label, _ in rows], dtype=torch.int64)
         return stacked(Augment(self.transform, key)(images), out), labels
 
-    def image(self, row: Row) -> torch.Tensor:
-        """A row's image, decoded; an InputError naming the row if it is not the image that
-        preprocessing wrote (bytes damaged in storage since: the files' sizes, which the driver
-        checks, may not have changed)."""
-        data, _, (group, index) = row
+    def image(self, data: bytes, place: Place) -> torch.Tensor:
+        """The image stored at `place`, decoded; an InputError naming it if it is not the image
+        that preprocessing wrote (bytes damaged in storage since: the files' sizes, which the
+        driver checks, may not have changed)."""
+        group, index = place
         try:
             image = decode(data, self.image_size)
         except BadImageError as e:
@@ -441,9 +441,9 @@ def stacked(images: list[torch.Tensor], out: torch.Tensor | None = None) -> torc
     """uint8 (3, H, W) images -> (B, 3, H, W) in their own memory layout: channels-last where
     the first one is (decoded, or resized by the augmentation's crop: height, width, then a
     pixel's 3 channels), the layout a GPU step takes, else contiguous. Each image's copy is then
-    a plain one, not a transposition. In a DataLoader process, default_collate stacks into
-    shared memory, which the trainer's process maps: handing the batch over copies nothing.
-    With `out`, into `out` (a ring's slot), in its layout."""
+    a plain one, not a transposition. With `out`, into `out` (a ring's slot: ring.RingLoader),
+    in its layout; in a plain DataLoader's process, default_collate stacks into shared memory
+    of the batch's own."""
     if out is not None:
         for image, into in zip(images, out, strict=True):
             into.copy_(image)
