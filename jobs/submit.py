@@ -22,16 +22,20 @@ dataset read the version the run was trained on, however they are run; inference
 images (`--set infer.input=s3://.../photos`) reads them as they are.
 
 Only a job that SUCCEEDED counts: `ray job submit` itself exits 0 for a job that was stopped.
+A cluster that cannot take a job yet is tried again for `--submit-timeout-s` (60 s); a job
+whose log stream drops is followed again from where it stopped, and its end read from its status,
+while the cluster answers within `--reconnect-timeout-s` (300 s) (jobs/follow.py).
+
 Exit codes: 0 every step succeeded; the failed job's own exit code (1 unusable input, 2 invalid
-config, 3 the cluster could not do it; 1 when the job died without one); 4 the job was stopped
-(`ray job stop`) or this command interrupted, which stops the job too; 2 an invalid config or
-argument here, before anything is submitted.
+config, 3 the cluster could not do it; 1 when the job died without one); 3 also when the cluster
+did not take a job or answered nothing for those times; 4 the job was stopped (`ray job stop`)
+or this command interrupted, which stops the job too; 2 an invalid config or argument here,
+before anything is submitted.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime
 import logging
@@ -45,6 +49,7 @@ from pathlib import Path
 
 import yaml
 
+from jobs.follow import Patience, follow, not_yet, submit
 from pipeline.core.config import keys_help, load_config
 from pipeline.core.errors import EXIT_CODES, ClusterError, ConfigError, failure, first_line
 from pipeline.core.logs import CURRENT_DATASET_LINE, setup_logging
@@ -220,57 +225,70 @@ def committed_version(log_text: str) -> str | None:
 
 
 def submit_and_wait(
-    address: str, job: Job, env_vars: dict[str, str] | None = None, log: list[str] | None = None
+    address: str,
+    job: Job,
+    env_vars: dict[str, str] | None = None,
+    log: list[str] | None = None,
+    patience: Patience | None = None,
 ) -> int:
     """Submit `job`, stream its log to stdout (and into `log`), return its exit code (0 only
-    for SUCCEEDED)."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    for SUCCEEDED). A cluster that cannot take it yet, or a connection lost while it runs, is
+    waited for as `patience` says (jobs/follow.py)."""
+    from ray.job_submission import JobStatus
 
     # The job client sets its own logger to INFO on import: "WebSocket closed ..." per job.
     logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
-    client = JobSubmissionClient(address)
+    log = [] if log is None else log
+    patience = patience or Patience()
+
+    def say(line: str, file=sys.stdout) -> None:
+        print(f"[{job.step}] {line}", file=file, flush=True)
+
+    def write(text: str) -> None:
+        sys.stdout.write(without_noise(text))
+        sys.stdout.flush()
+        log.append(text)
+
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     submission_id = f"ray-cv-{job.step}-{stamp}-{secrets.token_hex(3)}"
-    client.submit_job(
+    client = submit(
+        address,
+        submission_id,
+        patience,
+        say,
         entrypoint=shlex.join(job.entrypoint),
         runtime_env=runtime_env(env_vars),
-        submission_id=submission_id,
     )
     print(f"[{job.step}] submitted {submission_id}: {shlex.join(job.entrypoint)}", flush=True)
     try:
         with _sigterm_as_interrupt():
-            asyncio.run(_stream_logs(client, submission_id, [] if log is None else log))
-            info = client.get_job_info(submission_id)
-            while not info.status.is_terminal():  # the log stream can end a moment early
-                time.sleep(0.5)
-                info = client.get_job_info(submission_id)
+            info = follow(client, submission_id, address, patience, write, say)
     except KeyboardInterrupt:
         # A scheduler killing its task (or Ctrl-C) must not leave the job running unseen.
-        client.stop_job(submission_id)
-        print(f"[{job.step}] interrupted: stopped {submission_id}", file=sys.stderr, flush=True)
+        try:
+            client.stop_job(submission_id)
+        except Exception as e:
+            answer = not_yet(e)
+            if answer is None:
+                raise
+            say(
+                f"interrupted; cannot reach the cluster to stop {submission_id} ({answer})",
+                sys.stderr,
+            )
+            return STOPPED_EXIT
+        say(f"interrupted: stopped {submission_id}", sys.stderr)
         return STOPPED_EXIT
     if info.status == JobStatus.SUCCEEDED:
         took = time.monotonic() - started
         print(f"[{job.step}] {submission_id} succeeded in {took:.0f} s", flush=True)
         return 0
     if info.status == JobStatus.STOPPED:
-        print(f"[{job.step}] {submission_id} was stopped", file=sys.stderr, flush=True)
+        say(f"{submission_id} was stopped", sys.stderr)
         return STOPPED_EXIT
     code = info.driver_exit_code or 1
-    print(
-        f"[{job.step}] {submission_id} failed with exit code {code}: {info.message}",
-        file=sys.stderr,
-        flush=True,
-    )
+    say(f"{submission_id} failed with exit code {code}: {info.message}", sys.stderr)
     return code
-
-
-async def _stream_logs(client, submission_id: str, log: list[str]) -> None:
-    async for lines in client.tail_job_logs(submission_id):
-        sys.stdout.write(without_noise(lines))
-        sys.stdout.flush()
-        log.append(lines)
 
 
 def without_noise(text: str) -> str:
@@ -337,6 +355,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE",
         help="an environment variable for the jobs, over runtime_env.yaml's (repeatable)",
     )
+    add(
+        "--submit-timeout-s",
+        type=float,
+        default=Patience.submit_s,
+        metavar="SECONDS",
+        help="how long to try again a submission the cluster cannot take yet: not up, no job "
+        "agent (default %(default).0f)",
+    )
+    add(
+        "--reconnect-timeout-s",
+        type=float,
+        default=Patience.reconnect_s,
+        metavar="SECONDS",
+        help="how long to follow a job while its cluster does not answer before exit 3; the "
+        "job may run on (default %(default).0f)",
+    )
     parser.add_argument("step", choices=[*CONFIGS, "all"])
     args = parser.parse_args(argv)
     setup_logging()
@@ -366,13 +400,14 @@ def run_chain(args: argparse.Namespace) -> int:
     """The steps `args` name, one job after another; the first failed job's exit code."""
     jobs = plan(args.root, profile=args.profile, sets=args.set, recipe=args.recipe)
     env_vars = parse_env(args.env)
+    patience = Patience(submit_s=args.submit_timeout_s, reconnect_s=args.reconnect_timeout_s)
     version = None
     for job in jobs:
         if args.step == job.step or (args.step == "all" and job.step in STEPS):
             if job.step == "train" and version is not None:
                 job = pin_dataset(job, version)
             log: list[str] = []
-            code = submit_and_wait(args.address, job, env_vars, log)
+            code = submit_and_wait(args.address, job, env_vars, log, patience)
             if code != 0:
                 return code
             if job.step == "preprocess":

@@ -5,13 +5,16 @@ through the example DAG, in test_airflow.py."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from helpers import CLASSES, make_image_folder
+from jobs_api import JobsAPI
 
 from harness.cluster import BUNDLE_ROOT
 from jobs.submit import (
@@ -84,7 +87,7 @@ def test_plan_keeps_the_roots_query_after_every_path():
 def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
     submitted = {}
 
-    def submit(address, job, env_vars=None, log=None):
+    def submit(address, job, env_vars=None, log=None, patience=None):
         submitted[job.step] = job.entrypoint
         log.append("INFO jobs.preprocess: current dataset version: 20261123T1-aa\n")
         return 0
@@ -181,6 +184,91 @@ def test_the_streamed_logs_leave_out_rays_noise():
     ours = "2026-11-24 17:00:01,000 INFO jobs.infer: 119 images classified\n"
     assert without_noise(ours + noise + ours) == ours + ours
     assert without_noise(ours.rstrip("\n")) == ours.rstrip("\n")  # a chunk ends mid-line
+
+
+# --- the chain against a stand-in for the Job REST API that breaks the connection -------------
+
+LINES = [f"2026-11-24 17:00:{i:02d},000 INFO jobs.preprocess: line {i}\n" for i in range(12)]
+
+
+@pytest.fixture
+def chain(tmp_path, capsys, monkeypatch):
+    """Run the chain's preprocess step against `api`, in this process: (exit code, out, err)."""
+    monkeypatch.setattr("jobs.follow.POLL_S", 0.05)
+    # Nothing to upload: the stand-in holds every package.
+    monkeypatch.setattr("jobs.submit.runtime_env", lambda env_vars=None: {})
+
+    def run(api: JobsAPI, *flags: str) -> tuple[int, str, str]:
+        args = ["--address", api.address, "--root", str(tmp_path), "--profile", "demo", *flags]
+        code = main([*args, "preprocess"])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in out + err
+        return code, out, err
+
+    return run
+
+
+def printed_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines(keepends=True) if "jobs.preprocess: line" in line]
+
+
+@pytest.mark.parametrize("after_drop", ["reconnect", "poll"])
+@pytest.mark.parametrize("ending", [("SUCCEEDED", 0), ("FAILED", 2)], ids=["succeeded", "failed"])
+def test_a_dropped_log_stream_is_followed_to_the_jobs_own_end(chain, ending, after_drop):
+    # The stream cut mid-job (close code 1006), the job running on: the chain streams it again
+    # from where it stopped ("reconnect"), or polls its log where no stream passes ("poll").
+    with JobsAPI(LINES, ending, drop_after=5, after_drop=after_drop) as api:
+        code, out, err = chain(api)
+    assert code == ending[1], out + err
+    assert printed_lines(out) == LINES  # each once, in order
+    assert "dropped (WebSocket connection closed unexpectedly with close code 1006)" in out
+    assert api.streams == (2 if after_drop == "reconnect" else 1)
+
+
+@pytest.mark.parametrize("api", [{"busy": 2}, {"late_s": 1.0}], ids=["no agent", "not up"])
+def test_a_cluster_that_cannot_take_the_job_yet_is_tried_again(chain, api):
+    # 500 "No available agent ..., please try again later" twice; a dashboard not yet listening.
+    with JobsAPI(LINES, **api) as api:
+        code, out, err = chain(api, "--submit-timeout-s=20")
+    assert code == 0, out + err
+    assert "cannot take the job yet" in out and "for up to 20 s (--submit-timeout-s)" in out
+    assert printed_lines(out) == LINES and len(api.jobs) == 1
+
+
+def test_a_cluster_that_never_takes_the_job_ends_the_chain_with_exit_3(chain):
+    started = time.monotonic()
+    with JobsAPI(LINES, busy=math.inf) as api:
+        code, out, err = chain(api, "--submit-timeout-s=1")
+    assert code == 3 and time.monotonic() - started < 10
+    assert "for up to 1 s (--submit-timeout-s)" in out and api.posts >= 2 and not api.jobs
+    (line,) = err.splitlines()
+    assert line.startswith(
+        f"error: the cluster at --address {api.address} did not take the job for 1 s "
+        "(--submit-timeout-s): 500: No available agent to submit job"
+    )
+    assert "default port 52365" in line and "--dashboard-agent-listen-port" in line
+
+
+@pytest.mark.parametrize("after_drop", ["vanish", "forget"])
+def test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id(chain, after_drop):
+    # "vanish": the cluster stops answering (connection refused), for longer than the bound;
+    # "forget": a restarted head that no longer knows the job.
+    with JobsAPI(LINES, drop_after=5, after_drop=after_drop) as api:
+        code, out, err = chain(api, "--reconnect-timeout-s=1")
+        (submission_id,) = api.jobs
+    assert code == 3, out + err
+    assert f"submitted {submission_id}" in out and printed_lines(out) == LINES[:5]
+    (line,) = err.splitlines()
+    if after_drop == "vanish":
+        assert f"job {submission_id} again for up to 1 s (--reconnect-timeout-s)" in out
+        assert line.startswith(
+            f"error: cannot reach the cluster at --address {api.address} for 1 s "
+            f"(--reconnect-timeout-s), following job {submission_id}, which may still run"
+        )
+    else:
+        assert line.startswith(
+            f"error: the cluster at --address {api.address} no longer knows job {submission_id}"
+        )
 
 
 # --- the chain on a local cluster, classifying other images than its dataset's ----------------
