@@ -100,7 +100,8 @@ def train_args(tmp_path, dataset, *overrides) -> list[str]:
 
 def chain_args(root, *args) -> list[str]:
     address = f"http://127.0.0.1:{free_port()}"  # where nothing answers
-    return ["jobs.submit", "--address", address, "--root", str(root), *args]
+    # Tried again for 1 s, not the default minute, where a cluster may yet come up.
+    return ["jobs.submit", "--address", address, "--root", str(root), "--submit-timeout-s=1", *args]
 
 
 def checked_dataset(tmp_path, dataset, *overrides):
@@ -822,10 +823,31 @@ CASES = [
     ),
     # The cluster or its storage: exit 3.
     Case(
-        "a chain `--address` where no cluster answers (nothing is submitted)",
+        "a chain `--address` where no cluster answers for `--submit-timeout-s` (nothing is "
+        "submitted)",
         3,
         "cannot reach the cluster at --address <address>",
         cli=lambda t, _: [chain_args(t, "all")],
+    ),
+    Case(
+        "a chain `--address` whose cluster does not take a job for `--submit-timeout-s` (its job "
+        "agent is not up: another cluster on the machine holds the agent's port 52365)",
+        3,
+        "the cluster at --address <address> did not take the job for <n> s (--submit-timeout-s)",
+        test="tests/test_chain.py::test_a_cluster_that_never_takes_the_job_ends_the_chain_with_exit_3",
+    ),
+    Case(
+        "a cluster that answers nothing for `--reconnect-timeout-s` while the chain follows a job",
+        3,
+        "cannot reach the cluster at --address <address> for <n> s (--reconnect-timeout-s), "
+        "following job <id>",
+        test="tests/test_chain.py::test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id",
+    ),
+    Case(
+        "a cluster that no longer knows the chain's job (a head restarted without its jobs)",
+        3,
+        "the cluster at --address <address> no longer knows job <id>",
+        test="tests/test_chain.py::test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id",
     ),
     Case(
         "storage that keeps failing",

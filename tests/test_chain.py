@@ -242,10 +242,9 @@ def test_a_cluster_that_never_takes_the_job_ends_the_chain_with_exit_3(chain):
     assert code == 3 and time.monotonic() - started < 10
     assert "for up to 1 s (--submit-timeout-s)" in out and api.posts >= 2 and not api.jobs
     (line,) = err.splitlines()
-    assert line.startswith(
-        f"error: the cluster at --address {api.address} did not take the job for 1 s "
-        "(--submit-timeout-s): 500: No available agent to submit job"
-    )
+    address = api.address
+    assert line.startswith(f"error: the cluster at --address {address} did not take the job for")
+    assert "1 s (--submit-timeout-s): 500: No available agent to submit job" in line
     assert "default port 52365" in line and "--dashboard-agent-listen-port" in line
 
 
@@ -261,10 +260,8 @@ def test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id(chain
     (line,) = err.splitlines()
     if after_drop == "vanish":
         assert f"job {submission_id} again for up to 1 s (--reconnect-timeout-s)" in out
-        assert line.startswith(
-            f"error: cannot reach the cluster at --address {api.address} for 1 s "
-            f"(--reconnect-timeout-s), following job {submission_id}, which may still run"
-        )
+        assert line.startswith(f"error: cannot reach the cluster at --address {api.address} for")
+        assert f"1 s (--reconnect-timeout-s), following job {submission_id}, which may" in line
     else:
         assert line.startswith(
             f"error: the cluster at --address {api.address} no longer knows job {submission_id}"
