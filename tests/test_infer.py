@@ -217,7 +217,13 @@ def test_a_job_stopped_midway_infers_only_the_rest_when_submitted_again(
     def rows(output):
         return read_predictions(str(output)).sort_by("source_id").to_pylist()
 
-    assert rows(out) == rows(val_predictions[0])
+    resumed, clean_rows = rows(out), rows(val_predictions[0])
+    # Row for row; the probabilities to float rounding, which moves with how the images were
+    # batched (two clean runs batch them differently too: blocks arrive in any order).
+    probs = [r.pop("top_k_prob") for r in resumed]
+    clean_probs = [r.pop("top_k_prob") for r in clean_rows]
+    assert resumed == clean_rows
+    assert np.allclose(probs, clean_probs, rtol=1e-4, atol=1e-6)
     # The stopped job's version went with the commit: just the committed one is left.
     assert [p.name for p in (out / VERSIONS).iterdir()] == [summary["version"]]
 
