@@ -6,9 +6,10 @@ Classify a preprocessed dataset split (of the run's own dataset, the version it 
 unless dataset_version= says) or an image folder with the best checkpoint of a training
 run (or a given checkpoint), on Ray Data; writes the predictions as a new version below output
 and commits it with output/summary.json (accuracy, per-class precision and recall, confusion
-matrix when labels are known, the files that hold the predictions); with a tracking URI, logs
-them to MLflow, linked to the training run (docs/tracking.md). Given one image file as input,
-prints its top-k classes as JSON instead. Exit codes: 0 done, 1 unusable input (run,
+matrix when labels are known, the files that hold the predictions); submitted again after it
+failed or was stopped midway, it infers only the images it had not written. With a tracking
+URI, logs them to MLflow, linked to the training run (docs/tracking.md). Given one image file as
+input, prints its top-k classes as JSON instead. Exit codes: 0 done, 1 unusable input (run,
 checkpoint, images), 2 invalid config, 3 the cluster cannot run it (no GPU for use_gpu=true,
 fewer CPUs than cpus_per_actor) or the tracking server does not answer.
 """

@@ -3,6 +3,7 @@ export job, from the same run (in-process export tests: test_export)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,6 +11,8 @@ import signal
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from helpers import (
@@ -19,6 +22,7 @@ from helpers import (
     held_worker,
     in_background,
     make_image_folder,
+    wait_for,
 )
 
 from jobs.infer import main as infer_main
@@ -174,6 +178,54 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
     assert committed(out) == before
     assert read_predictions(str(out)).num_rows == 119
     assert len(list((out / VERSIONS).iterdir())) == 2
+
+
+def test_a_job_stopped_midway_infers_only_the_rest_when_submitted_again(
+    cluster_2cpu, trained, tiny_dataset, val_predictions, tmp_path
+):
+    out = tmp_path / "out"
+    args = (f"model={trained}", f"input={tiny_dataset}", f"output={out}", "rows_per_file=10")
+    (tmp_path / "fault").mkdir()
+    runtime_env, marker = armed_runtime_env(tmp_path / "fault", faults.PREDICTIONS_PART_WRITTEN)
+    submit = {"runtime_env": runtime_env, "submission_id": f"infer-stopped-{tmp_path.name}"}
+    job = in_background(infer_job, cluster_2cpu, *args, **submit)
+    pid = held_worker(marker, job)  # a write task, its first part of 10 predictions written
+    cluster_2cpu.ray("job", "stop", submit["submission_id"])
+    assert "was stopped" in job.result().stdout  # `ray job submit` exits 0 for a stopped job
+    wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the stopped job's write task to end")
+    (stopped,) = (out / VERSIONS).iterdir()
+    assert not (out / SUMMARY).exists()
+    written = set()
+    for part in (stopped / PREDICTIONS).iterdir():
+        with contextlib.suppress(OSError, pa.ArrowInvalid):  # a part cut short: no footer
+            written |= set(pq.read_table(part, columns=["source_id"])["source_id"].to_pylist())
+    assert 10 <= len(written) < 119, len(written)
+
+    proc = infer_job(cluster_2cpu, *args)
+    assert proc.returncode == 0, proc.stdout
+    why = f"resuming: {len(written)} of 119 images already inferred (version {stopped.name})"
+    assert why in proc.stdout, proc.stdout
+    summary = json.loads((out / SUMMARY).read_text())
+    assert summary["resumed"] == [stopped.name] and summary["images_resumed"] == len(written)
+    # Fewer images through the model than a clean run's 119, and the clean run's predictions.
+    assert summary["images_inferred"] == 119 - len(written)
+    assert summary["images"] == 119
+    clean = json.loads((val_predictions[0] / SUMMARY).read_text())
+    assert summary["confusion_matrix"] == clean["confusion_matrix"]
+    assert summary["accuracy"] == clean["accuracy"]
+
+    def rows(output):
+        return read_predictions(str(output)).sort_by("source_id").to_pylist()
+
+    resumed, clean_rows = rows(out), rows(val_predictions[0])
+    # Row for row; the probabilities to float rounding, which moves with how the images were
+    # batched (two clean runs batch them differently too: blocks arrive in any order).
+    probs = [r.pop("top_k_prob") for r in resumed]
+    clean_probs = [r.pop("top_k_prob") for r in clean_rows]
+    assert resumed == clean_rows
+    assert np.allclose(probs, clean_probs, rtol=1e-4, atol=1e-6)
+    # The stopped job's version went with the commit: just the committed one is left.
+    assert [p.name for p in (out / VERSIONS).iterdir()] == [summary["version"]]
 
 
 @pytest.fixture(scope="module")

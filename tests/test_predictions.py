@@ -31,7 +31,9 @@ from pipeline.infer.predictions import (
     PredictionSink,
     Tally,
     batch_table,
+    carry,
     check_output,
+    find_partial,
     publish,
     read_predictions,
     read_summary,
@@ -472,3 +474,54 @@ def test_retention_removes_only_marked_versions_old_and_superseded(output):
     # one started after it stay whatever their age, and so does what is not the bundle's.
     assert remove_old_versions(output, now=now + datetime.timedelta(days=1)) == [young]
     assert versions(output) == [users, previous, committed, writing]
+
+
+KEY = {"checkpoint": "s3://runs/r/epoch_0003", "checkpoint_files": "ab12", "top_k": 2}
+
+
+def test_a_stopped_run_is_resumed_by_a_run_of_its_key_into_a_clean_runs_predictions(output, caplog):
+    ids = [f"x/{i:02d}" for i in range(40)]
+    clean = Location.parse(f"{output.uri}-clean")
+    run(clean, ids)
+    # A run stopped midway: whole parts of 25 images (10, 10, 5), the same first part again from
+    # a retried attempt of its task, and a part cut short (no footer).
+    job = {"id": "02000000", "started_ms": 1}
+    stopped = start_version(output, {"key": KEY, "job": job})
+    sink = sink_of(output, stopped)
+    sink.write([of(ids[:25])], ctx(0))
+    sink.write([of(ids[:10])], ctx(0))
+    parts = output.child(VERSIONS, stopped, PREDICTIONS)
+    parts.child("part-000001-0badc0de-0000.parquet").write_bytes(b"PAR1 cut short")
+    foreign = output.child(VERSIONS, new_version())
+    foreign.child("yours.txt").write_bytes(b"not the bundle's")
+
+    def never(job):
+        return False
+
+    # Another checkpoint, or the same job still running: not resumed, and said why.
+    other = KEY | {"checkpoint_files": "cd34"}
+    assert find_partial(output, other, num_classes=3, alive=never) is None
+    assert f"not resuming version {stopped}: its checkpoint_files differ" in caplog.text
+    assert find_partial(output, KEY, num_classes=3, alive=lambda j: j == job) is None
+    assert f"not resuming version {stopped}: its job" in caplog.text
+
+    partial = find_partial(output, KEY, num_classes=3, alive=never)
+    assert partial.versions == [stopped] and partial.tally.images == 25
+    assert sorted(partial.ids.to_pylist()) == ids[:25]
+    assert partial.tally.confusion.tolist() == [[0, 25, 0], [0, 0, 0], [0, 0, 0]]
+    # The run that resumes it infers only the other 15 and commits what the clean run did.
+    version = start_version(output, {"key": KEY, "job": {"id": "03000000", "started_ms": 2}})
+    tally = carry(output, partial, version)
+    sink = sink_of(output, version)
+    tally.merge(summed(sink, sink.write([of(ids[25:])], ctx(0))))
+    assert tally.images == 40
+    publish(output, version, tally, {"images": tally.images}, PNG, resumed=partial.versions)
+    by_id = lambda t: t.sort_by("source_id").to_pylist()  # noqa: E731
+    assert by_id(read_predictions(output)) == by_id(read_predictions(clean))
+    # The partial version is gone with the commit; what the bundle did not write stays, and the
+    # committed version is no partial work for a later run.
+    assert versions(output) == sorted([version, foreign.name])
+    assert foreign.child("yours.txt").exists()
+    assert find_partial(output, KEY, num_classes=3, alive=never) is None
+    summary = read_summary(output)
+    assert all(f["path"].startswith(f"{VERSIONS}/{version}/") for f in summary["files"])

@@ -6,8 +6,8 @@ process to reach the armed point writes its pid to `<directory>/<point>` and blo
 killed, or until the test releases it (to let a held writer go on when it chooses). The file
 stays, so the workers that replace a killed one pass the point: a fresh directory per job. The
 checkpoint points are on rank 0's path only, as rank 0 alone attaches checkpoints; the dataset
-points are in the preprocess job's driver, the predictions points in the infer job's. Unarmed,
-a point is one environment lookup.
+points are in the preprocess job's driver, the predictions points in the infer job's (the part
+point in its write tasks). Unarmed, a point is one environment lookup.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ DATASET_COMMITTED = "dataset_committed"
 PREDICTIONS_WRITTEN = "predictions_written"
 # summary.json names the new version; the versions that retention lets go are not yet removed.
 PREDICTIONS_COMMITTED = "predictions_committed"
+# An inference write task has closed a whole part (rows_per_file predictions), the first of the
+# job's to: some predictions are on storage, the rest not yet.
+PREDICTIONS_PART_WRITTEN = "predictions_part_written"
 POINTS = (
     CHECKPOINT_UPLOADED,
     CHECKPOINT_REPORTED,
@@ -54,6 +57,7 @@ POINTS = (
     DATASET_COMMITTED,
     PREDICTIONS_WRITTEN,
     PREDICTIONS_COMMITTED,
+    PREDICTIONS_PART_WRITTEN,
 )
 # A held process goes on once `<marker>` + RELEASE exists (harness.faults.release writes it).
 RELEASE = ".release"

@@ -20,7 +20,8 @@ from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
 # variable, as metadata under JOB_ID_METADATA_KEY (below).
 from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 
-# The capacity wait's, as above.
+# The capacity wait's, as above; and inference's resume (pipeline.infer.batch), which asks the
+# GCS's job table whether the job that wrote a partial version still runs.
 from ray._private.state import state as gcs_state
 from ray.autoscaler.v2.sdk import get_cluster_resource_state
 from ray.autoscaler.v2.utils import is_autoscaler_v2

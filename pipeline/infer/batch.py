@@ -10,8 +10,10 @@ One image file instead goes through a single Ray task and is printed: the quick 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import posixpath
 import resource
 import time
 
@@ -24,10 +26,11 @@ from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.errors import InputError
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.plots import plot_confusion
+from pipeline.core.ray_internals import gcs_state
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError, decode_image
 from pipeline.infer.config import InferConfig
-from pipeline.infer.inputs import read_input
+from pipeline.infer.inputs import Input, list_input, read_input
 from pipeline.infer.predictions import (
     PREDICTIONS,
     VERSIONS,
@@ -35,7 +38,9 @@ from pipeline.infer.predictions import (
     PredictionSink,
     Tally,
     batch_table,
+    carry,
     check_output,
+    find_partial,
     publish,
     start_version,
 )
@@ -167,7 +172,9 @@ def wait_for_gpu(timeout_s: float) -> int:
 def infer(cfg: InferConfig, *, model: Location, source: Location, output: Location) -> dict:
     """Classify `source` (a dataset or an image folder) with `model` (a run or a checkpoint)
     into a new version at `output`; return the summary in place (Ray initialised): this run's,
-    or that of a run started after it with the same checkpoint and input, committed first."""
+    or that of a run started after it with the same checkpoint and input, committed first.
+    What an uncommitted run of the same key wrote (a job stopped or failed midway) is carried
+    over, not inferred again."""
     check_output(output)
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
@@ -175,8 +182,53 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     log_weights(checkpoint, meta)
     quiet_ray_data()
     asked = trained_version(meta, source, cfg.dataset_version, key="input")
-    ds, dataset_version, input_classes = read_input(source, split=cfg.split, version=asked)
-    unknown = classes_unknown(input_classes, meta.classes)
+    inp = list_input(source, split=cfg.split, version=asked)
+    unknown = classes_unknown(inp.classes, meta.classes)
+    num_classes = len(meta.classes)
+    key = prediction_key(cfg, checkpoint, inp)
+    partial = find_partial(output, key, num_classes=num_classes, alive=job_alive)
+    # This run writes below versions/<version>/ only, and publish commits that.
+    version = start_version(output, {"key": key, "job": this_job()})
+    carried = Tally.empty(num_classes)
+    if partial is not None:
+        carried = carry(output, partial, version)
+        log.info(
+            "resuming: %d of %d images already inferred (version %s); inferring the rest",
+            *(carried.images, inp.images, ", ".join(partial.versions)),
+        )
+    ds = read_input(inp, skip=None if partial is None else partial.ids)
+    sink = PredictionSink(
+        output.child(VERSIONS, version, PREDICTIONS),
+        num_classes=num_classes,
+        rows_per_file=cfg.rows_per_file,
+    )
+    # Wall clock, not monotonic: the batches are stamped in the actors' processes.
+    started = time.time()
+    if ds is None:
+        sink.tally = Tally.empty(num_classes)  # every image was inferred before
+    else:
+        predict(cfg, ds, sink, checkpoint=checkpoint, image_size=meta.image_size)
+    seconds = time.time() - started
+    tally = Tally.empty(num_classes)
+    tally.merge(carried)
+    tally.merge(sink.tally)
+    summary = summarize(meta, checkpoint, source, inp.version, tally, sink.tally, started, seconds)
+    if partial is not None:
+        summary |= {"resumed": partial.versions, "images_resumed": carried.images}
+    if unknown:
+        summary["classes_unknown"] = unknown
+    png = None
+    if "confusion_matrix" in summary:
+        png = plot_confusion(summary["confusion_matrix"], meta.classes)
+    summary |= driver_usage()  # last but the commit: everything the driver did counts
+    resumed = [] if partial is None else partial.versions
+    return publish(output, version, tally, summary, png, resumed=resumed)
+
+
+def predict(
+    cfg: InferConfig, ds: ray.data.Dataset, sink: PredictionSink, *, checkpoint, image_size: int
+) -> None:
+    """Classify the input rows `ds` with the predictor actors and write them with `sink`."""
     predictor = {
         "checkpoint": checkpoint,
         "use_gpu": cfg.use_gpu,
@@ -188,7 +240,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
         per_actor = {"num_gpus": 1, "num_cpus": 1}
         # CPU tasks decode while the GPUs classify.
         ds = ds.map_batches(
-            prepare_batch, fn_kwargs={"image_size": meta.image_size}, batch_size=cfg.batch_size
+            prepare_batch, fn_kwargs={"image_size": image_size}, batch_size=cfg.batch_size
         )
     else:
         # Each actor decodes its own batches with its CPUs, then runs the model on all of them
@@ -203,7 +255,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
         )
         actors = min(cfg.num_actors, fits)
         per_actor = {"num_cpus": cpus}
-        predictor |= {"decode_size": meta.image_size, "threads": cpus}
+        predictor |= {"decode_size": image_size, "threads": cpus}
     # As many actors as the cluster holds now, growing up to num_actors as nodes join.
     log.info(
         "checkpoint %s; %d to %d predictor actors with %s each, batches of %d",
@@ -220,27 +272,44 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
         compute=ray.data.ActorPoolStrategy(min_size=actors, max_size=cfg.num_actors),
         **per_actor,
     )
-
-    # This run writes below versions/<version>/ only, and publish commits that.
-    version = start_version(output)
-    sink = PredictionSink(
-        output.child(VERSIONS, version, PREDICTIONS),
-        num_classes=len(meta.classes),
-        rows_per_file=cfg.rows_per_file,
-    )
-    # Wall clock, not monotonic: the batches are stamped in the actors' processes.
-    started = time.time()
     # The write tasks take no CPU, like the reads: on CPUs the actors hold every one.
     ds.write_datasink(sink, ray_remote_args={"num_cpus": 0}, concurrency=WRITE_TASKS)
-    seconds = time.time() - started
-    summary = summarize(meta, checkpoint, source, dataset_version, sink.tally, started, seconds)
-    if unknown:
-        summary["classes_unknown"] = unknown
-    png = None
-    if "confusion_matrix" in summary:
-        png = plot_confusion(summary["confusion_matrix"], meta.classes)
-    summary |= driver_usage()  # last but the commit: everything the driver did counts
-    return publish(output, version, sink.tally, summary, png)
+
+
+def prediction_key(cfg: InferConfig, checkpoint: Location, inp: Input) -> dict:
+    """What this run's predictions depend on: a partial run's work is resumed only by a run of
+    the same key. The checkpoint's files by name, size and time (one rewritten in place is
+    another), the input's images (Input.identity), and the settings that change a prediction."""
+    files = hashlib.sha256()
+    for f in checkpoint.list_files():
+        files.update(
+            f"{posixpath.relpath(f.path, checkpoint.path)}\0{f.size}\0{f.mtime_ns}\n".encode()
+        )
+    return {
+        "checkpoint": checkpoint.uri,
+        "checkpoint_files": files.hexdigest(),
+        **inp.identity,
+        "top_k": cfg.top_k,
+        "precision": cfg.precision,
+        "use_gpu": cfg.use_gpu,
+    }
+
+
+def this_job() -> dict:
+    """The running job, as Ray's job table names it: its id, and its start to tell it from a job
+    of the same id on another cluster."""
+    job_id = ray.get_runtime_context().get_job_id()
+    started = next((j["StartTime"] for j in gcs_state.job_table() if j["JobID"] == job_id), None)
+    return {"id": job_id, "started_ms": started}
+
+
+def job_alive(job: dict) -> bool:
+    """Whether `job` (this_job's record) still runs on this cluster. A job of another cluster
+    counts as ended: one inference job per output at a time (docs/infer.md)."""
+    return any(
+        j["JobID"] == job.get("id") and j["StartTime"] == job.get("started_ms") and not j["IsDead"]
+        for j in gcs_state.job_table()
+    )
 
 
 def driver_usage() -> dict:
@@ -259,9 +328,12 @@ def summarize(
     source: Location,
     dataset_version: str | None,
     tally: Tally,
+    inferred: Tally,
     started: float,
     seconds: float,
 ) -> dict:
+    """The run's summary: counts and scores of all its predictions (`tally`), speeds of those
+    it inferred itself (`inferred`; the others were carried over from a partial run)."""
     summary = {
         "checkpoint": checkpoint.uri,
         # Which of its weights classified (raw, or its EMA's where those scored better on val),
@@ -273,16 +345,18 @@ def summarize(
         **({"dataset_version": dataset_version} if dataset_version else {}),
         "classes": meta.classes,
         "images": tally.images,
+        "images_inferred": inferred.images,
         "seconds": seconds,
-        "images_per_s": tally.images / seconds if seconds else 0.0,
+        "images_per_s": inferred.images / seconds if seconds else 0.0,
         "skipped": sorted(tally.skipped, key=lambda s: s["source_id"]),
     }
-    if math.isfinite(tally.first_at):
+    if math.isfinite(inferred.first_at):
         # Start-up (actors importing torch, loading the model) apart from the steady rate.
-        first_s = tally.first_at - started
+        first_s = inferred.first_at - started
         summary["first_batch_s"] = first_s
         rest = seconds - first_s
-        summary["steady_images_per_s"] = (tally.images - tally.first_images) / rest if rest else 0.0
+        steady = inferred.images - inferred.first_images
+        summary["steady_images_per_s"] = steady / rest if rest else 0.0
     cm = tally.confusion  # rows: true class, columns: predicted
     labelled = int(cm.sum())
     if labelled:

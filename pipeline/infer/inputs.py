@@ -8,11 +8,14 @@ and this module imports only pyarrow, so their worker processes start in a momen
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import posixpath
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray.data
 
@@ -26,47 +29,77 @@ READ_TASKS = 2
 FILES_PER_READ = 64
 
 
-def read_input(
-    root: Location, *, split: str, version: str | None = None
-) -> tuple[ray.data.Dataset, str | None, list[str]]:
-    """Rows of (data: encoded image, source_id, label_name or ''): one read per Parquet shard
-    of `split` of a dataset's `version` (by default its newest, resolved once here), or per
-    FILES_PER_READ image files of a folder; the dataset version read (None: a folder); and the
-    input's classes (a dataset's, or a folder's <class>/ folders that hold files)."""
+@dataclass
+class Input:
+    """What an inference input holds, listed once by the driver."""
+
+    root: Location
+    files: list[str]  # Parquet shards of the split, or image files
+    version: str | None  # the dataset version (None: a folder)
+    classes: list[str]  # a dataset's, or a folder's <class>/ folders that hold files
+    images: int  # rows of the split, or files of the folder
+    identity: dict  # what makes its images these: for resume keys (pipeline.infer.batch)
+
+
+def list_input(root: Location, *, split: str, version: str | None = None) -> Input:
+    """The Parquet shards of `split` of a dataset's `version` (by default its newest, resolved
+    once here), or the image files of a folder."""
     if versions := committed_versions(root):
         manifest = read_manifest(root, version or versions[-1])
         files = [root.child(f.path).path for f in manifest.splits[split].files]
         if not files:
             raise InputError(f"split {split!r} of dataset {root.uri} is empty")
         check_files(root, manifest, [split])
+        images = manifest.splits[split].rows
         log.info(
             "input: dataset %s, version %s, split %s, %d images",
-            *(root.uri, manifest.version, split, manifest.splits[split].rows),
+            *(root.uri, manifest.version, split, images),
         )
-        reader, blocks, version = read_shard, len(files), manifest.version
-        classes = manifest.classes
-    else:
-        if version is not None:
-            raise InputError(
-                f"dataset_version={version}, but input={root.uri} is not a preprocessed dataset"
-            )
-        files = [
-            f.path for f in root.list_files() if not posixpath.basename(f.path).startswith(".")
-        ]
+        # A committed version's shards never change: its name says which images.
+        identity = {"input": root.uri, "dataset_version": manifest.version, "split": split}
+        return Input(root, files, manifest.version, manifest.classes, images, identity)
+    if version is not None:
+        raise InputError(
+            f"dataset_version={version}, but input={root.uri} is not a preprocessed dataset"
+        )
+    infos = [f for f in root.list_files() if not posixpath.basename(f.path).startswith(".")]
+    if not infos:
+        raise InputError(f"input={root.uri} has no files: give a dataset, a folder or an image")
+    files = [f.path for f in infos]
+    log.info("input: folder %s, %d files", root.uri, len(files))
+    classes = sorted({label for f in files if (label := folder_label(root, f))})
+    # A folder changes in place: its files' names, sizes and times say which images.
+    listing = hashlib.sha256()
+    for f in infos:
+        listing.update(f"{f.path}\0{f.size}\0{f.mtime_ns}\n".encode())
+    identity = {"input": root.uri, "files": listing.hexdigest()}
+    return Input(root, files, None, classes, len(files), identity)
+
+
+def read_input(inp: Input, *, skip: pa.Array | None = None) -> ray.data.Dataset | None:
+    """Rows of (data: encoded image, source_id, label_name or ''): one read per Parquet shard,
+    or per FILES_PER_READ image files, leaving out the images whose source_id is in `skip`;
+    None where that leaves no file to read."""
+    files, reader, kwargs = inp.files, read_images, {"root": inp.root}
+    if inp.version is not None:
+        reader = read_shard
+        if skip is not None and len(skip):
+            kwargs["skip"] = ray.put(skip)  # once, not in every task's arguments
+    elif skip is not None and len(skip):
+        ids = pa.array([posixpath.relpath(f, inp.root.path) for f in files], pa.string())
+        done = pc.is_in(ids, value_set=skip).to_pylist()
+        files = [f for f, d in zip(files, done, strict=True) if not d]
         if not files:
-            raise InputError(f"input={root.uri} has no files: give a dataset, a folder or an image")
-        log.info("input: folder %s, %d files", root.uri, len(files))
-        reader, blocks = read_images, -(-len(files) // FILES_PER_READ)
-        classes = sorted({label for f in files if (label := folder_label(root, f))})
+            return None
+    blocks = len(files) if inp.version is not None else -(-len(files) // FILES_PER_READ)
     ds = ray.data.from_items([{"path": f} for f in files], override_num_blocks=blocks)
-    rows = ds.map_batches(
+    return ds.map_batches(
         reader,
-        fn_kwargs={"root": root},
+        fn_kwargs=kwargs,
         batch_size=None,
         num_cpus=0,
         compute=ray.data.TaskPoolStrategy(size=READ_TASKS),
     )
-    return rows, version, classes
 
 
 def folder_label(root: Location, path: str) -> str:
@@ -75,18 +108,34 @@ def folder_label(root: Location, path: str) -> str:
     return source_id.split("/")[0] if "/" in source_id else ""
 
 
-def read_shard(batch: dict, *, root: Location) -> dict:
-    """Ray Data stage: Parquet shard paths -> their rows."""
-    columns = ["image", "source_id", "label_name"]
-    table = pa.concat_tables(
-        retry(lambda p=p: pq.read_table(p, filesystem=root.fs, columns=columns), f"reading {p}")
-        for p in batch["path"]
-    )
+def read_shard(batch: dict, *, root: Location, skip: ray.ObjectRef | None = None) -> dict:
+    """Ray Data stage: Parquet shard paths -> their rows, but those whose source_id is in the
+    array `skip` refers to (a shard of those only is read no further than its ids)."""
+    done = None if skip is None else ray.get(skip)
+    tables = []
+    for p in batch["path"]:
+        if done is not None:
+            ids = _read(root, p, ["source_id"])["source_id"]
+            keep = pc.invert(pc.is_in(ids, value_set=done))
+            if not pc.any(keep).as_py():
+                continue
+        table = _read(root, p, ["image", "source_id", "label_name"])
+        tables.append(table if done is None else table.filter(keep))
+    if not tables:
+        empty = np.array([], dtype=object)
+        return {"data": empty, "source_id": empty, "label_name": empty}
+    table = pa.concat_tables(tables)
     return {
         "data": table["image"].to_numpy(),
         "source_id": table["source_id"].to_numpy(),
         "label_name": table["label_name"].to_numpy(),
     }
+
+
+def _read(root: Location, path: str, columns: list[str]) -> pa.Table:
+    return retry(
+        lambda: pq.read_table(path, filesystem=root.fs, columns=columns), f"reading {path}"
+    )
 
 
 def read_images(batch: dict, *, root: Location) -> dict:

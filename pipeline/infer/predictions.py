@@ -47,7 +47,7 @@ import logging
 import math
 import posixpath
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,6 +83,11 @@ EARLIER_LAYOUT = (PREDICTIONS, CONFUSION_PNG, "_staging")
 # Retention keeps every version younger than this: a reader that read summary.json before a
 # commit or two may still be reading the version it named.
 KEEP_HOURS = 24
+
+# Written beside the marker when a run starts, removed just before its commit: what the run's
+# predictions depend on ("key") and which job writes them ("job"). A version that holds it is
+# partial work, which a later run of the same key resumes (find_partial).
+PROGRESS = "_resume.json"
 
 # Write tasks at a time: each appends small tables to one file, so two keep up with any pool of
 # predictor actors, and more would only add idle worker processes.
@@ -226,6 +231,7 @@ class PredictionSink(Datasink[Tally]):
                     if rows_in_file == self.rows_per_file:
                         writer.close()
                         writer, rows_in_file = None, 0
+                        faults.point(faults.PREDICTIONS_PART_WRITTEN)
         finally:
             if writer is not None:
                 writer.close()
@@ -254,21 +260,125 @@ def check_output(output: Location) -> None:
         )
 
 
-def start_version(output: Location) -> str:
+def start_version(output: Location, progress: dict | None = None) -> str:
     """A new version at `output`: its name, its directory marked as the bundle's before anything
-    else is written in it."""
+    else is written in it, then given `progress` (PROGRESS: the run's key and job)."""
     version = new_version()
-    mark_version(output.child(VERSIONS, version))
+    directory = output.child(VERSIONS, version)
+    mark_version(directory)
+    if progress is not None:
+        directory.child(PROGRESS).write_bytes(json.dumps(progress, indent=2).encode())
     return version
 
 
+@dataclass
+class Partial:
+    """What uncommitted versions of one key hold: the versions, and their whole parts with no
+    image twice, counted as a Tally whose `parts` are those parts' paths."""
+
+    versions: list[str]
+    tally: Tally
+    ids: pa.Array  # source_id of every image in those parts
+
+
+def find_partial(
+    output: Location, key: dict, *, num_classes: int, alive: Callable[[dict], bool]
+) -> Partial | None:
+    """The partial work at `output` that a run of `key` may resume: the uncommitted versions
+    (PROGRESS) of the same key whose job has ended (`alive(job)` is false), None if there is
+    none. Versions of another key, or of a job still writing, are left as they are, logged."""
+    try:
+        current = read_summary(output) or {}
+    except InputError:
+        current = {}
+    keep = {current.get("version"), current.get("previous_version")}
+    versions, tally, ids, seen = [], Tally.empty(num_classes), [], set()
+    for info in reversed(output.child(VERSIONS).list_dirs()):  # the newest first
+        name, directory = info.base_name, output.child(VERSIONS, info.base_name)
+        if name in keep or not is_marked(directory) or not directory.child(PROGRESS).exists():
+            continue
+        try:
+            progress = json.loads(directory.child(PROGRESS).read_bytes())
+        except ValueError:
+            continue  # a write cut short: no key to match
+        other = sorted(
+            k for k in key.keys() | progress["key"].keys() if key.get(k) != progress["key"].get(k)
+        )
+        if other:
+            log.warning(
+                "not resuming version %s: its %s differ from this run's; this run starts over",
+                name,
+                ", ".join(other),
+            )
+            continue
+        if alive(progress.get("job") or {}):
+            log.warning(
+                "not resuming version %s: its job %s is still running", name, progress["job"]
+            )
+            continue
+        versions.append(name)
+        for path, part in _whole_parts(directory.child(PREDICTIONS)):
+            part_ids = part["source_id"]
+            if any(i in seen for i in part_ids.to_pylist()):
+                continue  # the same rows from another attempt of its write task, or carried
+            seen.update(part_ids.to_pylist())
+            ids.append(part_ids)
+            labelled = part.filter(pc.is_valid(part["label"]))
+            np.add.at(
+                tally.confusion, (labelled["label"].to_numpy(), labelled["pred"].to_numpy()), 1
+            )
+            tally.images += part.num_rows
+            tally.parts.append((path, part.num_rows))
+    if not versions:
+        return None
+    ids = pa.concat_arrays([a.combine_chunks() for a in ids]) if ids else pa.array([], pa.string())
+    return Partial(versions=versions, tally=tally, ids=ids)
+
+
+def _whole_parts(directory: Location) -> Iterator[tuple[str, pa.Table]]:
+    """(path, its source_id, label and pred) of each part in `directory` that a write task
+    finished: a part cut short has no footer and does not read."""
+    for info in directory.list_files() if directory.exists() else []:
+        try:
+            table = pq.read_table(
+                info.path, filesystem=directory.fs, columns=["source_id", "label", "pred"]
+            )
+        except (OSError, pa.ArrowInvalid):
+            continue
+        yield info.path, table
+
+
+def carry(output: Location, partial: Partial, version: str) -> Tally:
+    """Copy the whole parts of `partial` into `version`'s predictions: their Tally, whose parts
+    are the copies. Copies, not moves: a move on an object store is a copy and a delete."""
+    target = output.child(VERSIONS, version, PREDICTIONS)
+    target.create_parent()
+    tally = Tally.empty(len(partial.tally.confusion))
+    tally.merge(partial.tally)
+    tally.parts = []
+    for path, rows in partial.tally.parts:
+        # The version in its name keeps a copy apart from this run's own parts.
+        from_version = posixpath.basename(posixpath.dirname(posixpath.dirname(path)))
+        copy = target.child(f"{posixpath.basename(path)[:-8]}-of-{from_version}.parquet")
+        copy.create_parent()
+        retry(lambda p=path, c=copy: target.fs.copy_file(p, c.path), f"copying {path}")
+        tally.parts.append((copy.path, rows))
+    return tally
+
+
 def publish(
-    output: Location, version: str, tally: Tally, summary: dict, confusion_png: bytes | None
+    output: Location,
+    version: str,
+    tally: Tally,
+    summary: dict,
+    confusion_png: bytes | None,
+    *,
+    resumed: Collection[str] = (),
 ) -> dict:
     """Complete `version`, whose parts the write tasks put in place, and commit it by writing
-    summary.json; then remove the versions that retention lets go. If a newer version is
-    committed, remove this one instead, and fail unless the newer holds the same predictions
-    (SAME). Returns the summary in place."""
+    summary.json; then remove the partial versions it `resumed` and the versions that retention
+    lets go. If a newer version is committed, remove this one instead, and fail unless the newer
+    holds the same predictions (SAME). Returns the summary in place."""
     directory = output.child(VERSIONS, version)
     target = directory.child(PREDICTIONS)
     rows = dict(tally.parts)
@@ -316,9 +426,18 @@ def publish(
     }
     if confusion_png is not None:
         summary["confusion_matrix_png"] = _relative(output, directory.child(CONFUSION_PNG).path)
+    # Whole now: no run may resume it. A job that dies between the two writes leaves a version
+    # nobody resumes, which retention removes.
+    if directory.child(PROGRESS).exists():
+        directory.child(PROGRESS).delete()
     output.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
     faults.point(faults.PREDICTIONS_COMMITTED)
     try:
+        for name in resumed:
+            # Never committed, so no reader reads it, and its job has ended (find_partial).
+            output.child(VERSIONS, name).delete()
+        if resumed:
+            log.info("removed the partial version(s) this run resumed: %s", ", ".join(resumed))
         remove_old_versions(output)
     except OSError as e:
         # The predictions are committed: a failed clean-up is the next run's to finish.
