@@ -74,9 +74,8 @@ def allow_modules_field() -> Any:
     check_model_code)."""
     return Field(
         (),
-        description="Modules (with their submodules) that a checkpoint's module:function model "
-        "may import from outside the job's working dir, e.g. [mynets] installed on the nodes; "
-        "a checkpoint runs no other code of its own choosing (docs/models.md).",
+        description="Modules a checkpoint's module:function model may import from outside the "
+        "job's working dir, e.g. [mynets] installed on the nodes (docs/models.md).",
     )
 
 
