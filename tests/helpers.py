@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -343,3 +344,52 @@ def small_run_config(dataset: Path, storage: Path, *overrides: str) -> TrainConf
             *overrides,
         ],
     )
+
+
+# Loaded where `pipeline` can come from the model's code alone: this file, first on PYTHONPATH,
+# drops the finder of the bundle's editable install (a .pth in the venv), and writes where
+# `pipeline` is found to $PIPELINE_FOUND_AT, in every process that imports it.
+SITECUSTOMIZE = """
+import os
+import sys
+from importlib.machinery import PathFinder
+
+sys.meta_path[:] = [
+    f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
+]
+
+
+class Witness:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "pipeline":
+            return None
+        spec = PathFinder.find_spec(name, path)
+        with open(os.environ["PIPELINE_FOUND_AT"], "a") as f:
+            f.write(f"{spec.origin if spec else None}\\n")
+        return spec
+
+
+sys.meta_path.insert(0, Witness)
+"""
+
+
+def bundle_hidden_env(tmp_path: Path) -> dict[str, str]:
+    """An environment where the bundle is not importable (SITECUSTOMIZE), with the venv's
+    tools on PATH; processes that import `pipeline` write where they found it to
+    tmp_path/found."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path),  # where MLflow downloads the model
+        "PYTHONPATH": str(tmp_path / "site"),
+        "PIPELINE_FOUND_AT": str(tmp_path / "found"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", "import pipeline"], cwd=tmp_path, env=env, capture_output=True
+    )
+    assert b"No module named 'pipeline'" in proc.stderr, proc.stderr
+    (tmp_path / "found").unlink()
+    return env

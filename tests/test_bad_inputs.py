@@ -40,7 +40,7 @@ from pipeline.data.preprocess import process_items
 from pipeline.data.sources import FolderSource
 from pipeline.export import formats
 from pipeline.export.config import ExportConfig
-from pipeline.export.exporter import check_output, export, parity_dataset
+from pipeline.export.exporter import check_output, export, export_checkpoint, parity_dataset
 from pipeline.infer.batch import infer, resolve_checkpoint
 from pipeline.infer.config import InferConfig
 from pipeline.infer.inputs import read_input
@@ -163,6 +163,41 @@ def fake_checkpoint(tmp_path, *, cut: bool = False) -> Path:
     if cut:
         os.truncate(directory / WEIGHTS, (directory / WEIGHTS).stat().st_size // 2)
     return directory
+
+
+def checkpoint_naming(tmp_path, name: str, **kwargs) -> Path:
+    """A checkpoint directory whose metadata names the model `name` with builder `kwargs`."""
+    directory = tmp_path / "named"
+    directory.mkdir()
+    meta = checkpoint_meta(model={"name": name, "kwargs": kwargs})
+    (directory / METADATA).write_text(meta.model_dump_json())
+    torch.save({}, directory / WEIGHTS)
+    return directory
+
+
+def inferred_with_hub_checkpoint(tmp_path, dataset):
+    # What the infer job's driver does before any predictor actor loads the checkpoint.
+    checkpoint = checkpoint_naming(tmp_path, "torch.hub:load", repo_or_dir=str(tmp_path))
+    inferred(checkpoint, dataset, tmp_path / "p")
+
+
+def inferred(model, dataset, output) -> None:
+    """The infer job's library call: `model` classifies `dataset` into `output`."""
+    args = [f"model={model}", f"input={dataset}", f"output={output}"]
+    cfg = load_config(InferConfig, None, args)
+    infer(
+        cfg,
+        model=Location.parse(cfg.model),
+        source=Location.parse(cfg.input),
+        output=Location.parse(cfg.output),
+    )
+
+
+def exported_with_timm_loading(tmp_path, _):
+    checkpoint = checkpoint_naming(tmp_path, "timm/resnet18", pretrained=True)
+    cfg = load_config(ExportConfig, None, [f"model={checkpoint}"])
+    output = Location.parse(str(tmp_path / "export"))
+    export_checkpoint(cfg, checkpoint=Location.parse(str(checkpoint)), output=output)
 
 
 def cut_weights(tmp_path, _):
@@ -303,13 +338,7 @@ def run_as_inference_output(tmp_path, dataset):
     (run / "epoch_0000").mkdir(parents=True)
     (run / SNAPSHOT).write_text("{}")
     (run / RUN_SUMMARY).write_text('{"status": "finished"}')
-    cfg = load_config(InferConfig, None, [f"model={run}", f"input={dataset}", f"output={run}"])
-    infer(
-        cfg,
-        model=Location.parse(cfg.model),
-        source=Location.parse(cfg.input),
-        output=Location.parse(cfg.output),
-    )
+    inferred(run, dataset, run)
 
 
 def foreign_export_output(tmp_path, _):
@@ -629,6 +658,20 @@ CASES = [
         "model <name> does not take <n> px images",
         lambda t, d: model_checked(t, d, "model.name=vit_b_16", "model.kwargs.image_size=16"),
     ),
+    Case(
+        "a checkpoint whose `module:function` model is neither a file below the job's working "
+        "dir (a pyfunc model's `code/`) nor in `allow_modules`: inference, serving, export and "
+        "the MLflow model refuse it, running none of it",
+        2,
+        "the checkpoint's model.name=<name> names module <module>",
+        inferred_with_hub_checkpoint,
+    ),
+    Case(
+        "a checkpoint of a timm model whose `model.kwargs` load weights from elsewhere",
+        2,
+        "the checkpoint's model <name> has model.kwargs <keys>, which load weights from elsewhere",
+        exported_with_timm_loading,
+    ),
     # Input data: exit 1.
     Case(
         "a source folder that does not exist",
@@ -774,6 +817,13 @@ CASES = [
         1,
         "model=<path> is neither a training run",
         checkpoint_of("run"),
+    ),
+    Case(
+        "an inference, serving or export `model=` run whose every kept checkpoint scored NaN "
+        "(the training diverged); its train job ends so too",
+        1,
+        "run <path> diverged: no checkpoint it keeps has a <metric> to rank it by",
+        test="tests/test_loading.py::test_a_run_whose_every_checkpoint_is_nan_is_refused",
     ),
     Case(
         "an inference output another job replaced meanwhile, of another model or input",

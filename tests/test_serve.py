@@ -28,6 +28,7 @@ from PIL import Image
 
 from harness.load import Client, Load, post
 from harness.serving import ServeApp
+from pipeline.core.config import validate_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError
@@ -117,7 +118,7 @@ def test_the_application_args_are_checked_when_it_is_built(
     deployment = app._bound_deployment
     checkpoint, config = deployment.init_args
     assert checkpoint == str(checkpoints["a"])
-    assert ServeConfig(**config).max_batch_size == 8 and config["top_k"] == 2
+    assert validate_config(ServeConfig, config).max_batch_size == 8 and config["top_k"] == 2
     assert deployment.max_ongoing_requests == 32  # 4 batches: the replica queues, not the proxy
     # A registered model: the alias pinned to its version when built, for every replica.
     with pytest.raises(ConfigError, match=r"'models:/serve-test' names no version: give"):

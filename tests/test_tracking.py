@@ -25,6 +25,7 @@ import torch
 from helpers import (
     CLASSES,
     USER_MODEL,
+    bundle_hidden_env,
     checkpoint_meta,
     errors_table,
     make_image_folder,
@@ -240,32 +241,6 @@ def test_a_registered_version_resolves_to_its_checkpoint(tmp_path, mlflow_server
 
 # --- the registered version as an MLflow model, through MLflow's own tools ---------------------
 
-# Loaded where `pipeline` can come from the model's code alone: this file, first on PYTHONPATH,
-# drops the finder of the bundle's editable install (a .pth in the venv), and writes where
-# `pipeline` is found to $PIPELINE_FOUND_AT, in every process that imports it.
-SITECUSTOMIZE = """
-import os
-import sys
-from importlib.machinery import PathFinder
-
-sys.meta_path[:] = [
-    f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
-]
-
-
-class Witness:
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name != "pipeline":
-            return None
-        spec = PathFinder.find_spec(name, path)
-        with open(os.environ["PIPELINE_FOUND_AT"], "a") as f:
-            f.write(f"{spec.origin if spec else None}\\n")
-        return spec
-
-
-sys.meta_path.insert(0, Witness)
-"""
 # mlflow.pyfunc.load_model(uri).predict on the images (base64 on stdin), as JSON.
 PYFUNC_PREDICT = """
 import base64, json, sys
@@ -307,24 +282,9 @@ def registered_classifier(tmp_path_factory, mlflow_server):
 
 
 def isolated_env(tmp_path, mlflow_server) -> dict[str, str]:
-    """An environment where the bundle is not importable (SITECUSTOMIZE), with the venv's
-    tools on PATH and the tracking server's URI."""
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {
-        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
-        "HOME": str(tmp_path),
-        "TMPDIR": str(tmp_path),  # where MLflow downloads the model
-        "PYTHONPATH": str(tmp_path / "site"),
-        "PIPELINE_FOUND_AT": str(tmp_path / "found"),
-        "MLFLOW_TRACKING_URI": mlflow_server.uri,
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", "import pipeline"], cwd=tmp_path, env=env, capture_output=True
-    )
-    assert b"No module named 'pipeline'" in proc.stderr, proc.stderr
-    (tmp_path / "found").unlink()
-    return env
+    """An environment where the bundle is not importable (helpers.bundle_hidden_env), with the
+    tracking server's URI."""
+    return bundle_hidden_env(tmp_path) | {"MLFLOW_TRACKING_URI": mlflow_server.uri}
 
 
 def found_in_model_code(tmp_path) -> None:

@@ -63,6 +63,25 @@ class TrackingConfig(Strict):
     experiment: str = Field("ray-cv-bundle", description="MLflow experiment of the job's runs.")
 
 
+def _module_name(value: str) -> str:
+    if not all(part.isidentifier() for part in value.split(".")):
+        raise ValueError(f"{value!r} is not a module name: give a dotted name such as mynets.vit")
+    return value
+
+
+def allow_modules_field() -> Any:
+    """The `allow_modules` key of every job that loads a checkpoint (pipeline.model.networks:
+    check_model_code)."""
+    return Field(
+        (),
+        description="Modules a checkpoint's module:function model may import from outside the "
+        "job's working dir, e.g. [mynets] installed on the nodes (docs/models.md).",
+    )
+
+
+AllowedModules = tuple[Annotated[str, AfterValidator(_module_name)], ...]
+
+
 # A cloud node takes minutes to boot and run its setup commands (cluster.yaml installs torch).
 CAPACITY_TIMEOUT_S = 600
 

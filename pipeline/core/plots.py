@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 
 
-def plot_curves(history: list[dict], *, best_epoch: int, chosen_by: str) -> bytes:
-    """Loss and val accuracy per epoch, the best checkpoint's epoch (`chosen_by` what) marked,
-    as PNG bytes."""
+def plot_curves(history: list[dict], *, best_epoch: int | None, chosen_by: str) -> bytes:
+    """Loss and val accuracy per epoch, the best checkpoint's epoch (`chosen_by` what) marked
+    (none in a run that diverged), as PNG bytes."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -19,7 +19,8 @@ def plot_curves(history: list[dict], *, best_epoch: int, chosen_by: str) -> byte
     right.plot(epochs, [h["val_accuracy"] for h in history], marker="o", color="tab:green")
     right.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="Val accuracy")
     for ax in (left, right):
-        ax.axvline(best_epoch, color="gray", linestyle="--", label=f"best by {chosen_by}")
+        if best_epoch is not None:
+            ax.axvline(best_epoch, color="gray", linestyle="--", label=f"best by {chosen_by}")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.legend()

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from pipeline.core.config import CAPACITY_TIMEOUT_S, AbsolutePathOrURI, Strict
+from pipeline.core.config import (
+    CAPACITY_TIMEOUT_S,
+    AbsolutePathOrURI,
+    AllowedModules,
+    Strict,
+    allow_modules_field,
+)
 
 
 class ExportConfig(Strict):
@@ -58,3 +64,4 @@ class ExportConfig(Strict):
         gt=0,
         description="Seconds to wait for a node with `cpus` CPUs; then exit 3.",
     )
+    allow_modules: AllowedModules = allow_modules_field()

@@ -44,7 +44,7 @@ from pipeline.model.checkpoint import (
     weights_by,
     weights_scores,
 )
-from pipeline.model.networks import load_model
+from pipeline.model.networks import check_model_code, load_model
 from pipeline.model.source import resolve_checkpoint, trained_version
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,7 @@ def export_checkpoint(cfg: ExportConfig, *, checkpoint: Location, output: Locati
     torch.export, check both against PyTorch on the val split, and publish them to `output`;
     returns the summary. Nothing is published if a check fails (InputError)."""
     meta = read_meta(checkpoint)
+    check_model_code(meta.model, allow_modules=cfg.allow_modules)  # before it reads any data
     weights = served_weights(meta)
     summary = {"output": output.uri, "checkpoint": checkpoint.uri, "weights": weights}
     if check_output(output, checkpoint, weights) is not None:
@@ -193,7 +194,7 @@ def export_checkpoint(cfg: ExportConfig, *, checkpoint: Location, output: Locati
         report = json.loads(output.child(PARITY).read_bytes())
         return summary | {"already_exported": True, "parity": report}
     root, manifest = parity_dataset(cfg, meta)
-    model, meta = load_model(checkpoint, weights=weights)
+    model, meta = load_model(checkpoint, weights=weights, allow_modules=cfg.allow_modules)
     model = model.float().eval()
     log.info("exporting %s (%s, %s weights)", checkpoint.uri, meta.model.name, weights)
     with tempfile.TemporaryDirectory(prefix="export-") as tmp:

@@ -52,6 +52,7 @@ from pipeline.model.checkpoint import (
     weights_scores,
 )
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
+from pipeline.model.networks import check_model_code
 from pipeline.model.source import resolve_checkpoint, trained_version
 
 log = logging.getLogger(__name__)
@@ -88,11 +89,14 @@ class Predictor:
         top_k: int,
         decode_size: int | None = None,
         threads: int | None = None,
+        allow_modules: tuple[str, ...] = (),
     ):
         if threads:
             torch.set_num_threads(threads)
         self.decode_size = decode_size
-        self.classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=precision)
+        self.classifier = Classifier(
+            checkpoint, use_gpu=use_gpu, precision=precision, allow_modules=allow_modules
+        )
         self.classes = self.classifier.meta.classes
         self.index = {name: i for i, name in enumerate(self.classes)}
         self.top_k = min(top_k, len(self.classes))
@@ -178,6 +182,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     check_output(output)
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
+    check_model_code(meta.model, allow_modules=cfg.allow_modules)  # before any actor imports it
     check_weights(checkpoint, meta)  # here, not in each actor that loads them
     log_weights(checkpoint, meta)
     quiet_ray_data()
@@ -234,6 +239,7 @@ def predict(
         "use_gpu": cfg.use_gpu,
         "precision": cfg.precision,
         "top_k": cfg.top_k,
+        "allow_modules": cfg.allow_modules,
     }
     if cfg.use_gpu:
         actors = min(cfg.num_actors, wait_for_gpu(cfg.capacity_timeout_s))
@@ -383,8 +389,10 @@ def summarize(
 
 
 @ray.remote
-def _classify_one(checkpoint: Location, data: bytes, use_gpu: bool, precision: str, k: int):
-    classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=precision)
+def _classify_one(
+    checkpoint: Location, data: bytes, use_gpu: bool, precision: str, k: int, allow: tuple
+):
+    classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=precision, allow_modules=allow)
     pixels = prepare_image(data, image_size=classifier.meta.image_size)[None]
     return top_classes(classifier.probabilities(pixels)[0], classifier.meta.classes, k)
 
@@ -393,6 +401,7 @@ def classify_image(cfg: InferConfig, *, model: Location, image: Location) -> dic
     """One image file through one Ray task (on a GPU with use_gpu): its top-k classes."""
     checkpoint = resolve_checkpoint(model)
     meta = read_meta(checkpoint)
+    check_model_code(meta.model, allow_modules=cfg.allow_modules)
     log_weights(checkpoint, meta)
     if cfg.use_gpu:
         wait_for_gpu(cfg.capacity_timeout_s)
@@ -402,7 +411,8 @@ def classify_image(cfg: InferConfig, *, model: Location, image: Location) -> dic
     except BadImageError as e:
         raise InputError(f"input={image.uri}: {e}") from None
     task = _classify_one.options(num_gpus=1 if cfg.use_gpu else 0)
-    top = ray.get(task.remote(checkpoint, data, cfg.use_gpu, cfg.precision, cfg.top_k))
+    args = (cfg.use_gpu, cfg.precision, cfg.top_k, cfg.allow_modules)
+    top = ray.get(task.remote(checkpoint, data, *args))
     return {
         "input": image.uri,
         "checkpoint": checkpoint.uri,

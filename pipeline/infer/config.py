@@ -6,7 +6,14 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.core.config import CAPACITY_TIMEOUT_S, AbsolutePathOrURI, Strict, TrackingConfig
+from pipeline.core.config import (
+    CAPACITY_TIMEOUT_S,
+    AbsolutePathOrURI,
+    AllowedModules,
+    Strict,
+    TrackingConfig,
+    allow_modules_field,
+)
 
 
 class InferConfig(Strict):
@@ -67,3 +74,4 @@ class InferConfig(Strict):
         ),
     )
     tracking: TrackingConfig = TrackingConfig()
+    allow_modules: AllowedModules = allow_modules_field()

@@ -13,11 +13,13 @@
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import zipfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -46,12 +48,27 @@ class Score:
     weights_key: str
     weights_mode: Literal["min", "max"]
 
-    def better(self, a: float, b: float, mode: str | None = None) -> bool:
-        """Whether `a` scores strictly better than `b`, in `mode` (default: the ranking's)."""
-        return a < b if (mode or self.mode) == "min" else a > b
-
     def __str__(self) -> str:
         return self.metric if self.key == "epoch" else f"{self.metric} ({self.mode})"
+
+
+T = TypeVar("T")
+
+
+def scored(value: Any) -> bool:
+    """Whether `value` is a score that ranks: a finite number (NaN, inf, None and text are not:
+    a run that diverged reports NaN, and every comparison with NaN is false)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def best_of(items: Iterable[T], score_of: Callable[[T], Any], mode: str) -> T | None:
+    """The item whose score ranks best in `mode` ("min" or "max"), the first of those tied;
+    items without a score that ranks (`scored`) rank worst of all: None if no item has one."""
+    ranked = [item for item in items if scored(score_of(item))]
+    if not ranked:
+        return None
+    pick = min if mode == "min" else max
+    return pick(ranked, key=score_of)  # min and max keep the first of those tied
 
 
 # checkpoint.metric -> its Score. `last` ranks by epoch; its weights go by val loss, which with a
@@ -101,7 +118,8 @@ class ModelInput:
 class CheckpointMeta(BaseModel):
     """metadata.json: how to rebuild the model and feed it, and how it got here."""
 
-    model_config = ConfigDict(extra="forbid")
+    # A diverged epoch's NaN loss is written as NaN, which Python's json reads back, not as null.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
     format: int = CHECKPOINT_FORMAT
     model: Annotated[ModelSpec, BeforeValidator(_spec)] = ModelSpec()
@@ -118,8 +136,9 @@ class CheckpointMeta(BaseModel):
     std: tuple[float, float, float]
     dataset_fingerprint: str
     dataset_version: str  # the version of the dataset it was trained on (pipeline.data.dataset)
-    metrics: dict[str, int | float | str]  # this epoch's
-    history: list[dict[str, int | float | str]]  # every epoch up to and including this one
+    # None: a NaN, as checkpoints written before NaN was kept wrote it
+    metrics: dict[str, int | float | str | None]  # this epoch's
+    history: list[dict[str, int | float | str | None]]  # every epoch up to and including this one
     config: dict[str, Any]
     ema_weights: str | None = None  # the EMA weights' file, in a run that keeps an EMA
 
@@ -178,12 +197,12 @@ def load_weights(checkpoint: Location, meta: CheckpointMeta | None = None, which
 
 def served_weights(meta: CheckpointMeta) -> str:
     """The weights of a checkpoint to classify with: its EMA's where they scored better on val
-    than the raw ones by its run's score (`Score.weights_key`), else the raw weights."""
+    than the raw ones by its run's score (`Score.weights_key`; NaN ranks worst), else the raw
+    weights."""
     scores = weights_scores(meta)
-    score = config_score(meta.config)
-    if len(scores) == 2 and score.better(scores[EMA], scores[RAW], score.weights_mode):
-        return EMA
-    return RAW
+    # The raw weights first: they win a tie, and are served where neither scored (NaN).
+    best = best_of([RAW, EMA], lambda w: scores.get(w), config_score(meta.config).weights_mode)
+    return best or RAW
 
 
 def weights_scores(meta: CheckpointMeta) -> dict[str, float]:

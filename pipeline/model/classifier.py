@@ -4,6 +4,9 @@ Batch inference and serving both classify through this module, so the two cannot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -25,9 +28,18 @@ class Classifier:
     through the model as in training (`DevicePolicy`): same normalisation, precision and memory
     layout."""
 
-    def __init__(self, checkpoint: Location, *, use_gpu: bool, precision: str):
+    def __init__(
+        self,
+        checkpoint: Location,
+        *,
+        use_gpu: bool,
+        precision: str,
+        allow_modules: Sequence[str] = (),
+        code_root: Path | None = None,
+    ):
+        """`allow_modules`, `code_root`: the code the checkpoint may name (load_model)."""
         device = torch.device("cuda" if use_gpu else "cpu")
-        model, self.meta = load_model(checkpoint)
+        model, self.meta = load_model(checkpoint, allow_modules=allow_modules, code_root=code_root)
         self.policy = DevicePolicy.for_input(
             device, pick_precision(precision, device), self.meta.model_input
         )

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import logging
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from importlib.machinery import PathFinder
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +27,7 @@ from pipeline.core.storage import Location
 from pipeline.model.checkpoint import (
     CheckpointMeta,
     ModelInput,
+    ModelSpec,
     load_tensors,
     load_weights,
     read_meta,
@@ -490,13 +495,19 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_model(
-    checkpoint: Location, *, weights: str | None = None
+    checkpoint: Location,
+    *,
+    weights: str | None = None,
+    allow_modules: Sequence[str] = (),
+    code_root: Path | None = None,
 ) -> tuple[torch.nn.Module, CheckpointMeta]:
     """The checkpoint's model (local or on storage) on the CPU in eval mode, and its metadata:
-    rebuilt from the checkpoint alone. `weights`: "raw" or "ema"; by default the better on val
-    of those it holds (`served_weights`)."""
+    rebuilt from the checkpoint alone, with no code but what the user chose
+    (`check_model_code`). `weights`: "raw" or "ema"; by default the better on val of those it
+    holds (`served_weights`)."""
     meta = read_meta(checkpoint)
     spec = meta.model
+    check_model_code(spec, allow_modules=allow_modules, code_root=code_root)
     model = build_model(
         len(meta.classes),
         name=spec.name,
@@ -506,3 +517,81 @@ def load_model(
     )
     model.load_state_dict(load_weights(checkpoint, meta, weights or served_weights(meta)))
     return model.eval(), meta
+
+
+# --- the code a checkpoint names ----------------------------------------------------------------
+
+# The bundle's own packages: code that acts (jobs, storage, the cluster), never a network.
+BUNDLE_PACKAGES = ("pipeline", "jobs", "scripts", "harness")
+# timm's arguments that read or fetch weights from where they say: a checkpoint holds its own.
+TIMM_LOADING = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path")
+
+
+def check_model_code(
+    spec: ModelSpec, *, allow_modules: Sequence[str] = (), code_root: Path | None = None
+) -> None:
+    """Raise ConfigError unless rebuilding the network of a checkpoint's `spec` runs only code
+    that the user chose: a torchvision or timm builder (with no argument that loads weights), or
+    a `module:function` whose module is a file below `code_root` (default: the working dir, the
+    job's as submitted; a pyfunc model's code/), or one of `allow_modules`. Nothing is imported
+    to decide: a checkpoint's metadata is as untrusted as its tensors."""
+    if spec.name.startswith(TIMM):
+        if loading := sorted(set(spec.kwargs) & set(TIMM_LOADING)):
+            raise ConfigError(
+                f"the checkpoint's model {spec.name} has model.kwargs {loading}, which load "
+                "weights from elsewhere: a checkpoint holds its own weights. Use a checkpoint "
+                "written by this bundle's train job"
+            )
+        return
+    if ":" not in spec.name:
+        return  # a torchvision builder by name
+    module = spec.name.partition(":")[0]
+    if any(module == a or module.startswith(f"{a}.") for a in allow_modules):
+        return
+    root = (code_root or Path.cwd()).resolve()
+    files = None if module.split(".")[0] in BUNDLE_PACKAGES else _module_files(module)
+    outside = [f for f in files or [] if not f.is_relative_to(root)]
+    if files and not outside:
+        return
+    where = f" ({outside[0]})" if outside else ""
+    if module.split(".")[0] in BUNDLE_PACKAGES:
+        where = " (the bundle's own code, no network)"
+    raise ConfigError(
+        f"the checkpoint's model.name={spec.name!r} names module {module}{where}, which is not "
+        f"a file below {root}: a checkpoint runs only the bundle's builders or a module that "
+        "ships with the job (its working dir as submitted; a pyfunc model's code/). If you "
+        f"trust this checkpoint, allow it with allow_modules=[{module}]"
+    )
+
+
+def _module_files(module: str) -> list[Path] | None:
+    """The files that `import module` runs (each package's __init__.py down to the module's
+    own), found as the import system would, importing none; None where it finds no file."""
+    files, locations = [], None
+    parts = module.split(".")
+    for i in range(len(parts)):
+        name = ".".join(parts[: i + 1])
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            spec = getattr(loaded, "__spec__", None)
+        elif i == 0:
+            spec = importlib.util.find_spec(name)  # a top-level name: no parent to import
+        else:
+            # By its last part: a namespace parent that is not imported would make PathFinder
+            # look the parent up in sys.modules. The locations alone place it.
+            spec = PathFinder.find_spec(parts[i], locations)
+        if spec is None:
+            return None
+        own = spec.origin if spec.has_location else None  # a namespace package has none
+        if own:
+            files.append(Path(own).resolve())
+        search = spec.submodule_search_locations
+        if search is None:
+            if i < len(parts) - 1:
+                return None  # a module, not a package: it has no submodules
+        elif own or loaded is not None:
+            locations = list(search)
+        else:  # a namespace package (not imported): its folders, as PathFinder finds them
+            parent = sys.path if locations is None else locations
+            locations = [str(Path(d, parts[i])) for d in parent if Path(d, parts[i]).is_dir()]
+    return files if own else None  # the module itself is a file

@@ -39,6 +39,7 @@ from pipeline.model.checkpoint import (
     SCORES,
     CheckpointMeta,
     Score,
+    best_of,
     read_meta,
 )
 
@@ -86,17 +87,31 @@ def best_checkpoint(
 ) -> tuple[Location, dict]:
     """The retained checkpoint that `score` ranks best, and its metrics (Result.checkpoint is
     the latest, not the best). On a tie, the newest of the tied. Logs which and why: `best
-    checkpoint epoch 5 by val_loss (min): 0.4360; last epoch 5`."""
-    pick = min if score.mode == "min" else max
+    checkpoint epoch 5 by val_loss (min): 0.4360; last epoch 5`. A checkpoint that scored NaN
+    (or nothing) ranks worst: raises DivergedRun if every one did."""
     ranked = sorted(result.best_checkpoints, key=lambda cm: -cm[1]["epoch"])  # newest first
-    best, metrics = pick(ranked, key=lambda cm: cm[1][score.key])
-    best = in_run(run_dir, best)
+    found = best_of(ranked, lambda cm: cm[1].get(score.key), score.mode)
+    if found is None:
+        raise DivergedRun(run_dir, score, [m for _, m in ranked])
+    best, metrics = in_run(run_dir, found[0]), found[1]
     why = "the newest epoch" if score.key == "epoch" else f"{metrics[score.key]:.4f}"
     log.info(
         "run %s: best checkpoint epoch %d by %s: %s; last epoch %d: %s",
         *(run_dir.uri, metrics["epoch"], score, why, result.metrics["epoch"], best.uri),
     )
     return best, metrics
+
+
+class DivergedRun(InputError):
+    """A run none of whose kept checkpoints has a score to rank (NaN: the training diverged)."""
+
+    def __init__(self, run_dir: Location, score: Score, metrics: list[dict]):
+        said = ", ".join(f"epoch {m['epoch']}: {m.get(score.key)}" for m in metrics)
+        super().__init__(
+            f"run {run_dir.uri} diverged: no checkpoint it keeps has a {score.key} to rank it by "
+            f"({said}), so it has no best checkpoint. Train it again with a lower optimizer.lr "
+            f"(a new name=), or pass the checkpoint to use as model={run_dir.uri}/epoch_NNNN"
+        )
 
 
 def summary_score(summary: dict) -> Score:
@@ -275,17 +290,21 @@ def _when(t: float) -> str:
 
 def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dict:
     """summary.json (last), history.csv and curves.png in the run directory; returns the
-    summary."""
+    summary. Raises DivergedRun, once they are written, for a run with no best checkpoint."""
     result = load_result(run_dir)
-    best, best_metrics = best_checkpoint(run_dir, result, score)
     latest = in_run(run_dir, result.checkpoint)
     history = read_meta(latest).history
+    diverged = None
+    try:
+        best, best_metrics = best_checkpoint(run_dir, result, score)
+    except DivergedRun as e:  # the reports as they are, without a best; then the error
+        best, best_metrics, diverged = None, None, e
     summary = {
         "run": run_dir.uri,
         "status": "finished",
         "checkpoint_metric": score.metric,  # what inference, serving and export pick the best by
         "checkpoint_mode": score.mode,
-        "best_checkpoint": best.uri,
+        "best_checkpoint": best.uri if best else None,
         "best_metrics": best_metrics,
         "latest_checkpoint": latest.uri,
         "final_accuracy": history[-1]["val_accuracy"],
@@ -297,9 +316,12 @@ def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dic
         "input_wait_share": _mean_of(history, "input_wait_share"),
     }
     run_dir.child(HISTORY_CSV).write_bytes(history_csv(history).encode())
-    png = plot_curves(history, best_epoch=best_metrics["epoch"], chosen_by=str(score))
+    best_epoch = best_metrics["epoch"] if best_metrics else None
+    png = plot_curves(history, best_epoch=best_epoch, chosen_by=str(score))
     run_dir.child(CURVES_PNG).write_bytes(png)
     run_dir.child(RUN_SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
+    if diverged is not None:
+        raise diverged
     return summary
 
 

@@ -31,7 +31,9 @@ from starlette.responses import JSONResponse
 from pipeline.core.config import REGISTERED_MODEL, parse_yaml, validate_config
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError
+from pipeline.model.checkpoint import read_meta
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
+from pipeline.model.networks import check_model_code
 from pipeline.model.source import resolve_checkpoint
 from pipeline.serve.config import ServeConfig
 
@@ -87,7 +89,12 @@ class ImageClassifier:
             )
         else:
             checkpoint = Location.parse(model)
-        self.classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=self.cfg.precision)
+        self.classifier = Classifier(
+            checkpoint,
+            use_gpu=use_gpu,
+            precision=self.cfg.precision,
+            allow_modules=self.cfg.allow_modules,
+        )
         self.meta = self.classifier.meta
         self.classify.set_max_batch_size(self.cfg.max_batch_size)
         self.classify.set_batch_wait_timeout_s(self.cfg.batch_wait_timeout_s)
@@ -197,7 +204,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         model, meta = registered_version(cfg.model, uri=cfg.tracking_uri)
         log.info("%s is %s: %s, %d classes", cfg.model, model, meta.model.name, len(meta.classes))
     else:
-        model = resolve_checkpoint(Location.parse(cfg.model)).uri
+        checkpoint = resolve_checkpoint(Location.parse(cfg.model))
+        model, meta = checkpoint.uri, read_meta(checkpoint)
+    # Here too, so that a deploy fails before any replica starts: the replicas check again.
+    check_model_code(meta.model, allow_modules=cfg.allow_modules)
     # Requests past this wait in the proxy, which retries a full replica with a backoff of up to
     # 0.5 s: at 64 clients and twice the batch size, requests/s fell to a fifth of the limit
     # (bench/serve.py). Waiting in the replica's batch queue instead costs nothing; autoscaling

@@ -6,7 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
-from pipeline.core.config import REGISTERED_MODEL, Strict, absolute_or_uri, registered_model
+from pipeline.core.config import (
+    REGISTERED_MODEL,
+    AllowedModules,
+    Strict,
+    absolute_or_uri,
+    allow_modules_field,
+    registered_model,
+)
 
 
 def _model_source(value: str) -> str:
@@ -51,3 +58,4 @@ class ServeConfig(Strict):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 (else fp16) on a replica with a GPU, fp32 on CPU."
     )
+    allow_modules: AllowedModules = allow_modules_field()

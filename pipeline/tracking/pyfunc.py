@@ -30,6 +30,7 @@ from PIL import Image
 
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import CheckpointMeta
+from pipeline.model.networks import check_model_code
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,10 @@ LOCK = PACKAGE.parent / "requirements" / "cluster.lock"
 LOADS = ["mlflow-skinny", "torch", "torchvision", "numpy", "pillow", "pandas", "pyarrow"]
 LOADS += ["pydantic", "pyyaml"]
 # How the caller may load it: mlflow.pyfunc.load_model(uri, model_config={...}).
-MODEL_CONFIG = {"use_gpu": None, "precision": "auto"}  # use_gpu None: a GPU where torch has one
+# use_gpu None: a GPU where torch has one. allow_modules: as the jobs' key (docs/models.md); a
+# module:function model's module ships in the model's code/, which needs none.
+# Saved with the model: MLflow passes a caller's model_config on only for keys the model has.
+MODEL_CONFIG = {"use_gpu": None, "precision": "auto", "allow_modules": []}
 
 
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):
@@ -62,7 +66,15 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
             )
         use_gpu = torch.cuda.is_available() if config["use_gpu"] is None else config["use_gpu"]
         checkpoint = Location.parse(context.artifacts[CHECKPOINT])
-        self.classifier = Classifier(checkpoint, use_gpu=use_gpu, precision=config["precision"])
+        self.classifier = Classifier(
+            checkpoint,
+            use_gpu=use_gpu,
+            precision=config["precision"],
+            allow_modules=tuple(config["allow_modules"]),
+            # <model>/artifacts/checkpoint -> <model>/code: what the model ships, and nothing
+            # of the directory it is loaded from.
+            code_root=Path(checkpoint.path).parents[1] / "code",
+        )
         self.classes = self.classifier.meta.classes
         log.info(
             "classifying with %s on %s (%s)",
@@ -142,6 +154,7 @@ def save(checkpoint: Path, path: Path, meta: CheckpointMeta) -> None:
         python_model=ImageClassifierModel(),
         artifacts={CHECKPOINT: str(checkpoint)},
         code_paths=code_paths(meta),
+        model_config=MODEL_CONFIG,
         signature=signature,
         input_example=(example, {"top_k": TOP_K}),
         pip_requirements=requirements(meta),
@@ -149,13 +162,18 @@ def save(checkpoint: Path, path: Path, meta: CheckpointMeta) -> None:
 
 
 def code_paths(meta: CheckpointMeta) -> list[str]:
-    """The `pipeline` package, and the package (or module) of a `module:function` model."""
+    """The `pipeline` package, and the top-level package (or module) of a `module:function`
+    model, whatever the depth of its module: `mynets:build` with mynets/__init__.py ships
+    mynets/, `pkg.sub.mod:build` ships pkg/."""
     paths = [str(PACKAGE)]
     module = meta.model.name.partition(":")[0] if ":" in meta.model.name else None
     if module and module.split(".")[0] != PACKAGE.name:
-        origin = Path(importlib.util.find_spec(module).origin)
+        check_model_code(meta.model)  # what the model ships is the job's own code
+        spec = importlib.util.find_spec(module)
+        # A package's spec is its __init__.py, one level below the package's own folder.
+        path = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin)
         depth = module.count(".")
-        paths.append(str(origin.parents[depth - 1] if depth else origin))
+        paths.append(str(path.parents[depth - 1] if depth else path))
     return paths
 
 

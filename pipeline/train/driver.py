@@ -44,6 +44,7 @@ from pipeline.data.dataset import (
 from pipeline.model.checkpoint import SCORES, CheckpointMeta, ModelInput, read_meta
 from pipeline.model.runs import (
     RUN_SUMMARY,
+    DivergedRun,
     check_resumable,
     latest_checkpoint,
     mark_training,
@@ -227,7 +228,7 @@ def train(
     except BaseException as e:
         if mark is not None:
             mark.release(restore=True)  # failed or stopped: the run is as it last finished
-        if isinstance(e, ClusterError) and tracking is not None:
+        if isinstance(e, ClusterError | DivergedRun) and tracking is not None:
             tracking.fail(run_dir, str(e))
         raise
     if tracking is not None:

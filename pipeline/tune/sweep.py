@@ -29,10 +29,11 @@ from pipeline.core.config import dump_config, parse_yaml, validate_config
 from pipeline.core.errors import ClusterError, ConfigError, first_line
 from pipeline.core.plots import plot_trials
 from pipeline.core.storage import Location
-from pipeline.model.checkpoint import Score, read_meta
+from pipeline.model.checkpoint import Score, best_of, read_meta
 from pipeline.model.runs import (
     RUN_SUMMARY,
     SNAPSHOT,
+    DivergedRun,
     flatten_config,
     latest_checkpoint,
     training_since,
@@ -345,21 +346,23 @@ def write_summary(
         elif latest is None:
             trial["error"] = "ended before its first checkpoint"
         else:
-            summary = _run_summary(run_dir, cfg.score, result, version, tracking)
-            best = summary["best_metrics"]
-            planned = given.get("epochs", cfg.base_train().epochs)
-            trial |= {
-                "status": FINISHED if summary["epochs"] >= planned else STOPPED,
-                "best_score": best[metric],
-                "best_epoch": best["epoch"],
-            }
+            try:
+                summary = _run_summary(run_dir, cfg.score, result, version, tracking)
+                best = summary["best_metrics"]
+            except DivergedRun as e:
+                trial["error"] = str(e)
+            else:
+                planned = given.get("epochs", cfg.base_train().epochs)
+                trial |= {
+                    "status": FINISHED if summary["epochs"] >= planned else STOPPED,
+                    "best_score": best[metric],
+                    "best_epoch": best["epoch"],
+                }
         if "error" in trial and tracking is not None:
             tracking.close(run_dir, trial["error"])
         trials.append(trial)
     trials.sort(key=lambda t: t["trial"])
-    ranked = [t for t in trials if t["best_score"] is not None]
-    pick = min if mode == "min" else max
-    best = pick(ranked, key=lambda t: t["best_score"]) if ranked else None
+    best = best_of(trials, lambda t: t["best_score"], mode)  # NaN and None rank worst
     if histories:
         labels = {t["trial"]: _label(t) for t in trials}
         png = plot_trials(
@@ -411,9 +414,11 @@ def _run_summary(
 ) -> dict:
     """The run's summary, written here where its trial ended before it could: stopped by ASHA
     (or at its last report), Tune ends the trial's process; with `tracking`, its MLflow run
-    is finished as the train job finishes it."""
+    is finished as the train job finishes it. Raises DivergedRun for a run with no best."""
     if run_dir.child(RUN_SUMMARY).exists() and training_since(run_dir) is None:
-        return json.loads(run_dir.child(RUN_SUMMARY).read_bytes())
+        summary = json.loads(run_dir.child(RUN_SUMMARY).read_bytes())
+        if summary.get("best_metrics") is not None:  # else a diverged run: raised below
+            return summary
     took = (result.metrics or {}).get("time_total_s", 0.0)
     summary = write_reports(run_dir, score, wall_time_s=took)
     if tracking is not None:
