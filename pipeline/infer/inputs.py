@@ -13,12 +13,18 @@ import posixpath
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray.data
 
 from pipeline.core.errors import InputError
-from pipeline.core.storage import Location, retry
-from pipeline.data.dataset import check_files, committed_versions, read_manifest
+from pipeline.core.storage import Location
+from pipeline.data.dataset import (
+    SCHEMA,
+    check_files,
+    committed_versions,
+    read_footer,
+    read_manifest,
+    read_row_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +39,12 @@ def read_input(
     of `split` of a dataset's `version` (by default its newest, resolved once here), or per
     FILES_PER_READ image files of a folder; the dataset version read (None: a folder); and the
     input's classes (a dataset's, or a folder's <class>/ folders that hold files)."""
+    # A damaged shard's InputError raised as it is (in Ray's RayTaskError, whose message
+    # `failure` takes), not wrapped in Ray Data's UserCodeException: for every dataset after.
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     if versions := committed_versions(root):
         manifest = read_manifest(root, version or versions[-1])
-        files = [root.child(f.path).path for f in manifest.splits[split].files]
+        files = [f.path for f in manifest.splits[split].files]  # relative to root
         if not files:
             raise InputError(f"split {split!r} of dataset {root.uri} is empty")
         check_files(root, manifest, [split])
@@ -76,12 +85,16 @@ def folder_label(root: Location, path: str) -> str:
 
 
 def read_shard(batch: dict, *, root: Location) -> dict:
-    """Ray Data stage: Parquet shard paths -> their rows."""
+    """Ray Data stage: Parquet shard paths (relative to `root`) -> their rows; a damaged one
+    is an InputError naming it (`dataset.read_row_group`)."""
     columns = ["image", "source_id", "label_name"]
-    table = pa.concat_tables(
-        retry(lambda p=p: pq.read_table(p, filesystem=root.fs, columns=columns), f"reading {p}")
-        for p in batch["path"]
-    )
+    shards = [read_footer(root, p) for p in batch["path"]]
+    tables = [
+        read_row_group(shard, g, columns)
+        for shard in shards
+        for g in range(shard.metadata.num_row_groups)
+    ]
+    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table().select(columns)
     return {
         "data": table["image"].to_numpy(),
         "source_id": table["source_id"].to_numpy(),
