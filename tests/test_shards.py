@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+from corpus import rewrite_shard
 
 from harness.counting import ByteCounter, CountedReads
 from pipeline.core import storage
@@ -24,9 +26,12 @@ from pipeline.data.dataset import (
     SplitInfo,
     check_files,
     read_footer,
+    read_manifest,
     read_row_group,
     write_shard,
 )
+from pipeline.export.parity import val_batches
+from pipeline.infer.inputs import read_shard
 
 CLASSES = 4
 SHARD = "train/part-00000.parquet"
@@ -188,3 +193,31 @@ def test_the_drivers_check_of_an_old_manifest_names_a_damaged_footer(tmp_path):
     )
     with pytest.raises(InputError, match=rf"{SHARD} \(its footer does not read as Parquet"):
         check_files(root, manifest, ["train"])
+
+
+def test_inference_reads_a_dataset_split_as_training_does(tmp_path):
+    root = Location.parse(str(tmp_path))
+    rows = shard_rows(10)
+    write_shard(root.child(SHARD), rows, row_group_size=4)
+    got = read_shard({"path": [SHARD]}, root=root)  # a read task of `read_input`
+    assert list(got["source_id"]) == [r["source_id"] for r in rows]
+    assert [bytes(b) for b in got["data"]] == [r["image"] for r in rows]
+    path = Path(root.child(SHARD).path)
+    data = bytearray(path.read_bytes())
+    data[len(data) - 8 - int.from_bytes(data[-8:-4], "little")] ^= 0xFF  # the footer's start
+    path.write_bytes(data)
+    with pytest.raises(ShardDamaged, match=rf"{root.child(SHARD).uri}: its footer does not read"):
+        read_shard({"path": [SHARD]}, root=root)
+
+
+def test_the_parity_check_reads_the_val_split_and_names_a_label_of_no_class(tiny_dataset, tmp_path):
+    root = Location.parse(str(tiny_dataset))
+    manifest = read_manifest(root)
+    batches = list(val_batches(root, manifest, images=None, batch_size=32))
+    assert sum(len(labels) for _, labels in batches) == manifest.splits["val"].rows
+    copy = Location.parse(str(tmp_path / "d"))
+    shutil.copytree(root.path, copy.path)
+    path = manifest.splits["val"].files[0].path
+    rewrite_shard(Path(copy.child(path).path), page_checksums=True, label=(0, -1))
+    with pytest.raises(ShardDamaged, match=r"row 0 of row group 0 of .*: label -1, but the"):
+        list(val_batches(copy, manifest, images=None, batch_size=32))
