@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from corpus import rewrite_shard
+import ray.exceptions
+from corpus import damage_footer, rewrite_shard
 
 from harness.counting import ByteCounter, CountedReads
 from pipeline.core import storage
@@ -221,3 +222,21 @@ def test_the_parity_check_reads_the_val_split_and_names_a_label_of_no_class(tiny
     rewrite_shard(Path(copy.child(path).path), page_checksums=True, label=(0, -1))
     with pytest.raises(ShardDamaged, match=r"row 0 of row group 0 of .*: label -1, but the"):
         list(val_batches(copy, manifest, images=None, batch_size=32))
+
+
+def test_a_read_tasks_damaged_shard_ends_a_job_with_its_own_line(tmp_path):
+    # As inference's Ray Data reads raise it: Ray's RayTaskError of the task's error, whose text
+    # is the task's traceback, and Ray Data's lines added to the error's own.
+    root = Location.parse(str(tmp_path))
+    write_shard(root.child(SHARD), shard_rows(8), row_group_size=4)
+    path = Path(root.child(SHARD).path)
+    damage_footer(path)
+    with pytest.raises(ShardDamaged) as raised:
+        read_shard({"path": [SHARD]}, root=root)
+    line = str(raised.value)
+    raised.value.args = (f"{line}\nFailed to apply UDF transform after 1/1 attempts.",)
+    error = ray.exceptions.RayTaskError(
+        "read_shard", "Traceback (most recent call last): ...", raised.value
+    ).as_instanceof_cause()
+    assert isinstance(error, InputError)
+    assert failure(error) == (1, line)
