@@ -11,6 +11,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from harness.images import VARIANTS, exif, rgb, save
@@ -176,4 +177,33 @@ def damage_stored_image(shard: Path, group: int, row: int) -> None:
     # The value as Parquet stores it, PLAIN-encoded: its length, then its bytes.
     at = data.index(struct.pack("<I", len(image)) + image) + 4
     data[at : at + 3] = b"BAD"
+    shard.write_bytes(data)
+
+
+def rewrite_shard(shard: Path, *, page_checksums: bool, label: tuple[int, int] | None = None):
+    """Writes a preprocessed shard again, its row groups as they were: with or without page
+    checksums (as preprocessing wrote them before it wrote checksums), and with `label`
+    (row, value) stored in place of that row's label."""
+    parquet = pq.ParquetFile(shard)
+    table = parquet.read()
+    if label is not None:
+        row, value = label
+        labels = table["label"].to_pylist()
+        labels[row] = value
+        table = table.set_column(1, table.schema.field("label"), pa.array(labels, pa.int64()))
+    pq.write_table(
+        table,
+        shard,
+        row_group_size=parquet.metadata.row_group(0).num_rows,
+        compression={"image": "NONE", "label": "ZSTD", "label_name": "ZSTD", "source_id": "ZSTD"},
+        use_dictionary=["label_name"],
+        write_page_checksum=page_checksums,
+    )
+
+
+def damage_footer(shard: Path) -> None:
+    """Overwrites the first bytes of a shard's footer, the file's size unchanged."""
+    data = bytearray(shard.read_bytes())
+    at = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    data[at : at + 4] = b"\xff" * 4
     shard.write_bytes(data)

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 import torchvision
-from corpus import damage_page_header
+from corpus import damage_footer, damage_page_header, damage_stored_image, rewrite_shard
 from helpers import checkpoint_meta, errors_table, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT, free_port
@@ -43,7 +43,7 @@ from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import check_output, export, export_checkpoint, parity_dataset
 from pipeline.infer.batch import infer, resolve_checkpoint
 from pipeline.infer.config import InferConfig
-from pipeline.infer.inputs import read_input
+from pipeline.infer.inputs import list_input
 from pipeline.infer.predictions import Tally, publish, start_version
 from pipeline.model.checkpoint import METADATA, WEIGHTS, check_weights
 from pipeline.model.runs import RUN_SUMMARY, SNAPSHOT, mark_training, resume_changes
@@ -128,11 +128,37 @@ def damaged_copy(tmp_path, dataset, split: str, *, cut: bool) -> Path:
     return copy
 
 
-def damaged_row_group(tmp_path, dataset):
+def damaged_val_shard(tmp_path, dataset, *damages) -> None:
+    """Reads the val split of a copy of `dataset` as training does, with `damages` (each a
+    function of a shard's path) done to its first shard."""
     shutil.copytree(dataset, tmp_path / "d")
-    damage_page_header(next((tmp_path / "d").glob("data/*/val/*.parquet")), 0)
+    for damage in damages:
+        damage(next((tmp_path / "d").glob("data/*/val/*.parquet")))
     root = Location.parse(str(tmp_path / "d"))
     list(RowGroupStream(root, read_manifest(root), "val", batch_size=16))
+
+
+def damaged_row_group(tmp_path, dataset):
+    damaged_val_shard(tmp_path, dataset, lambda shard: damage_page_header(shard, 0))
+
+
+def damaged_image_unchecked(tmp_path, dataset):
+    damaged_val_shard(
+        tmp_path,
+        dataset,
+        lambda shard: rewrite_shard(shard, page_checksums=False),
+        lambda shard: damage_stored_image(shard, 0, 1),
+    )
+
+
+def damaged_footer(tmp_path, dataset):
+    damaged_val_shard(tmp_path, dataset, damage_footer)
+
+
+def label_of_no_class(tmp_path, dataset):
+    damaged_val_shard(
+        tmp_path, dataset, lambda shard: rewrite_shard(shard, page_checksums=True, label=(3, 4))
+    )
 
 
 def damaged_shards(tmp_path, dataset):
@@ -740,7 +766,7 @@ CASES = [
         "inference `dataset_version` for an input that is no dataset",
         1,
         "dataset_version=<v>, but input=<path> is not a preprocessed dataset",
-        lambda t, _: read_input(Location.parse(str(t)), split="val", version="v1"),
+        lambda t, _: list_input(Location.parse(str(t)), split="val", version="v1"),
     ),
     Case(
         "inference or export of a run's own dataset, whose version the run trained on is past "
@@ -762,17 +788,38 @@ CASES = [
     ),
     Case(
         "an image in a dataset's shard damaged since it was written (the file's size unchanged): "
-        "the job ends at once, not after `max_failures` retries",
+        "its page's checksum fails, and the job ends at once, not after `max_failures` retries",
         1,
-        "dataset <path> is damaged: row <n> of row group <g> of <file>: not an image",
+        "dataset <path> is damaged: row group <g> of <file>: it does not read as Parquet (could "
+        "not verify page integrity",
         test="tests/test_train_jobs.py::"
-        "test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row",
+        "test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row_group",
     ),
     Case(
-        "a row group of a dataset's shard damaged since it was written (the file's size unchanged)",
+        "an image damaged in a shard written before shards carried page checksums",
+        1,
+        "dataset <path> is damaged: row <n> of row group <g> of <file>: not an image",
+        damaged_image_unchecked,
+    ),
+    Case(
+        "a row group of a dataset's shard damaged since it was written (the file's size "
+        "unchanged): a page header that does not parse",
         1,
         "dataset <path> is damaged: row group <g> of <file>: it does not read as Parquet",
         damaged_row_group,
+    ),
+    Case(
+        "a shard's footer damaged since it was written (the file's size unchanged)",
+        1,
+        "dataset <path> is damaged: <file>: its footer does not read as Parquet",
+        damaged_footer,
+    ),
+    Case(
+        "a label in a dataset's shard that is none of its classes",
+        1,
+        "dataset <path> is damaged: row <n> of row group <g> of <file>: label <v>, but the "
+        "dataset has <k> classes",
+        label_of_no_class,
     ),
     Case(
         "a checkpoint whose weights file is cut short",

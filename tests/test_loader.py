@@ -18,7 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 import ray.data
 import torch
-from corpus import damage_page_header, damage_stored_image, damaged, resized_header
+from corpus import (
+    damage_footer,
+    damage_page_header,
+    damage_stored_image,
+    damaged,
+    resized_header,
+    rewrite_shard,
+)
 from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
@@ -27,7 +34,7 @@ from harness.baseline import PillowStream, torchvisions_crop
 from harness.counting import ByteCounter, FlakyHandler
 from harness.images import VARIANTS, exif, rgb, save
 from pipeline.core import storage
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, failure
 from pipeline.core.storage import Location
 from pipeline.data.dataset import (
     VERSIONS,
@@ -254,34 +261,99 @@ def test_a_failed_read_raises_in_the_consumer(numbered, tmp_path, workers):
         list(loader)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_row_damaged_in_storage_is_one_error_naming_it(numbered, tmp_path, workers):
+def damaged_copy(numbered, tmp_path, split: str, file: int, damage) -> tuple[Location, str]:
+    """A copy of the numbered dataset with `damage(path)` done to file `file` of `split`; the
+    copy, and the file's path in it."""
     root, manifest, _ = numbered
     copy = Location.parse(str(tmp_path / "copy"))
     shutil.copytree(root.path, copy.path)
-    damage_stored_image(Path(copy.child(manifest.splits["val"].files[1].path).path), 2, 3)
-    stream = RowGroupStream(copy, manifest, "val", batch_size=16)
-    with pytest.raises(InputError) as raised:
+    path = manifest.splits[split].files[file].path
+    damage(Path(copy.child(path).path))
+    return copy, path
+
+
+def loader_error(stream: RowGroupStream, workers: int) -> str:
+    """The InputError an epoch through the training loader ends in: the job's exit code 1."""
+    with pytest.raises(InputError) as raised:  # at once: no retry reads other bytes
         list(RingLoader(stream, processes=workers))
-    assert str(raised.value) == (
-        f"dataset {copy.uri} is damaged: row 3 of row group 2 of {copy.uri}/"
-        f"{manifest.splits['val'].files[1].path}: not an image (unrecognised format): the "
-        "formats read are JPEG, PNG, GIF, WEBP, TIFF, BMP, QOI, PPM, AVIF; re-run preprocessing "
-        "with overwrite=true"
+    assert failure(raised.value) == (1, str(raised.value))
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_row_damaged_in_storage_is_one_error_naming_its_row_group(numbered, tmp_path, workers):
+    manifest = numbered[1]
+    copy, path = damaged_copy(
+        numbered, tmp_path, "val", 1, lambda shard: damage_stored_image(shard, 2, 3)
+    )
+    # Its page's checksum finds it.
+    assert loader_error(RowGroupStream(copy, manifest, "val", batch_size=16), workers) == (
+        f"dataset {copy.uri} is damaged: row group 2 of {copy.uri}/{path}: it does not read as "
+        "Parquet (could not verify page integrity, CRC checksum verification failed for "
+        "page_ordinal 0); re-run preprocessing with overwrite=true"
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_written_without_checksums_reads_and_names_a_damaged_row(
+    numbered, tmp_path, workers
+):
+    # Shards preprocessed before they carried page checksums: read as ever, and an image
+    # damaged in one is named by its row, which fails to decode.
+    root, manifest, ids = numbered
+    copy = Location.parse(str(tmp_path / "copy"))
+    shutil.copytree(root.path, copy.path)
+    for f in manifest.splits["val"].files:
+        rewrite_shard(Path(copy.child(f.path).path), page_checksums=False)
+    (stream,) = streams(copy, manifest, "val", 1, batch_size=16)
+    assert sorted(flat(epoch_batches(stream, workers))) == ids["val"]
+    path = manifest.splits["val"].files[1].path
+    damage_stored_image(Path(copy.child(path).path), 2, 3)
+    assert loader_error(RowGroupStream(copy, manifest, "val", batch_size=16), workers) == (
+        f"dataset {copy.uri} is damaged: row 3 of row group 2 of {copy.uri}/{path}: not an image "
+        "(unrecognised format): the formats read are JPEG, PNG, GIF, WEBP, TIFF, BMP, QOI, PPM, "
+        "AVIF; re-run preprocessing with overwrite=true"
+    )
+
+
+def test_a_footer_damaged_in_place_is_one_error_naming_the_shard(numbered, tmp_path):
+    # Its size unchanged: the driver's check passes, and the worker's stream reads it.
+    copy, path = damaged_copy(numbered, tmp_path, "train", 3, damage_footer)
+    with pytest.raises(InputError) as raised:
+        RowGroupStream(copy, numbered[1], "train", batch_size=16)
+    error = str(raised.value)
+    assert failure(raised.value) == (1, error)
+    assert error.startswith(
+        f"dataset {copy.uri} is damaged: {copy.uri}/{path}: its footer does not read as Parquet "
+        "(Couldn't deserialize thrift"
+    ), error
+    assert error.endswith("; re-run preprocessing with overwrite=true")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_label_that_is_no_class_is_one_error_naming_its_row(numbered, tmp_path, workers):
+    # Written so (a bug, or another dataset's shard): the loss would fail on it, or a CUDA
+    # device assert; a valid class it is not.
+    copy, path = damaged_copy(
+        numbered,
+        tmp_path,
+        "train",
+        2,
+        lambda shard: rewrite_shard(shard, page_checksums=True, label=(45, 253)),
+    )
+    stream = RowGroupStream(copy, numbered[1], "train", batch_size=16, shuffle=True)
+    assert loader_error(stream, workers) == (
+        f"dataset {copy.uri} is damaged: row 5 of row group 4 of {copy.uri}/{path}: label 253, "
+        f"but the dataset has {len(CLASSES)} classes; re-run preprocessing with overwrite=true"
     )
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_row_group_damaged_in_storage_is_one_error_naming_it(numbered, tmp_path, workers):
-    root, manifest, _ = numbered
-    copy = Location.parse(str(tmp_path / "copy"))
-    shutil.copytree(root.path, copy.path)
-    path = manifest.splits["val"].files[0].path
-    damage_page_header(Path(copy.child(path).path), 4)
-    stream = RowGroupStream(copy, manifest, "val", batch_size=16)
-    with pytest.raises(InputError) as raised:  # at once: no retry reads other bytes
-        list(RingLoader(stream, processes=workers))
-    assert str(raised.value) == (
+    copy, path = damaged_copy(
+        numbered, tmp_path, "val", 0, lambda shard: damage_page_header(shard, 4)
+    )
+    assert loader_error(RowGroupStream(copy, numbered[1], "val", batch_size=16), workers) == (
         f"dataset {copy.uri} is damaged: row group 4 of {copy.uri}/{path}: it does not read as "
         "Parquet (Couldn't deserialize thrift: TProtocolException: Invalid data); re-run "
         "preprocessing with overwrite=true"
@@ -727,3 +799,23 @@ def test_ray_data_reads_train_blocks_in_a_new_order_each_epoch(
     assert sorted(first) == list(range(TRAIN_FILES))
     assert first != second
     assert epochs(1) == [first]  # a run with the same seed reads the same orders
+
+
+def test_ray_data_reads_row_groups_as_the_loader_does(numbered, tmp_path, ray_in_process):
+    root, manifest, ids = numbered
+    rows = ray_data_input.read_split(root, manifest, "val").take_all()
+    assert sorted(r["label"] for r in rows) == sorted(i % len(CLASSES) for i in ids["val"])
+    copy, path = damaged_copy(
+        numbered,
+        tmp_path,
+        "val",
+        2,
+        lambda shard: rewrite_shard(shard, page_checksums=True, label=(12, 9)),
+    )
+    val = ray_data_input.datasets(manifest, copy, augment="none", seed=0)["val"]
+    with pytest.raises(InputError) as raised:  # as a worker's ShardBatches raises it
+        list(ray_data_input.input_errors_raised(val.iter_torch_batches(batch_size=16)))
+    assert str(raised.value) == (
+        f"dataset {copy.uri} is damaged: row 2 of row group 1 of {copy.uri}/{path}: label 9, "
+        f"but the dataset has {len(CLASSES)} classes; re-run preprocessing with overwrite=true"
+    )

@@ -294,11 +294,12 @@ def test_deterministic_input_errors_fail_once_before_any_worker(
     assert "RayTrainWorker" not in proc.stdout and not (tmp_path / "bad").exists()
 
 
-def test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row(
+def test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row_group(
     cluster_2cpu, tiny_dataset, tmp_path
 ):
     # Bytes of one stored image overwritten, the shard's size unchanged: the driver's checks of
-    # the files pass and a loader process fails on the row. Every retry would fail on it again.
+    # the files pass and a loader process fails on its page's checksum. Every retry would fail
+    # on it again.
     copy = tmp_path / "damaged"
     shutil.copytree(tiny_dataset, copy)
     shard = sorted(copy.glob("data/*/train/*.parquet"))[0]
@@ -306,10 +307,13 @@ def test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row(
     proc = train_job(cluster_2cpu, copy, tmp_path, "name=damaged", "max_failures=3")
     assert "failed with exit code 1" in proc.stdout, proc.stdout  # the job's: bad input
     assert re.search(
-        rf"error: dataset {copy}\S* is damaged: row 0 of row group 0 of \S+/{shard.name}"
-        r": not an image \(unrecognised format\).*; re-run preprocessing with overwrite=true",
+        rf"error: dataset {copy}\S* is damaged: row group 0 of \S+/{shard.name}: it does not",
         proc.stdout,
     ), proc.stdout
+    assert (
+        ": it does not read as Parquet (could not verify page integrity, CRC checksum "
+        "verification failed for page_ordinal 0); re-run preprocessing with overwrite=true\n"
+    ) in proc.stdout, proc.stdout
     # Its workers started once (rank 0 says so as it starts): not again for max_failures.
     assert len(re.findall(r"\d+ workers on cpu, precision", proc.stdout)) == 1, proc.stdout
 

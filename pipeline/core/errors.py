@@ -23,11 +23,15 @@ EXIT_CODES: dict[type[Exception], int] = {InputError: 1, ConfigError: 2, Cluster
 
 
 # pyarrow's errors for Parquet bytes that are not what was written. They are OSErrors, as a
-# failed read's are, but reading again reads the same bytes.
+# failed read's are, but reading again reads the same bytes. The shards' own reader tells the
+# two apart by where the error arose (dataset.read_row_group); these are for any other read.
 PARQUET_DAMAGE_MARKS = (
     "Couldn't deserialize thrift",
     "Unexpected end of stream",
     "decompression failed",
+    "Invalid page header",
+    "CRC checksum verification failed",
+    "Parquet magic bytes not found",
 )
 # Storage errors that retrying cannot fix: the request itself is wrong, or the bytes.
 PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -59,9 +63,8 @@ def failure(error: BaseException) -> tuple[int, str] | None:
     """The exit code and the `error: ` line that end a job or the chain on `error`; None for an
     error that is no one's input (a bug), which keeps its traceback."""
     if isinstance(error, tuple(EXIT_CODES)):
-        return next(code for kind, code in EXIT_CODES.items() if isinstance(error, kind)), str(
-            error
-        )
+        code = next(code for kind, code in EXIT_CODES.items() if isinstance(error, kind))
+        return code, task_error(error) or str(error)
     if isinstance(error, ConnectionError):  # a service that does not answer: it may come back
         return EXIT_CODES[ClusterError], f"cannot connect: {first_line(error)}"
     if isinstance(error, OSError):
@@ -69,6 +72,16 @@ def failure(error: BaseException) -> tuple[int, str] | None:
         # (1); one that kept failing through every retry, the service's (3).
         code = EXIT_CODES[ClusterError if is_transient(error) else InputError]
         return code, f"storage: {first_line(error)}"
+    return None
+
+
+def task_error(error: BaseException) -> str | None:
+    """The message of the error a Ray task raised, where `error` is Ray's RayTaskError of it
+    (whose text is the task's traceback); else None."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException) and isinstance(error, type(cause)):
+        # Ray Data adds lines of its own to the cause's message (its retries).
+        return first_line(cause)
     return None
 
 

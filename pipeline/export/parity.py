@@ -14,12 +14,12 @@ import logging
 from collections.abc import Callable, Iterator
 
 import numpy as np
-import pyarrow.parquet as pq
+import pyarrow as pa
 import torch
 
 from pipeline.core.errors import InputError
-from pipeline.core.storage import Location, retry
-from pipeline.data.dataset import Manifest
+from pipeline.core.storage import Location
+from pipeline.data.dataset import Manifest, read_footer, read_row_group
 from pipeline.data.images import decode_image
 from pipeline.model.checkpoint import ModelInput
 from pipeline.model.device import DevicePolicy
@@ -39,11 +39,11 @@ def val_batches(
     for shard in manifest.splits[SPLIT].files:
         if left <= 0:
             return
-        file = root.child(shard.path)
-        table = retry(
-            lambda f=file: pq.read_table(f.path, filesystem=f.fs, columns=["image", "label"]),
-            f"reading {file.uri}",
-        ).slice(0, left)
+        footer = read_footer(root, shard.path)
+        groups = range(footer.metadata.num_row_groups)
+        columns, classes = ["image", "label"], len(manifest.classes)
+        tables = [read_row_group(footer, g, columns, classes=classes) for g in groups]
+        table = pa.concat_tables(tables).slice(0, left)
         left -= table.num_rows
         for batch in table.to_batches(max_chunksize=batch_size):
             pixels = np.stack(

@@ -16,12 +16,18 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import ray.data
 
 from pipeline.core.errors import InputError
-from pipeline.core.storage import Location, retry
-from pipeline.data.dataset import check_files, committed_versions, read_manifest
+from pipeline.core.storage import Location
+from pipeline.data.dataset import (
+    SCHEMA,
+    check_files,
+    committed_versions,
+    read_footer,
+    read_manifest,
+    read_row_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +52,7 @@ def list_input(root: Location, *, split: str, version: str | None = None) -> Inp
     once here), or the image files of a folder."""
     if versions := committed_versions(root):
         manifest = read_manifest(root, version or versions[-1])
-        files = [root.child(f.path).path for f in manifest.splits[split].files]
+        files = [f.path for f in manifest.splits[split].files]  # relative to root
         if not files:
             raise InputError(f"split {split!r} of dataset {root.uri} is empty")
         check_files(root, manifest, [split])
@@ -80,6 +86,9 @@ def read_input(inp: Input, *, skip: pa.Array | None = None) -> ray.data.Dataset 
     """Rows of (data: encoded image, source_id, label_name or ''): one read per Parquet shard,
     or per FILES_PER_READ image files, leaving out the images whose source_id is in `skip`;
     None where that leaves no file to read."""
+    # A damaged shard's InputError raised as it is (in Ray's RayTaskError, whose message
+    # `failure` takes), not wrapped in Ray Data's UserCodeException: for every dataset after.
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     files, reader, kwargs = inp.files, read_images, {"root": inp.root}
     if inp.version is not None:
         reader = read_shard
@@ -109,33 +118,28 @@ def folder_label(root: Location, path: str) -> str:
 
 
 def read_shard(batch: dict, *, root: Location, skip: ray.ObjectRef | None = None) -> dict:
-    """Ray Data stage: Parquet shard paths -> their rows, but those whose source_id is in the
-    array `skip` refers to (a shard of those only is read no further than its ids)."""
+    """Ray Data stage: Parquet shard paths (relative to `root`) -> their rows, but those whose
+    source_id is in the array `skip` refers to (a row group of those only is read no further
+    than its ids); a damaged shard is an InputError naming it (`dataset.read_row_group`)."""
     done = None if skip is None else ray.get(skip)
+    columns = ["image", "source_id", "label_name"]
     tables = []
-    for p in batch["path"]:
-        if done is not None:
-            ids = _read(root, p, ["source_id"])["source_id"]
-            keep = pc.invert(pc.is_in(ids, value_set=done))
-            if not pc.any(keep).as_py():
+    for path in batch["path"]:
+        shard = read_footer(root, path)
+        for group in range(shard.metadata.num_row_groups):
+            if done is None:
+                tables.append(read_row_group(shard, group, columns))
                 continue
-        table = _read(root, p, ["image", "source_id", "label_name"])
-        tables.append(table if done is None else table.filter(keep))
-    if not tables:
-        empty = np.array([], dtype=object)
-        return {"data": empty, "source_id": empty, "label_name": empty}
-    table = pa.concat_tables(tables)
+            ids = read_row_group(shard, group, ["source_id"])["source_id"]
+            keep = pc.invert(pc.is_in(ids, value_set=done))
+            if pc.any(keep).as_py():
+                tables.append(read_row_group(shard, group, columns).filter(keep))
+    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table().select(columns)
     return {
         "data": table["image"].to_numpy(),
         "source_id": table["source_id"].to_numpy(),
         "label_name": table["label_name"].to_numpy(),
     }
-
-
-def _read(root: Location, path: str, columns: list[str]) -> pa.Table:
-    return retry(
-        lambda: pq.read_table(path, filesystem=root.fs, columns=columns), f"reading {path}"
-    )
 
 
 def read_images(batch: dict, *, root: Location) -> dict:

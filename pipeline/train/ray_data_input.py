@@ -17,25 +17,47 @@ same number of steps; that leaves out fewer rows than there are ranks each epoch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
+import pyarrow as pa
 import ray.data
 import ray.train
 from ray.train import DataConfig
 
+from pipeline.core.errors import InputError, task_error
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.storage import Location
-from pipeline.data.dataset import Manifest
+from pipeline.data.dataset import Manifest, ShardFooter, read_footer, read_row_group
 
 SHUFFLE_BUFFER_BATCHES = 4
 DECODE_BATCH = 64  # images per map_batches call
 
 
 def read_split(dataset: Location, manifest: Manifest, split: str) -> ray.data.Dataset:
-    """One split's rows (image bytes, label), a block per Parquet row group."""
-    paths = [dataset.child(f.path).path for f in manifest.splits[split].files]
-    return ray.data.read_parquet(paths, filesystem=dataset.fs, columns=["image", "label"])
+    """One split's rows (image bytes, label), a block per Parquet row group, each read as the
+    torch loader reads it: its pages checked, its labels in range, damage an InputError naming
+    it (`dataset.read_row_group`). The footers are read here, once."""
+    footers = [read_footer(dataset, f.path) for f in manifest.splits[split].files]
+    groups = [
+        {"shard": s, "group": g}
+        for s, footer in enumerate(footers)
+        for g in range(footer.metadata.num_row_groups)
+    ]
+    # One item per block, so one task, and one block, per row group.
+    items = ray.data.from_items(groups, override_num_blocks=max(len(groups), 1))
+    kwargs = {"footers": footers, "classes": len(manifest.classes)}
+    return items.map_batches(read_groups, fn_kwargs=kwargs, batch_size=None)
+
+
+def read_groups(batch: dict, *, footers: list[ShardFooter], classes: int) -> dict:
+    """Ray Data stage: (shard, row group) items -> the rows of those row groups."""
+    tables = [
+        read_row_group(footers[s], g, ["image", "label"], classes=classes)
+        for s, g in zip(batch["shard"], batch["group"], strict=True)
+    ]
+    table = pa.concat_tables(tables)
+    return {"image": table["image"].to_numpy(), "label": table["label"].to_numpy()}
 
 
 def datasets(
@@ -43,6 +65,9 @@ def datasets(
 ) -> dict:
     """The driver's `datasets=` for TorchTrainer: train decoded and augmented, val decoded."""
     quiet_ray_data()  # Ray Train hands this context to the actors that run the datasets
+    # A damaged row group's InputError raised as it is (in Ray's RayTaskError), not wrapped in
+    # Ray Data's UserCodeException, so the run ends on it rather than retrying the worker.
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     size = manifest.image_size
     # An integer seed gives every epoch the same block order; this one is reseeded per
     # execution (each epoch's pass over the split), so the order changes and still repeats
@@ -109,10 +134,20 @@ class ShardBatches:
 
     def __iter__(self) -> Iterator[tuple]:
         shuffle = self.shuffle_seed is not None
-        for batch in self.shard.iter_torch_batches(
+        batches = self.shard.iter_torch_batches(
             batch_size=self.batch_size,
             drop_last=shuffle,  # train: every rank the same steps; val: every image
             local_shuffle_buffer_size=SHUFFLE_BUFFER_BATCHES * self.batch_size if shuffle else None,
             local_shuffle_seed=self.shuffle_seed + self.epoch if shuffle else None,
-        ):
+        )
+        for batch in input_errors_raised(batches):
             yield batch["image"], batch["label"]
+
+
+def input_errors_raised(batches: Iterable) -> Iterator:
+    """`batches`, where a read task's InputError (a damaged row group) is raised with its own
+    message: Ray's RayTaskError of it carries the task's traceback in its message."""
+    try:
+        yield from batches
+    except InputError as e:
+        raise InputError(task_error(e) or str(e)) from None

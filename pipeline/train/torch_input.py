@@ -30,16 +30,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
-from pipeline.core.errors import PARQUET_DAMAGE_MARKS, InputError, first_line
-from pipeline.core.storage import Location, retry
-from pipeline.data.dataset import SCHEMA, Manifest
+from pipeline.core.errors import InputError
+from pipeline.core.storage import Location
+from pipeline.data.dataset import (
+    Manifest,
+    ShardFooter,
+    damaged,
+    read_footer,
+    read_row_group,
+)
 from pipeline.data.images import BadImageError, decode_image, jpeg_header
 from pipeline.train.order import batched, process_key, shuffled, taken
 from pipeline.train.rest import Segment, cut, not_trained, rest_run, steps_of
@@ -54,13 +58,6 @@ class RowGroup:
     file: int  # index into RowGroupStream.files
     index: int  # row group within the file
     rows: int
-
-
-@dataclass(frozen=True)
-class ShardFooter:
-    path: str
-    uri: str
-    metadata: pq.FileMetaData  # read once, so each row group read fetches only its columns
 
 
 class RowGroupStream(IterableDataset):
@@ -118,20 +115,13 @@ class RowGroupStream(IterableDataset):
         self._sequence = None
         self.files: list[ShardFooter] = []
         self.groups: list[RowGroup] = []
+        self.classes = len(manifest.classes)
         for f in manifest.splits[split].files:
-            loc = root.child(f.path)
-            try:
-                meta = retry(lambda loc=loc: footer(loc), f"reading {loc.uri}")
-            except FileNotFoundError:
-                raise InputError(missing(loc)) from None
-            if not meta.schema.to_arrow_schema().equals(SCHEMA, check_metadata=False):
-                raise InputError(
-                    f"{loc.uri} does not have the schema this code reads "
-                    f"({SCHEMA.names}); re-run preprocessing with overwrite=true"
-                )
-            for g in range(meta.num_row_groups):
-                self.groups.append(RowGroup(len(self.files), g, meta.row_group(g).num_rows))
-            self.files.append(ShardFooter(loc.path, loc.uri, meta))
+            shard = read_footer(root, f.path)
+            for g in range(shard.metadata.num_row_groups):
+                rows = shard.metadata.row_group(g).num_rows
+                self.groups.append(RowGroup(len(self.files), g, rows))
+            self.files.append(shard)
         self.rows = sum(g.rows for g in self.groups)
         if self.rows != manifest.splits[split].rows:
             raise InputError(
@@ -328,32 +318,13 @@ class RowGroupStream(IterableDataset):
 
     def damaged(self, group: int, what: str, *, row: int | None = None) -> str:
         g = self.groups[group]
-        where = f"row group {g.index} of {self.files[g.file].uri}"
-        return (
-            f"dataset {self.root.uri} is damaged: {'' if row is None else f'row {row} of '}"
-            f"{where}: {what}; re-run preprocessing with overwrite=true"
-        )
+        return str(damaged(self.root, self.files[g.file].uri, what, group=g.index, row=row))
 
     def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int], list[Place]]:
         """Rows [lo, hi) of one row group: encoded images, labels, and where each is stored."""
         g = self.groups[group]
-        f = self.files[g.file]
-
-        def read() -> pa.Table:
-            with self.root.fs.open_input_file(f.path) as fh:
-                # pre_buffer: the two column chunks in one coalesced read (one GET on S3).
-                parquet = pq.ParquetFile(fh, metadata=f.metadata, pre_buffer=True)
-                return parquet.read_row_group(g.index, columns=COLUMNS)
-
-        try:
-            table = retry(read, f"reading {f.uri}").slice(lo, hi - lo)
-        except FileNotFoundError:
-            raise InputError(missing(Location(self.root.fs, f.path, f.uri))) from None
-        except (pa.ArrowInvalid, OSError) as e:
-            if isinstance(e, OSError) and not any(m in str(e) for m in PARQUET_DAMAGE_MARKS):
-                raise  # storage's, not the bytes'
-            what = f"it does not read as Parquet ({first_line(e)})"
-            raise InputError(self.damaged(group, what)) from None
+        table = read_row_group(self.files[g.file], g.index, COLUMNS, classes=self.classes)
+        table = table.slice(lo, hi - lo)
         places = [(group, row) for row in range(lo, hi)]
         return table.column("image").to_pylist(), table.column("label").to_pylist(), places
 
@@ -510,15 +481,3 @@ class Augment:
             out = fn()
             self.state = torch.get_rng_state()
         return out
-
-
-def footer(loc: Location) -> pq.FileMetaData:
-    with loc.fs.open_input_file(loc.path) as fh:
-        return pq.ParquetFile(fh).metadata
-
-
-def missing(loc: Location) -> str:
-    return (
-        f"{loc.uri} is listed in the manifest but missing: the dataset is damaged; "
-        "re-run preprocessing with overwrite=true"
-    )
