@@ -626,23 +626,23 @@ class EpochCheckpoints:
         storage = ray.train.get_context().get_storage()
 
         def upload(_: ray.train.Checkpoint, name: str) -> ray.train.Checkpoint:
-            try:
-                target = w.run_dir.child(name)
-                publish_checkpoint(
-                    target, lambda d: save_checkpoint(d, copied[0], meta, copied[1], ema=copied[2])
-                )
-                log.info("checkpoint saved: %s", target.uri)
-                faults.point(faults.CHECKPOINT_UPLOADED)
-                if self.steps is not None:
-                    self.steps.epoch_done(epoch)
-                if w.tracking is not None:
-                    # Once the checkpoint is on storage: with it, every epoch up to this one
-                    # (those an outage or a restart left out too), never one twice.
-                    w.tracking.log_epochs(history)
-                path = storage.build_checkpoint_path_from_name(name)
-                return ray.train.Checkpoint(path, filesystem=storage.storage_filesystem)
-            finally:
-                self.uploaded.set()
+            target = w.run_dir.child(name)
+            publish_checkpoint(
+                target, lambda d: save_checkpoint(d, copied[0], meta, copied[1], ema=copied[2])
+            )
+            log.info("checkpoint saved: %s", target.uri)
+            faults.point(faults.CHECKPOINT_UPLOADED)
+            if self.steps is not None:
+                self.steps.epoch_done(epoch)
+            if w.tracking is not None:
+                # Once the checkpoint is on storage: with it, every epoch up to this one (those
+                # an outage or a restart left out too), never one twice.
+                w.tracking.log_epochs(history)
+            # Only now may the copy be reused: Ray retries a failed upload (on the same copy),
+            # then fails the worker, and the worker group is stopped with the loop waiting.
+            self.uploaded.set()
+            path = storage.build_checkpoint_path_from_name(name)
+            return ray.train.Checkpoint(path, filesystem=storage.storage_filesystem)
 
         # Ray removes the (empty) directory it is given once `upload` returns.
         ray.train.report(
