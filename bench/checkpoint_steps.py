@@ -1,13 +1,21 @@
-"""What checkpoints inside an epoch cost a step, and what they save at a failure.
+"""What checkpoints cost the step loop: inside an epoch, and an epoch's own upload to S3.
 
     .venv/bin/python -m bench.checkpoint_steps --image-size 64 --every 10 --rounds 3
 
 In this process, without Ray: ResNet-18 and AdamW on random batches held in memory (the step
-alone, as a GPU-fed worker runs it), `--steps` steps with a checkpoint inside the epoch every
-`--every` steps (the worker's StepWriter: written to local disk while the step loop waits, then
-published to a run directory by its thread) against the same steps with none, in `--rounds`
-rounds, which of the two goes first alternating. Reported: seconds per step both ways and their
-ratio (median of the rounds), and the time a save holds the step loop.
+alone, as a GPU-fed worker runs it), side by side in each round, which goes first rotating:
+
+- inside an epoch: `--steps` steps with no checkpoint, with the worker's StepWriter every
+  `--every` steps (the state copied in the loop, serialized and written by its thread), and
+  with the previous writer (serialized to local disk in the loop, published by a thread).
+  Reported: seconds per step each way, their ratios to none (median of the rounds), and the
+  time a save holds the loop;
+- an epoch's checkpoint to S3 (a moto server on loopback, in a process of its own): the
+  `--next-steps` steps after an epoch's end with no checkpoint, with the worker's way (the copy
+  in the loop; `publish_checkpoint` to S3 in a thread, as Ray's upload thread runs it with
+  checkpoint_upload_mode=ASYNC) and with Ray's synchronous upload of before (the checkpoint
+  written to local disk, then copied to S3, before the next step). Reported: the time from the
+  epoch's end to its next step, the next steps' seconds per step, and the upload's time.
 
 Steps redone per failure are the checkpoints' arithmetic: a failure at a uniformly random step
 of an epoch of S steps redoes on average (S - 1) / 2 steps (at most S - 1) with checkpoints at
@@ -16,71 +24,155 @@ Results go to bench/results/checkpoint_steps.json.
 """
 
 import argparse
+import multiprocessing
+import os
+import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 
 from bench.common import write_results
-from pipeline.core.storage import Location
-from pipeline.model.checkpoint import CheckpointMeta, save_checkpoint
+from pipeline.core.storage import Location, publish_directory
+from pipeline.model.checkpoint import METADATA, CheckpointMeta, save_checkpoint
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import build_model
+from pipeline.train.saving import Background, Snapshot, publish_checkpoint
 from pipeline.train.step import train_one_epoch
-from pipeline.train.steps import StepWriter
+from pipeline.train.steps import StepWriter, step_dir_name
 
 CLASSES = 10
+STEP_WAYS = ("none", "worker", "previous")
+EPOCH_WAYS = ("none", "async", "sync")
 
 
-def run(steps: int, every: int | None, size: int, batch: int, run_dir: Location) -> dict:
-    """`steps` steps of the worker's train step; with `every`, a checkpoint every `every`."""
-    torch.manual_seed(0)
-    model = build_model(CLASSES)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    policy = DevicePolicy(torch.device("cpu"), "fp32", (0.5,) * 3, (0.25,) * 3)
-    x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
-    y = torch.randint(0, CLASSES, (batch,))
-    writer = StepWriter(run_dir)
-    held = []
+def meta(size: int, step: int | None) -> CheckpointMeta:
+    return CheckpointMeta(
+        epoch=0,
+        step=step,
+        classes=[str(c) for c in range(CLASSES)],
+        image_size=size,
+        mean=(0.5,) * 3,
+        std=(0.25,) * 3,
+        dataset_fingerprint="bench",
+        dataset_version="bench",
+        metrics={"epoch": 0} if step is None else {"epoch": 0, "step": step},
+        history=[],
+        config={},
+    )
+
+
+class Trainer:
+    """The model, optimizer and one batch; `steps(n, after_step)` trains n steps."""
+
+    def __init__(self, size: int, batch: int):
+        torch.manual_seed(0)
+        self.size = size
+        self.model = build_model(CLASSES)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.policy = DevicePolicy(torch.device("cpu"), "fp32", (0.5,) * 3, (0.25,) * 3)
+        x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
+        self.batch = (x, torch.randint(0, CLASSES, (batch,)))
+        self.criterion = torch.nn.CrossEntropyLoss()
+        self.steps(3)  # warm-up, and AdamW's state made
+
+    def steps(self, n: int, after_step=None) -> float:
+        """Seconds for `n` steps."""
+        began = time.perf_counter()
+        train_one_epoch(
+            *(self.model, [self.batch] * n, self.optimizer, self.criterion),
+            policy=self.policy,
+            after_step=after_step,
+        )
+        return time.perf_counter() - began
+
+    def state(self):
+        return self.model.state_dict(), {"optimizer": self.optimizer.state_dict()}
+
+
+def inside_epoch(t: Trainer, way: str, steps: int, every: int, run_dir: Location) -> dict:
+    """`steps` steps with a checkpoint every `every` the `way` given."""
+    writer, held = StepWriter(run_dir), []
+    previous = Background("previous-writer")
 
     def after_step(step: int, totals) -> None:
-        if every is None or step % every:
+        if way == "none" or step % every:
             return
         began = time.perf_counter()
-        meta = CheckpointMeta(
-            epoch=0,
-            step=step,
-            classes=[str(c) for c in range(CLASSES)],
-            image_size=size,
-            mean=(0.5,) * 3,
-            std=(0.25,) * 3,
-            dataset_fingerprint="bench",
-            dataset_version="bench",
-            metrics={"epoch": 0, "step": step},
-            history=[],
-            config={},
-        )
-        weights, state = model.state_dict(), {"optimizer": optimizer.state_dict()}
-        writer.save(0, step, lambda d: save_checkpoint(d, weights, meta, state))
+        m = meta(t.size, step)
+        if way == "worker":
+            writer.save(0, step, t.state(), lambda d, c: save_checkpoint(d, c[0], m, c[1]))
+        else:  # serialized to local disk while the loop waits, then published by a thread
+            previous.wait()
+            staged = Path(tempfile.mkdtemp(prefix="bench-previous-"))
+            weights, state = t.state()
+            save_checkpoint(staged, weights, m, state)
+            target = run_dir.child("previous", step_dir_name(0, step))
+
+            def publish(staged=staged, target=target) -> None:
+                publish_directory(staged, target, last=METADATA)
+                shutil.rmtree(staged)
+
+            previous.submit(publish)
         held.append(time.perf_counter() - began)
 
-    criterion = torch.nn.CrossEntropyLoss()
-    train_one_epoch(model, [(x, y)] * 3, optimizer, criterion, policy=policy)  # warm-up
-    began = time.perf_counter()
-    train_one_epoch(
-        model, [(x, y)] * steps, optimizer, criterion, policy=policy, after_step=after_step
-    )
-    seconds = time.perf_counter() - began
+    seconds = t.steps(steps, after_step)
     waited = time.perf_counter()
     writer.wait()
+    previous.wait()
     return {
         "s_per_step": seconds / steps,
         "saves": len(held),
         "held_s": statistics.median(held) if held else 0.0,
-        "last_publish_s": time.perf_counter() - waited,
+        "last_write_s": time.perf_counter() - waited,
     }
+
+
+def epoch_upload(t: Trainer, way: str, next_steps: int, s3_root: Location, r: int) -> dict:
+    """An epoch's end, its checkpoint sent to S3 the `way` given, and the next steps."""
+    target = s3_root.child(f"run{r}-{way}", "epoch_0000")
+    upload, m = Background("bench-upload"), meta(t.size, None)
+    ended = time.perf_counter()
+    if way == "async":
+        copied = Snapshot().take(t.state())
+        upload.submit(
+            lambda: publish_checkpoint(
+                target, lambda d: save_checkpoint(d, copied[0], m, copied[1])
+            )
+        )
+    elif way == "sync":  # Ray's synchronous report: written locally, copied, then reported
+        staged = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+        weights, state = t.state()
+        save_checkpoint(staged, weights, m, state)
+        target.fs.create_dir(target.path)
+        pafs.copy_files(
+            str(staged),
+            target.path,
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=target.fs,
+        )
+        shutil.rmtree(staged)
+    held = time.perf_counter() - ended
+    seconds = t.steps(next_steps)
+    upload.wait()
+    whole = time.perf_counter() - ended
+    if way != "none":
+        assert target.child(METADATA).exists(), target.uri
+    return {"held_s": held, "s_per_step": seconds / next_steps, "until_uploaded_s": whole}
+
+
+def serve_s3(ready) -> None:
+    """A moto S3 server in this process of its own; its environment goes to `ready`."""
+    from harness.s3 import S3Server
+
+    with S3Server() as s3:
+        s3.create_bucket("bench")
+        ready.put(s3.env)
+        while True:
+            time.sleep(3600)
 
 
 def main() -> None:
@@ -89,43 +181,84 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--next-steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epoch-steps", type=int, default=296, help="Food-101 at batch 256")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    rounds = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            run_dir = Location.parse(str(Path(tmp) / f"run{r}"))
-            # Alternating which goes first, so that a machine's drift favours neither.
-            first, second = (None, args.every) if r % 2 == 0 else (args.every, None)
-            timed = {
-                every: run(args.steps, every, args.image_size, args.batch, run_dir)
-                for every in (first, second)
-            }
-            off, on = timed[None], timed[args.every]
-            rounds.append({"off": off, "on": on, "ratio": on["s_per_step"] / off["s_per_step"]})
-            print(
-                f"round {r}: {off['s_per_step']:.3f} s/step without, {on['s_per_step']:.3f} with "
-                f"a checkpoint every {args.every} ({on['saves']} saves, each holding the loop "
-                f"{on['held_s']:.3f} s): {rounds[-1]['ratio']:.3f}x"
-            )
+    spawn = multiprocessing.get_context("spawn")
+    ready = spawn.Queue()
+    server = spawn.Process(target=serve_s3, args=(ready,), daemon=True)
+    server.start()
+    os.environ.update(ready.get(timeout=120))
+    s3_root = Location.parse("s3://bench/checkpoints")
+    t = Trainer(args.image_size, args.batch)
+    rounds, uploads = [], []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.rounds):
+                run_dir = Location.parse(str(Path(tmp) / f"run{r}"))
+                # Rotating which goes first, so that a machine's drift favours none.
+                order = STEP_WAYS[r % 3 :] + STEP_WAYS[: r % 3]
+                timed = {w: inside_epoch(t, w, args.steps, args.every, run_dir) for w in order}
+                base = timed["none"]["s_per_step"]
+                ratios = {w: timed[w]["s_per_step"] / base for w in STEP_WAYS[1:]}
+                rounds.append({**timed, "ratio": ratios})
+                print(
+                    f"round {r}: {base:.3f} s/step without; every {args.every} steps: "
+                    f"{timed['worker']['s_per_step']:.3f} ({ratios['worker']:.3f}x, the loop "
+                    f"held {timed['worker']['held_s']:.3f} s a save), previous writer "
+                    f"{timed['previous']['s_per_step']:.3f} ({ratios['previous']:.3f}x, held "
+                    f"{timed['previous']['held_s']:.3f} s)"
+                )
+                order = EPOCH_WAYS[r % 3 :] + EPOCH_WAYS[: r % 3]
+                up = {w: epoch_upload(t, w, args.next_steps, s3_root, r) for w in order}
+                base = up["none"]["s_per_step"]
+                up["ratio"] = {w: up[w]["s_per_step"] / base for w in EPOCH_WAYS[1:]}
+                uploads.append(up)
+                print(
+                    f"round {r}: epoch checkpoint to S3, epoch end to next step: async "
+                    f"{up['async']['held_s']:.3f} s, sync {up['sync']['held_s']:.3f} s; next "
+                    f"{args.next_steps} steps {base:.3f} s/step without, async "
+                    f"{up['async']['s_per_step']:.3f} ({up['ratio']['async']:.3f}x; uploaded "
+                    f"{up['async']['until_uploaded_s']:.1f} s after the epoch's end), sync "
+                    f"{up['sync']['s_per_step']:.3f} ({up['ratio']['sync']:.3f}x)"
+                )
+    finally:
+        server.terminate()
     s, n = args.epoch_steps, args.every
     redone = {
         "epoch_ends": {"mean": (s - 1) / 2, "max": s - 1},
         f"every_{n}": {"mean": (n - 1) / 2, "max": n - 1},
     }
+
+    def median(items, *keys):
+        values = []
+        for item in items:
+            for k in keys:
+                item = item[k]
+            values.append(item)
+        return statistics.median(values)
+
     result = {
         "config": vars(args),
         "rounds": rounds,
-        "step_time_ratio": statistics.median(r["ratio"] for r in rounds),
+        "step_time_ratio": median(rounds, "ratio", "worker"),
+        "previous_step_time_ratio": median(rounds, "ratio", "previous"),
+        "epoch_uploads": uploads,
+        "epoch_end_held_s": {w: median(uploads, w, "held_s") for w in EPOCH_WAYS[1:]},
+        "next_steps_ratio": {w: median(uploads, "ratio", w) for w in EPOCH_WAYS[1:]},
         "steps_redone_per_failure": redone,
         "redone_ratio": redone[f"every_{n}"]["mean"] / redone["epoch_ends"]["mean"],
     }
+    held, after = result["epoch_end_held_s"], result["next_steps_ratio"]
     print(
-        f"step time with / without: {result['step_time_ratio']:.3f}x (median of "
-        f"{args.rounds}); steps redone per failure, epoch of {s} steps: {(s - 1) / 2:.1f} -> "
-        f"{(n - 1) / 2:.1f} on average ({result['redone_ratio']:.3f}x)"
+        f"step time with / without a checkpoint every {n} steps: {result['step_time_ratio']:.3f}x "
+        f"(previous writer {result['previous_step_time_ratio']:.3f}x; median of {args.rounds}); "
+        f"an epoch's checkpoint to S3 holds the loop {held['async']:.3f} s (sync "
+        f"{held['sync']:.3f} s), the next steps {after['async']:.3f}x (sync {after['sync']:.3f}x); "
+        f"steps redone per failure, epoch of {s} steps: {(s - 1) / 2:.1f} -> {(n - 1) / 2:.1f} on "
+        f"average ({result['redone_ratio']:.3f}x)"
     )
     write_results("checkpoint_steps", result)
 

@@ -31,12 +31,10 @@ def reach(env: dict[str, str]) -> subprocess.Popen:
 def test_points_pass_unless_armed(monkeypatch, tmp_path):
     monkeypatch.delenv(faults.ENV, raising=False)
     faults.point(faults.CHECKPOINT_REPORTED)
-    assert faults.checkpoint_upload_fn() is None  # Ray's own upload, as without this module
     for name, value in arm(faults.CHECKPOINT_UPLOADED, tmp_path).items():
         monkeypatch.setenv(name, value)
     faults.point(faults.CHECKPOINT_REPORTED)
     assert list(tmp_path.iterdir()) == []
-    assert callable(faults.checkpoint_upload_fn())
 
 
 def test_an_armed_point_holds_the_first_process_only(tmp_path):

@@ -5,6 +5,9 @@ ends with those weights too (the same batches, decoded in the training process).
 
 from __future__ import annotations
 
+import threading
+import uuid
+from io import BytesIO
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from pipeline.model.checkpoint import EMA_WEIGHTS, METADATA, WEIGHTS, ModelInput
 from pipeline.model.networks import build_model
 from pipeline.train.config import TrainConfig
 from pipeline.train.rest import Segment
+from pipeline.train.saving import Snapshot, publish_checkpoint
 from pipeline.train.steps import (
     STEPS,
     StepWriter,
@@ -41,19 +45,18 @@ RECIPE = (
 )
 
 
-def test_the_writer_publishes_whole_checkpoints_and_keeps_the_newest_two(tmp_path):
+def fill(directory: Path, copied: dict) -> None:
+    """A checkpoint's files from the state copied at the save, metadata.json last as
+    save_checkpoint writes it."""
+    torch.save(copied, directory / WEIGHTS)
+    (directory / METADATA).write_text("{}")
+
+
+def test_the_writer_publishes_whole_checkpoints_and_keeps_the_newest_two_per_epoch(tmp_path):
     run = Location.parse(str(tmp_path / "run"))
     writer = StepWriter(run)
-
-    def write(step: int):
-        def fill(directory: Path) -> None:
-            (directory / "model.pt").write_text(f"weights of step {step}")
-            (directory / METADATA).write_text("{}")  # written last, as save_checkpoint does
-
-        return fill
-
     for step in (4, 8, 12):
-        writer.save(0, step, write(step))
+        writer.save(0, step, {"w": torch.full((3,), step)}, fill)
     writer.wait()
     names = [d.name for *_, d in step_checkpoints(run)]
     assert names == [step_dir_name(0, 8), step_dir_name(0, 12)]
@@ -63,17 +66,99 @@ def test_the_writer_publishes_whole_checkpoints_and_keeps_the_newest_two(tmp_pat
     partial.mkdir()
     (partial / "model.pt").write_text("half")
     assert latest_step_checkpoint(run).name == step_dir_name(0, 12)
-    # Once epoch 0's own checkpoint is in, its checkpoints inside it go.
-    writer.save(1, 4, write(4))
+    # While epoch 0's own checkpoint uploads, epoch 1's come beside its newest two...
+    for step in (4, 8, 12):
+        writer.save(1, step, {"w": torch.full((3,), step)}, fill)
     writer.wait()
-    writer.prune(done_epoch=0)
-    assert [(e, s) for e, s, _ in step_checkpoints(run)] == [(1, 4)]
+    kept = [(e, s) for e, s, _ in step_checkpoints(run)]
+    assert kept == [(0, 12), (0, 16), (1, 8), (1, 12)]
+    assert latest_step_checkpoint(run, epoch=0).name == step_dir_name(0, 12)
+    # ...and once it is on storage, epoch 0's go, and any of epoch 0 written after that too.
+    writer.epoch_done(0)
+    assert [(e, s) for e, s, _ in step_checkpoints(run)] == [(1, 8), (1, 12)]
+    writer.save(0, 20, {"w": torch.zeros(3)}, fill)
+    writer.wait()
+    assert [(e, s) for e, s, _ in step_checkpoints(run)] == [(1, 8), (1, 12)]
+
+
+def test_the_step_loop_waits_for_the_copy_only_and_the_copy_is_what_is_written(tmp_path):
+    run = Location.parse(str(tmp_path / "run"))
+    writer = StepWriter(run)
+    weights = {"w": torch.arange(4.0)}
+    writing, go_on = threading.Event(), threading.Event()
+
+    def slow(directory: Path, copied: dict) -> None:
+        writing.set()
+        assert go_on.wait(30)
+        fill(directory, copied)
+
+    writer.save(0, 4, weights, slow)  # returns with the write still to come
+    assert writing.wait(30) and not latest_step_checkpoint(run)
+    weights["w"].add_(100)  # the next steps change the weights in place meanwhile
+    go_on.set()
+    writer.wait()
+    saved = torch.load(tmp_path / "run" / STEPS / step_dir_name(0, 4) / WEIGHTS)
+    assert torch.equal(saved["w"], torch.arange(4.0))
+    # The next copy goes into the same host memory: no new allocation per checkpoint.
+    first = writer.snapshot.buffers[("w",)].data_ptr()
+    writer.save(0, 8, weights, fill)
+    writer.wait()
+    assert writer.snapshot.buffers[("w",)].data_ptr() == first
+
+
+def test_a_snapshot_is_a_copy_with_the_state_dicts_versions():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 2)).sum().backward()
+    optimizer.step()
+    state = (model.state_dict(), {"optimizer": optimizer.state_dict(), "n": [1, (2, "x")]})
+    copied = Snapshot().take(state)
+    assert copied[1]["n"] == [1, (2, "x")]
+    assert copied[0]._metadata == state[0]._metadata  # BatchNorm's version, for loading
+    before = {k: v.clone() for k, v in copied[0].items()}
+    optimizer.step()
+    for name, tensor in copied[0].items():
+        assert torch.equal(tensor, before[name]), name
+        assert tensor.data_ptr() != state[0][name].data_ptr()
+    assert copied[1]["optimizer"]["state"][0]["exp_avg"].data_ptr() != (
+        state[1]["optimizer"]["state"][0]["exp_avg"].data_ptr()
+    )
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_checkpoint_published_over_an_orphan_of_its_name_replaces_it(tmp_path, s3_server, where):
+    # A killed attempt's checkpoint that nothing recorded, and the next attempt's of the same
+    # name: the new one, whole, with none of the old one's files.
+    with s3_server.client_env():
+        if where == "local":
+            target = Location.parse(str(tmp_path / "run" / "epoch_0000"))
+        else:
+            bucket = f"steps-{uuid.uuid4().hex[:8]}"
+            s3_server.create_bucket(bucket)
+            target = Location.parse(f"s3://{bucket}/run/epoch_0000")
+        publish_checkpoint(target, lambda d: fill(d, {"w": torch.zeros(2)}))
+
+        def again(directory: Path) -> None:
+            # On local disk the old one stays whole under its name until the new one is renamed
+            # in; on S3, where files are put one by one, its metadata goes first: it cannot
+            # vouch for the new files.
+            assert target.child(METADATA).exists() == (where == "local")
+            fill(directory, {"w": torch.ones(2)})
+
+        publish_checkpoint(target, again)
+        names = sorted(Path(f.path).name for f in target.list_files())
+        assert names == sorted([METADATA, WEIGHTS])
+        assert torch.equal(
+            torch.load(BytesIO(target.child(WEIGHTS).read_bytes()))["w"], torch.ones(2)
+        )
+    if where == "local":
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["epoch_0000"]
 
 
 def test_a_writer_that_fails_says_so_at_the_next_save(tmp_path):
     (tmp_path / "run").write_text("a file where the run directory should be")
     writer = StepWriter(Location.parse(str(tmp_path / "run")))
-    writer.save(0, 4, lambda d: (d / METADATA).write_text("{}"))
+    writer.save(0, 4, {}, fill)
     with pytest.raises(OSError):
         writer.wait()
 
@@ -132,6 +217,15 @@ def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_trains_the_rest_in_
     later = worker(tiny_dataset, run_dir, world=2)
     later.start_epoch = 2
     assert restore_step(later, fresh) is None and later.start_step == 0
+    # A step checkpoint of the next epoch, taken while epoch 1's own checkpoint was uploading,
+    # which a kill kept out of Ray's record: epoch 1 resumes from its own step checkpoint.
+    meta = checkpoint_meta(taken, {"epoch": 2, "step": 4, "workers": 2}, step=4)
+    directory = tmp_path / "r" / STEPS / step_dir_name(2, 4)
+    directory.mkdir(parents=True)
+    save_checkpoint(directory, model.state_dict(), meta, state)
+    again = worker(tiny_dataset, run_dir, world=2)
+    again.start_epoch = 1
+    assert restore_step(again, fresh) is not None and again.start_step == 8
 
 
 @pytest.fixture(scope="module")

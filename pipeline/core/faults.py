@@ -15,21 +15,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import ray.train
 
 log = logging.getLogger(__name__)
 
 ENV = "RAY_CV_FAULT"
-# Inside `ray.train.report`, after the upload: the checkpoint is on storage and Ray has not
-# recorded it yet, since Ray queues it for the controller only once the upload returns.
+# In Ray's upload thread, once rank 0's epoch checkpoint is on storage: Ray has not recorded
+# it yet, since it queues it for the controller only once the upload returns.
 CHECKPOINT_UPLOADED = "checkpoint_uploaded"
-# Right after `ray.train.report` returns: the checkpoint is queued, and Ray's controller
-# records it without any more work from the worker.
+# Right after `ray.train.report` returns: the checkpoint's state is copied, and Ray's upload
+# thread writes it and queues it for the controller without the training loop.
 CHECKPOINT_REPORTED = "checkpoint_reported"
 # Rank 0, once a checkpoint inside an epoch (checkpoint.every_steps) is on storage: the first
 # one the run takes.
@@ -100,21 +95,3 @@ def point(name: str) -> None:
     while not released.exists():
         time.sleep(0.1)
     log.warning("fault point %s: released", name)
-
-
-def checkpoint_upload_fn() -> Callable[[ray.train.Checkpoint, str], ray.train.Checkpoint] | None:
-    """For `ray.train.report`: None (Ray uploads as usual) unless CHECKPOINT_UPLOADED is armed;
-    then Ray's own upload followed by that point."""
-    arming = armed()
-    if arming is None or arming[0] != CHECKPOINT_UPLOADED:
-        return None
-    import ray.train
-
-    def upload(checkpoint: ray.train.Checkpoint, dir_name: str) -> ray.train.Checkpoint:
-        # What `report` calls when given no upload function (a DeveloperAPI; Ray is pinned).
-        storage = ray.train.get_context().get_storage()
-        persisted = storage.persist_current_checkpoint(checkpoint, dir_name)
-        point(CHECKPOINT_UPLOADED)
-        return persisted
-
-    return upload

@@ -9,10 +9,10 @@ need torchvision or torchmetrics.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +47,7 @@ from pipeline.train.device_decode import pick_decode
 from pipeline.train.ema import ModelEMA
 from pipeline.train.optim import build_optimizer, restore_optimizer
 from pipeline.train.rest import Segment
+from pipeline.train.saving import Snapshot, publish_checkpoint
 from pipeline.train.step import (
     Progress,
     StepRecipe,
@@ -173,6 +174,7 @@ def train_loop_per_worker(config: dict) -> None:
             )
 
     steps = StepCheckpoints(w, device) if cfg.checkpoint.every_steps is not None else None
+    epochs = EpochCheckpoints(w, steps.writer if steps is not None else None)
     if w.start_step:
         set_rng_state(train_state["rng"], device)  # as it was after that step: dropout's draws
     for epoch in range(w.start_epoch, cfg.epochs):
@@ -278,9 +280,9 @@ def train_loop_per_worker(config: dict) -> None:
             warn_if_at_chance(metrics, len(manifest.classes), unwrap(model))
         train_state = train_state_of(optimizer, scheduler, policy, ema)
         ema_weights = ema.module.state_dict() if ema is not None else None
-        save_and_report(w, metrics, unwrap(model).state_dict(), train_state, ema_weights)
-        if steps is not None:
-            steps.epoch_done(epoch)
+        epochs.save_and_report(metrics, unwrap(model).state_dict(), train_state, ema_weights)
+    if steps is not None and steps.writer is not None:
+        steps.writer.wait()  # the last one on storage (Ray waits for the epochs' uploads)
 
 
 def train_state_of(optimizer, scheduler, policy: DevicePolicy, ema: ModelEMA | None) -> dict:
@@ -354,8 +356,12 @@ class StepCheckpoints:
         train_state |= {"epoch_so_far": totals, "rng": rng_state(self.device)}
         metrics = {"epoch": epoch, "step": step, "workers": self.w.world}
         meta = checkpoint_meta(self.w, metrics, step=step, segments=segments)
-        save = functools.partial(save_checkpoint, weights=weights, meta=meta, ema=ema_weights)
-        self.writer.save(epoch, step, lambda d: save(d, train_state=train_state))
+        self.writer.save(
+            epoch,
+            step,
+            (weights, train_state, ema_weights),
+            lambda d, copied: save_checkpoint(d, copied[0], meta, copied[1], ema=copied[2]),
+        )
         if first_notice:
             self.writer.wait()  # on storage before the deadline
             log.warning(
@@ -368,12 +374,6 @@ class StepCheckpoints:
             self.writer.wait()  # on storage before the fault test's kill
             faults.point(faults.STEP_CHECKPOINTED)
 
-    def epoch_done(self, epoch: int) -> None:
-        """The epoch's own checkpoint is reported: its checkpoints inside it can go."""
-        if self.writer is not None:
-            self.writer.wait()
-            self.writer.prune(done_epoch=epoch)
-
 
 def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
     """Load the run's newest checkpoint inside an epoch into `model` and `w`, if it is newer
@@ -381,12 +381,13 @@ def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
     elastic resize; a resubmit with other loader_workers or global_batch_size), the steps it
     trained are a segment of the epoch, and this attempt trains the rest (pipeline.train.rest).
     With another seed the epoch starts over from that checkpoint: its order is another."""
-    found = latest_step_checkpoint(w.run_dir)
+    # Of start_epoch only: older ones are from before the epoch checkpoint already loaded;
+    # newer ones (the next epoch's, taken while this epoch's checkpoint was being uploaded,
+    # which did not get into Ray's record) continue from an epoch that has no checkpoint.
+    found = latest_step_checkpoint(w.run_dir, epoch=w.start_epoch)
     if found is None:
         return None
     meta = read_meta(found)
-    if meta.epoch != w.start_epoch:
-        return None  # from before the epoch checkpoint already loaded
     if meta.config["seed"] != w.cfg.seed:
         if w.rank == 0:
             log.warning(
@@ -582,37 +583,73 @@ def checkpoint_meta(
     )
 
 
-def save_and_report(
-    w: Worker, metrics: dict, weights: dict, train_state: dict, ema: dict | None = None
-) -> None:
-    """Every rank reports the epoch's metrics; rank 0 logs them and attaches the checkpoint
-    (with `ema`, the EMA's weights, beside the raw ones)."""
-    if w.rank != 0:
-        ray.train.report(metrics)
-        return
-    epoch, m = metrics["epoch"], metrics
-    log.info(
-        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f images/s, "
-        "%.0f%% of the time waiting for input",
-        *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m["val_accuracy"]),
-        f" ema_val_loss {m['ema_val_loss']:.4f} ema_val_accuracy {m['ema_val_accuracy']:.4f}"
-        if "ema_val_loss" in m
-        else "",
-        *(m["lr"], m["images_per_s"], 100 * m["input_wait_share"]),
-    )
-    meta = checkpoint_meta(w, metrics)
-    name = checkpoint_dir_name(epoch)
-    with tempfile.TemporaryDirectory() as d:
-        save_checkpoint(d, weights, meta, train_state, ema=ema)
+class EpochCheckpoints:
+    """The epoch's checkpoint: every rank reports the epoch's metrics; rank 0 logs them and
+    attaches the checkpoint, reported with Ray's `checkpoint_upload_mode=ASYNC`.
+
+    The step loop only copies the state (pipeline.train.saving.Snapshot); Ray's upload thread
+    runs `upload`, which serializes that copy and writes it to the run directory (whole or
+    without metadata.json), and queues the checkpoint for the controller only once it returns:
+    a worker killed mid-upload leaves nothing Ray records, and the next attempt resumes from
+    Ray's latest checkpoint as before. Ray uploads one checkpoint at a time, in report order;
+    the copy is reused, so the next epoch's waits for the upload before it (one in flight)."""
+
+    def __init__(self, w: Worker, steps: StepWriter | None):
+        self.w, self.steps = w, steps
+        self.snapshot = Snapshot()
+        self.uploaded = threading.Event()
+        self.uploaded.set()
+
+    def save_and_report(
+        self, metrics: dict, weights: dict, train_state: dict, ema: dict | None = None
+    ) -> None:
+        """With `ema`, the EMA's weights, beside the raw ones."""
+        w = self.w
+        if w.rank != 0:
+            ray.train.report(metrics)
+            return
+        epoch, m = metrics["epoch"], metrics
+        log.info(
+            "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f "
+            "images/s, %.0f%% of the time waiting for input",
+            *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m["val_accuracy"]),
+            f" ema_val_loss {m['ema_val_loss']:.4f} ema_val_accuracy {m['ema_val_accuracy']:.4f}"
+            if "ema_val_loss" in m
+            else "",
+            *(m["lr"], m["images_per_s"], 100 * m["input_wait_share"]),
+        )
+        meta = checkpoint_meta(w, metrics)
+        self.uploaded.wait()
+        self.uploaded.clear()
+        copied = self.snapshot.take((weights, train_state, ema))
+        history = list(w.history)
+        storage = ray.train.get_context().get_storage()
+
+        def upload(_: ray.train.Checkpoint, name: str) -> ray.train.Checkpoint:
+            target = w.run_dir.child(name)
+            publish_checkpoint(
+                target, lambda d: save_checkpoint(d, copied[0], meta, copied[1], ema=copied[2])
+            )
+            log.info("checkpoint saved: %s", target.uri)
+            faults.point(faults.CHECKPOINT_UPLOADED)
+            if self.steps is not None:
+                self.steps.epoch_done(epoch)
+            if w.tracking is not None:
+                # Once the checkpoint is on storage: with it, every epoch up to this one (those
+                # an outage or a restart left out too), never one twice.
+                w.tracking.log_epochs(history)
+            # Only now may the copy be reused: Ray retries a failed upload (on the same copy),
+            # then fails the worker, and the worker group is stopped with the loop waiting.
+            self.uploaded.set()
+            path = storage.build_checkpoint_path_from_name(name)
+            return ray.train.Checkpoint(path, filesystem=storage.storage_filesystem)
+
+        # Ray removes the (empty) directory it is given once `upload` returns.
         ray.train.report(
             metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(d),
-            checkpoint_dir_name=name,
-            checkpoint_upload_fn=faults.checkpoint_upload_fn(),
+            checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp(prefix="epoch-")),
+            checkpoint_dir_name=checkpoint_dir_name(epoch),
+            checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=upload,
         )
-    log.info("checkpoint saved: %s", w.run_dir.child(name).uri)
-    if w.tracking is not None:
-        # Once the checkpoint is reported: with it, every epoch up to this one (those an outage
-        # or a restart left out too), never one twice.
-        w.tracking.log_epochs(w.history)
-    faults.point(faults.CHECKPOINT_REPORTED)
+        faults.point(faults.CHECKPOINT_REPORTED)
