@@ -290,7 +290,15 @@ class OneWorker:
         from pipeline.train import worker
 
         self.run_dir, self.resume_from, self.model = run_dir, None, None
-        context = SimpleNamespace(get_world_rank=lambda: 0, get_world_size=lambda: 1)
+        import pyarrow.fs
+
+        storage = SimpleNamespace(
+            build_checkpoint_path_from_name=lambda name: str(run_dir / name),
+            storage_filesystem=pyarrow.fs.LocalFileSystem(),
+        )
+        context = SimpleNamespace(
+            get_world_rank=lambda: 0, get_world_size=lambda: 1, get_storage=lambda: storage
+        )
         monkeypatch.setattr(worker, "setup_logging", lambda: None)
         monkeypatch.setattr(worker, "quiet_train_reports", lambda: None)
         monkeypatch.setattr(ray.train, "get_context", lambda: context)
@@ -303,7 +311,10 @@ class OneWorker:
         self.model = model
         return model
 
-    def report(self, metrics, *, checkpoint, checkpoint_dir_name, **_):
+    def report(self, metrics, *, checkpoint, checkpoint_dir_name, checkpoint_upload_fn=None, **_):
+        if checkpoint_upload_fn is not None:  # as Ray's upload thread would, here at once
+            checkpoint_upload_fn(checkpoint, checkpoint_dir_name)
+            return
         (self.run_dir / checkpoint_dir_name).mkdir(parents=True)
         for file in Path(checkpoint.path).iterdir():  # moved: as the upload, without a copy
             file.replace(self.run_dir / checkpoint_dir_name / file.name)
