@@ -27,10 +27,10 @@ lock: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m scripts.demo
 
-## The whole suite: unit tests and jobs on real local Ray clusters, two modules at a time (the
+## The whole suite: unit tests and jobs on real local Ray clusters, three units at a time (the
 ## cluster tests mostly wait); a module runs whole in one process, with its fixtures made once.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadscope
+	$(PY) -m pytest -n 3 --dist loadscope
 
 ## Unit tests only (no `ray start` clusters).
 test-fast: $(STAMP)

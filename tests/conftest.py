@@ -7,6 +7,7 @@ import os
 import secrets
 import sys
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 # A throwaway token for the Ray instances this process starts, or Ray writes one into the user's
@@ -61,17 +62,59 @@ def pytest_unconfigure(config):
 # one, and each worker would make its own (main_run trains for minutes).
 SHARED_FIXTURES = {"tests/test_train_jobs.py": "main_run", "tests/test_infer.py": "main_run"}
 
+# Modules whose tests each start a cluster of their own: each test is a unit, so that they spread
+# over the workers rather than run one after another on one.
+PER_TEST = {"tests/test_autoscale.py", "tests/test_preemption.py"}
+
+# The longest units first, so that none is left running alone at the end of `make test`: the
+# minutes each took in a `--durations=0` run on 2 busy cores (docs/development.md). A test of a
+# PER_TEST module counts as its module's share; units not named take a few minutes or less and
+# fill in after these, in xdist's order.
+MINUTES = {
+    "main_run": 25,
+    "tests/test_train_faults.py": 17,
+    "tests/test_airflow.py": 14,
+    "tests/test_steps.py": 8,
+    "tests/test_chain.py": 7,
+    "tests/test_tune.py": 6,
+    "tests/test_serve.py": 6,
+    "tests/test_deploy.py": 6,
+    "tests/test_elastic.py": 6,
+    "tests/test_s3.py": 5,
+    "tests/test_autoscale.py": 3,
+    "tests/test_preemption.py": 4,
+    "tests/test_export.py": 12,
+    "tests/test_models.py": 5,
+    "tests/test_publish.py": 4,
+}
+
+
+def minutes(unit: str) -> float:
+    return MINUTES.get(unit, MINUTES.get(unit.split("::")[0], 0))
+
 
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist's: unknown under `-p no:xdist`
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class SharedFixtureScheduling(LoadScopeScheduling):
+    class LongestFirst(OrderedDict):
+        """xdist's queue of units, which hands out the longest left whichever end it is
+        asked for (the first of equals: xdist's own order)."""
+
+        def popitem(self, last: bool = True) -> tuple[str, dict]:
+            unit = max(self, key=minutes)
+            return unit, self.pop(unit)
+
+    class LongestFirstScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = LongestFirst()
+
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            return SHARED_FIXTURES.get(scope, scope)
+            return nodeid if scope in PER_TEST else SHARED_FIXTURES.get(scope, scope)
 
-    return SharedFixtureScheduling(config, log)
+    return LongestFirstScheduling(config, log)
 
 
 @pytest.fixture(scope="module")

@@ -792,7 +792,7 @@ CASES = [
         1,
         "dataset <path> is damaged: row group <g> of <file>: it does not read as Parquet (could "
         "not verify page integrity",
-        test="tests/test_train_jobs.py::"
+        test="tests/test_train_faults.py::"
         "test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row_group",
     ),
     Case(
@@ -968,7 +968,7 @@ CASES = [
         "a training failure that outlasts `max_failures`",
         3,
         "training failed and max_failures=0 retries are used up",
-        test="tests/test_train_jobs.py::test_a_kill_with_max_failures_0_fails_the_job",
+        test="tests/test_train_faults.py::test_a_kill_with_max_failures_0_fails_the_job",
     ),
     Case(
         "`use_gpu=true` on a cluster without a GPU, for `capacity_timeout_s`",

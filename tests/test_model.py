@@ -193,7 +193,8 @@ def test_inference_serves_the_better_of_the_raw_and_ema_weights(
         f"classifying with the {served} weights ({shown}: raw {scores['raw']:.4f}, "
         f"ema {scores['ema']:.4f})" in caplog.text
     )
-    summary = summarize(meta, checkpoint, checkpoint, None, Tally.empty(len(CLASSES)), 0.0, 1.0)
+    none = Tally.empty(len(CLASSES))
+    summary = summarize(meta, checkpoint, checkpoint, None, none, none, 0.0, 1.0)
     assert summary["weights"] == served
     assert (summary["weights_by"], summary["weights_scores"]) == (shown, scores)
 

@@ -1,26 +1,24 @@
 """The training job on a real local Ray cluster, sent with `ray job submit`: learning,
 retention, exact distributed accuracy, worker kills at Ray's commit points, both input paths.
-(Stop and resubmit: test_s3, with the run on S3. Nodes lost: test_multinode, test_elastic.)"""
+(Each test's own run: test_train_faults. Stop and resubmit: test_s3, with the run on S3. Nodes
+lost: test_multinode, test_elastic.)"""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from corpus import damage_stored_image
 from helpers import (
     MAIN_RUN_RECIPE,
     armed_runtime_env,
     held_worker,
     history,
     in_background,
-    kill_worker,
     latest_recorded,
     metric_steps,
     mlflow_run,
@@ -31,11 +29,10 @@ from helpers import (
 )
 from torch.utils.data import DataLoader
 
-from harness.cluster import LocalCluster
 from pipeline.core import faults
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
-from pipeline.data.dataset import committed_versions, read_manifest
+from pipeline.data.dataset import read_manifest
 from pipeline.model.checkpoint import WEIGHTS, read_meta
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import load_model
@@ -43,7 +40,6 @@ from pipeline.model.runs import (
     CURVES_PNG,
     HISTORY_CSV,
     RUN_SUMMARY,
-    SNAPSHOT,
     checkpoint_dir_name,
 )
 from pipeline.model.source import resolve_checkpoint
@@ -54,17 +50,6 @@ from pipeline.train.torch_input import RowGroupStream
 
 pytestmark = pytest.mark.slow
 # A preprocess job of other images (3 classes, 40 px) for an output given by the caller.
-PREPROCESS_OTHER = [
-    "python",
-    "-m",
-    "jobs.preprocess",
-    "source.kind=synthetic",
-    "source.synthetic.num_classes=3",
-    "source.synthetic.images_per_class=10",
-    "source.synthetic.raw_size=48",
-    "image_size=40",
-    "shard_size=10",
-]
 
 
 def test_two_workers_learn(main_run):
@@ -198,39 +183,6 @@ def test_the_run_is_one_mlflow_run_with_every_epoch_once_through_a_kill_and_a_re
     assert copy.child(WEIGHTS).read_bytes() == (best / WEIGHTS).read_bytes()
 
 
-def test_a_kill_between_upload_and_record_trains_the_epoch_again(
-    cluster_2cpu, tiny_dataset, tmp_path
-):
-    run = tmp_path / "orphan"
-    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
-    args = ("name=orphan", "epochs=2", "checkpoint.num_to_keep=2")  # keeps epoch_0000 to look at
-    job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
-    pid = held_worker(marker, job)
-    # Held inside report: epoch 0's checkpoint is whole on storage, and Ray has no record of
-    # it (it writes its snapshot with the first checkpoint it records).
-    orphan = run / "epoch_0000"
-    assert read_meta(Location.parse(str(orphan))).epoch == 0
-    assert not (run / SNAPSHOT).exists()
-    files = sorted(p.name for p in orphan.iterdir())
-    killed_at = kill_worker(cluster_2cpu, pid)
-    wait_for(lambda: latest_recorded(run) is not None or job.done(), "a checkpoint after it")
-    recovered_s = time.time() - killed_at
-    proc = job.result()
-    assert proc.returncode == 0, proc.stdout
-    done_s = time.time() - killed_at
-    print(f"orphan: kill -> next checkpoint {recovered_s:.0f} s, -> job done {done_s:.0f} s")
-    # Nothing recorded, nothing to resume from: the new workers start from scratch...
-    assert "resumed from checkpoint" not in proc.stdout
-    assert proc.stdout.count("training epochs 0 to 1") == 2
-    assert [r["epoch"] for r in history(run)] == [0, 1]
-    # ...and report epoch 0 under the same name: Ray's upload writes the new checkpoint over the
-    # orphan, file by file, into the existing directory, and records it.
-    assert sorted(p.name for p in orphan.iterdir()) == files
-    assert all(p.stat().st_mtime > killed_at for p in orphan.iterdir())
-    assert read_meta(Location.parse(str(orphan))).metrics == history(run)[0]
-    assert latest_recorded(run) == "epoch_0001"
-
-
 def test_a_resume_stopped_with_ray_job_stop_leaves_the_run_as_it_finished(
     cluster_2cpu, main_run, tiny_dataset, tmp_path
 ):
@@ -264,86 +216,3 @@ def test_a_resume_stopped_with_ray_job_stop_leaves_the_run_as_it_finished(
     assert best.epoch in {finished["best_metrics"]["epoch"], 4}
     # The stopped job's workers are gone: the shared cluster as it was.
     wait_for(lambda: not training_workers(cluster_2cpu), "the stopped job's workers gone", 120)
-
-
-def test_a_kill_with_max_failures_0_fails_the_job(cluster_2cpu, tiny_dataset, tmp_path):
-    run = tmp_path / "fragile"
-    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    args = ("name=fragile", "epochs=2", "max_failures=0")
-    job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
-    pid = held_worker(marker, job)
-    # The point main_run kills at: epoch 0 in Ray's record, nothing later.
-    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
-    kill_worker(cluster_2cpu, pid)
-    proc = job.result()
-    assert proc.returncode != 0, proc.stdout
-    assert "training failed and max_failures=0 retries are used up" in proc.stdout
-    assert str(pid) in proc.stdout  # the last error names the worker that died
-    # What was recorded stays, for a resubmission to resume from.
-    assert latest_recorded(run) == "epoch_0000"
-
-
-def test_deterministic_input_errors_fail_once_before_any_worker(
-    cluster_2cpu, tiny_dataset, tmp_path
-):
-    # Every worker would fail the same way, max_failures times: the driver checks first.
-    missing = tmp_path / "missing.pt"
-    proc = train_job(cluster_2cpu, tiny_dataset, tmp_path, "name=bad", f"model.weights={missing}")
-    assert proc.returncode != 0
-    assert f"error: model.weights {missing} do not exist" in proc.stdout, proc.stdout
-    assert "RayTrainWorker" not in proc.stdout and not (tmp_path / "bad").exists()
-
-
-def test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row_group(
-    cluster_2cpu, tiny_dataset, tmp_path
-):
-    # Bytes of one stored image overwritten, the shard's size unchanged: the driver's checks of
-    # the files pass and a loader process fails on its page's checksum. Every retry would fail
-    # on it again.
-    copy = tmp_path / "damaged"
-    shutil.copytree(tiny_dataset, copy)
-    shard = sorted(copy.glob("data/*/train/*.parquet"))[0]
-    damage_stored_image(shard, group=0, row=0)
-    proc = train_job(cluster_2cpu, copy, tmp_path, "name=damaged", "max_failures=3")
-    assert "failed with exit code 1" in proc.stdout, proc.stdout  # the job's: bad input
-    assert re.search(
-        rf"error: dataset {copy}\S* is damaged: row group 0 of \S+/{shard.name}: it does not",
-        proc.stdout,
-    ), proc.stdout
-    assert (
-        ": it does not read as Parquet (could not verify page integrity, CRC checksum "
-        "verification failed for page_ordinal 0); re-run preprocessing with overwrite=true\n"
-    ) in proc.stdout, proc.stdout
-    # Its workers started once (rank 0 says so as it starts): not again for max_failures.
-    assert len(re.findall(r"\d+ workers on cpu, precision", proc.stdout)) == 1, proc.stdout
-
-
-def test_ray_data_ingest_evaluates_exactly_and_resumes_after_a_kill_on_its_dataset_version(
-    tiny_dataset, tmp_path
-):
-    # While the run holds epoch 0's checkpoint, a preprocess job commits a new version of other
-    # images to the dataset it reads; then a worker dies. The restarted workers read the
-    # version the run started on: Ray Data's reads were planned from its manifest.
-    dataset = tmp_path / "dataset"
-    shutil.copytree(tiny_dataset, dataset)
-    (started_on,) = committed_versions(Location.parse(str(dataset)))
-    run = tmp_path / "rd"
-    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    # Two 1-CPU training workers, and a CPU beside them for Ray Data to decode on.
-    with LocalCluster(num_cpus=3) as cluster:
-        args = ("name=rd", "epochs=2", "ingest=ray_data")
-        job = in_background(train_job, cluster, dataset, tmp_path, *args, runtime_env=env)
-        pid = held_worker(marker, job)
-        wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
-        new = cluster.submit([*PREPROCESS_OTHER, f"output={dataset}"], capture=True, timeout_s=300)
-        assert new.returncode == 0, new.stdout
-        assert read_manifest(Location.parse(str(dataset))).image_size == 40
-        kill_worker(cluster, pid)
-        proc = job.result()
-    assert proc.returncode == 0, proc.stdout
-    assert "training epochs 0 to 1: 481 train images, 119 val (ingest=ray_data)" in proc.stdout
-    assert re.search(r"resumed from checkpoint \S+/rd/epoch_0000 \(epoch 0 done\)", proc.stdout)
-    h = history(run)
-    assert [(r["epoch"], r["dataset_version"]) for r in h] == [(0, started_on), (1, started_on)]
-    # Every val image counted once in every epoch: val is split over the ranks with equal=False.
-    assert [r["val_images"] for r in h] == [119, 119]
