@@ -35,6 +35,7 @@ from pipeline.infer.config import InferConfig
 from pipeline.infer.predictions import (
     CONFUSION_PNG,
     PREDICTIONS,
+    PROGRESS,
     SUMMARY,
     VERSIONS,
     read_predictions,
@@ -173,7 +174,9 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
         cluster_2cpu, f"model={trained}", f"input={broken}", f"output={out}", "rows_per_file=10"
     )
     assert proc.returncode != 0
-    assert "Deserializing page header failed" in proc.stdout, proc.stdout
+    assert f"error: dataset {broken} is damaged: row group 0 of {shards[-1]}" in proc.stdout, (
+        proc.stdout
+    )
     # Readers see the previous run whole; the failed run's own version is left to retention.
     assert committed(out) == before
     assert read_predictions(str(out)).num_rows == 119
@@ -255,8 +258,9 @@ def test_a_job_killed_at_its_commit_point_leaves_the_previous_output(
     job = in_background(infer_job, cluster_2cpu, *args, runtime_env=runtime_env)
     pid = held_worker(marker, job)  # the job's driver, its version whole, summary.json not yet
     (held,) = {p.name for p in (out / VERSIONS).iterdir()} - {previous}
+    # Whole, and still marked as partial work (PROGRESS), which the commit removes first.
     assert sorted(p.name for p in (out / VERSIONS / held).iterdir()) == sorted(
-        [VERSION_MARKER, CONFUSION_PNG, PREDICTIONS]
+        [VERSION_MARKER, CONFUSION_PNG, PREDICTIONS, PROGRESS]
     )
     assert committed(out) == before
     os.kill(pid, signal.SIGKILL)

@@ -90,6 +90,17 @@ def test_the_hub_checkpoint_runs_its_code_only_where_the_user_allows_it(hub_chec
     assert marker.read_text() == "ran"
 
 
+def test_an_installed_package_is_refused_where_its_environment_lies_below_the_working_dir(
+    hub_checkpoint, monkeypatch
+):
+    # As in a checkout with its .venv inside, whose dir a job is submitted from.
+    checkpoint, marker = hub_checkpoint
+    monkeypatch.chdir(Path(sys.prefix).resolve().parent)
+    with pytest.raises(ConfigError, match=REFUSED):
+        load_model(Location.parse(str(checkpoint)))
+    assert not marker.exists()
+
+
 def test_batch_inference_refuses_the_hub_checkpoint(hub_checkpoint):
     checkpoint, marker = hub_checkpoint
     with pytest.raises(ConfigError, match=REFUSED):

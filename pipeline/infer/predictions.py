@@ -217,7 +217,12 @@ class PredictionSink(Datasink[Tally]):
         writer, rows_in_file = None, 0
         try:
             for block in blocks:
-                rows = tally.add(BlockAccessor.for_block(block).to_arrow())
+                table = BlockAccessor.for_block(block).to_arrow()
+                if not table.num_rows:
+                    # A read of images inferred before (resumed) yields none, and Ray Data
+                    # hands an empty block on without calling the predictor on it.
+                    continue
+                rows = tally.add(table)
                 while rows.num_rows:
                     if writer is None:
                         part = self.directory.child(f"{stem}-{len(tally.parts):04d}.parquet")

@@ -550,7 +550,14 @@ def check_model_code(
         return
     root = (code_root or Path.cwd()).resolve()
     files = None if module.split(".")[0] in BUNDLE_PACKAGES else _module_files(module)
-    outside = [f for f in files or [] if not f.is_relative_to(root)]
+    # An installed package is no code of the job's, even where its environment lies below the
+    # working dir (a checkout's .venv).
+    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    outside = [
+        f
+        for f in files or []
+        if not f.is_relative_to(root) or any(f.is_relative_to(p) for p in installed)
+    ]
     if files and not outside:
         return
     where = f" ({outside[0]})" if outside else ""
