@@ -565,9 +565,9 @@ def check_model_code(
         where = " (the bundle's own code, no network)"
     raise ConfigError(
         f"the checkpoint's model.name={spec.name!r} names module {module}{where}, which is not "
-        f"a file below {root}: a checkpoint runs only the bundle's builders or a module that "
-        "ships with the job (its working dir as submitted; a pyfunc model's code/). If you "
-        f"trust this checkpoint, allow it with allow_modules=[{module}]"
+        f"a file below {root} outside installed packages: a checkpoint runs only the bundle's "
+        "builders or a module that ships with the job (its working dir as submitted; a pyfunc "
+        f"model's code/). If you trust this checkpoint, allow it with allow_modules=[{module}]"
     )
 
 

@@ -168,7 +168,9 @@ def code_paths(meta: CheckpointMeta) -> list[str]:
     paths = [str(PACKAGE)]
     module = meta.model.name.partition(":")[0] if ":" in meta.model.name else None
     if module and module.split(".")[0] != PACKAGE.name:
-        check_model_code(meta.model)  # what the model ships is the job's own code
+        # What the model ships is the user's own code, wherever the trainer found it (a Tune
+        # trial runs in a directory of its own): never an installed package, nor the bundle.
+        check_model_code(meta.model, code_root=Path("/"))
         spec = importlib.util.find_spec(module)
         # A package's spec is its __init__.py, one level below the package's own folder.
         path = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin)
