@@ -15,9 +15,11 @@ from helpers import (
     held_worker,
     history,
     in_background,
+    latest_recorded,
     metric_steps,
     tracked,
     train_job,
+    wait_for,
 )
 
 from harness.faults import release
@@ -42,7 +44,9 @@ def test_an_outage_mid_training_costs_no_training_and_a_resubmission_logs_the_re
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
     args = ("name=outage", "epochs=3", "checkpoint.num_to_keep=1", *tracked(server))
     job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
-    held_worker(marker, job)  # rank 0 has logged epoch 0, and waits
+    held_worker(marker, job)  # rank 0 has reported epoch 0, and waits
+    # Logged once its checkpoint is uploaded, in Ray's upload thread: before Ray records it.
+    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
     server.stop()
     release(marker)
     proc = job.result()
