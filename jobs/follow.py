@@ -34,23 +34,28 @@ class Patience:
     reconnect_s: float = 300.0  # a cluster that stops answering while a job runs
 
 
+def _answer(error: BaseException) -> tuple[int, str] | None:
+    """(status code, first line of the text) of a request the dashboard answered with an error."""
+    found = _FAILED_REQUEST.match(str(error)) if isinstance(error, RuntimeError) else None
+    return (int(found[1]), first_line(found[2])) if found else None
+
+
 def not_yet(error: BaseException) -> str | None:
     """What the cluster answered, if asking again later may help; None for any other error."""
     import requests
 
     if isinstance(error, ConnectionError | requests.RequestException):
         return "connection refused" if "refused" in str(error) else first_line(error)
-    found = _FAILED_REQUEST.match(str(error)) if isinstance(error, RuntimeError) else None
-    if found:
-        code, text = int(found[1]), first_line(found[2])
+    if answer := _answer(error):
+        code, text = answer
         if code in (502, 503, 504) or (code == 500 and "try again" in text):
             return f"{code}: {text}"
     return None
 
 
 def _gone(error: BaseException) -> bool:
-    found = _FAILED_REQUEST.match(str(error)) if isinstance(error, RuntimeError) else None
-    return bool(found) and found[1] == "404"
+    answer = _answer(error)
+    return answer is not None and answer[0] == 404
 
 
 def submit(
