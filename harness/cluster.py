@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -166,24 +167,28 @@ class LocalCluster:
         self._config_file = path
         return path
 
-    def add_node(self, num_cpus: int, timeout_s: float = 120) -> Node:
+    def add_node(self, num_cpus: int, timeout_s: float = 180) -> Node:
         """Join one more node (`ray start --address`) with its own processes, temp dir and
-        resources; returns once the cluster counts it. `stop` stops it with the head."""
+        resources; returns once the cluster counts it. `stop` stops it with the head.
+
+        On a loaded machine a raylet can miss the 30 s `ray start` gives it to register: the
+        node is then started again, until `timeout_s`."""
         # A resource of its own, to tell this node from the others in the node list.
         tag = f"local_node_{len(self.nodes) + 1}"
         args = [f"--address={self.gcs_address}", f"--resources={json.dumps({tag: 1})}"]
-        node = Node(*_ray_start(args, num_cpus, self.env), tag=tag)
-        self.nodes.append(node)
         deadline = time.monotonic() + timeout_s
-        while tag not in self.alive_resources():
-            code = node.proc.poll()
-            if code is not None or time.monotonic() > deadline:
-                why = f"exited with {code}" if code is not None else f"not in {timeout_s:.0f}s"
-                tail = node.log_tail()  # before remove() deletes its temp dir
-                node.remove()
+        while True:
+            node = Node(*_ray_start(args, num_cpus, self.env), tag=tag)
+            code = node.wait_joined(self, deadline)
+            if code is None:
+                self.nodes.append(node)
+                return node
+            tail = node.log_tail()  # before remove() deletes its temp dir
+            node.remove()
+            if code == "late" or time.monotonic() > deadline:
+                why = f"exited with {code}" if code != "late" else f"not in {timeout_s:.0f}s"
                 raise RuntimeError(f"node did not join: `ray start` {why}:\n{tail}")
-            time.sleep(0.5)
-        return node
+            log.warning("node did not join (`ray start` exited with %s); starting it again", code)
 
     def alive_resources(self) -> set[str]:
         """Names of the resources that the cluster's live nodes have."""
@@ -191,12 +196,26 @@ class LocalCluster:
         return {name for node in nodes for name in node["resources_total"]}
 
     def state(self, kind: str, *filters: str, detail: bool = False) -> list[dict]:
-        """`ray list <kind> --filter ...` through the state API, e.g. state("actors",
-        "class_name=RayTrainWorker", "state=ALIVE")."""
-        args = [arg for f in filters for arg in ("--filter", f)]
-        out = self.ray("list", kind, *args, *(["--detail"] if detail else []), "--format", "json")
-        # With nothing to list, it prints "No resource in the cluster", JSON or not.
-        return json.loads(out) if out.lstrip().startswith("[") else []
+        """What `ray list <kind> --filter ...` lists, from the dashboard's state API (a request,
+        not a CLI process per poll), e.g. state("actors", "class_name=RayTrainWorker",
+        "state=ALIVE")."""
+        params = [("limit", 10000), ("timeout", 30), ("detail", str(detail).lower())]
+        for f in filters:
+            key, predicate, value = f.partition("!=") if "!=" in f else f.partition("=")
+            params += [("filter_keys", key), ("filter_predicates", predicate)]
+            params += [("filter_values", value)]
+        body = self.get(f"/api/v0/{kind}?{urllib.parse.urlencode(params)}")
+        if body["result"] is False:
+            raise RuntimeError(f"state API: {body['msg']}")
+        return body["data"]["result"]["result"]
+
+    def get(self, path: str, timeout_s: float = 60):
+        """The JSON answer to an authenticated GET of the dashboard's `path`."""
+        request = urllib.request.Request(
+            f"{self.address}{path}", headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.load(response)
 
     def _wait_ready(self, timeout_s: float) -> None:
         # Ready when the job API answers an authenticated request.
@@ -341,6 +360,19 @@ class Node:
             check=True,
             capture_output=True,
         )
+
+    def wait_joined(self, cluster: LocalCluster, deadline: float) -> int | str | None:
+        """None once the cluster counts this node; else `ray start`'s exit code, or "late"."""
+        while True:
+            with contextlib.suppress(OSError, ValueError):  # a dashboard too busy to answer
+                if self.tag in cluster.alive_resources():
+                    return None
+            code = self.proc.poll()
+            if code is not None:
+                return code
+            if time.monotonic() > deadline:
+                return "late"
+            time.sleep(0.5)
 
     def kill(self) -> None:
         """SIGKILL the node's raylet, its workers and the rest, as a machine that dies. Its

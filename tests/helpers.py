@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -314,6 +315,7 @@ class OneWorker:
     def report(self, metrics, *, checkpoint, checkpoint_dir_name, checkpoint_upload_fn=None, **_):
         if checkpoint_upload_fn is not None:  # as Ray's upload thread would, here at once
             checkpoint_upload_fn(checkpoint, checkpoint_dir_name)
+            shutil.rmtree(checkpoint.path)  # as Ray does after an ASYNC upload
             return
         (self.run_dir / checkpoint_dir_name).mkdir(parents=True)
         for file in Path(checkpoint.path).iterdir():  # moved: as the upload, without a copy

@@ -4,8 +4,8 @@ autoscaler adds one) while the job waits for capacity, or never does."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
+import urllib.error
 
 import pytest
 import torch
@@ -56,8 +56,8 @@ def test_inference_waits_for_a_node_to_join(idle_cluster, model_and_images, tmp_
 
     def log() -> str:
         try:
-            return idle_cluster.ray("job", "logs", "wait")
-        except subprocess.CalledProcessError:  # not submitted yet
+            return idle_cluster.get("/api/jobs/wait/logs")["logs"]
+        except urllib.error.HTTPError:  # not submitted yet
             return ""
 
     wait_for(lambda: "waiting up to 600 s" in log() or job.done(), "the job waiting", 300)

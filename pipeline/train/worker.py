@@ -644,12 +644,12 @@ class EpochCheckpoints:
             path = storage.build_checkpoint_path_from_name(name)
             return ray.train.Checkpoint(path, filesystem=storage.storage_filesystem)
 
-        # Ray removes the (empty) directory it is given once `upload` returns.
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp(prefix="epoch-")),
             checkpoint_dir_name=checkpoint_dir_name(epoch),
             checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
             checkpoint_upload_fn=upload,
+            delete_local_checkpoint_after_upload=True,  # the (empty) directory given here
         )
         faults.point(faults.CHECKPOINT_REPORTED)
