@@ -6,7 +6,9 @@ again later", a proxy's 502) is tried again for `Patience.submit_s`. A log strea
 streamed again from where it stopped, or the log is polled while it cannot be; the job's end is
 read from its status, never from the stream. A cluster that answers nothing for
 `Patience.reconnect_s` while a job runs ends the chain with exit 3 and the job's id: the job may
-still run there."""
+still run there. A connection that goes silent (a host gone without a word, a proxy that holds
+it) is found out too: no request waits longer than `REQUEST_S` for its answer, and a log stream
+silent for `QUIET_S` is checked by asking for the job's status."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from pipeline.core.errors import ClusterError, first_line
 
 POLL_S = 2.0  # between tries, and between polls of a job whose log stream is down
+REQUEST_S = 30.0  # the longest a request to the dashboard may go unanswered
+QUIET_S = 30.0  # a log stream silent this long: is the cluster still there?
 # The dashboard's answer when the head's job agent is not up; a second cluster on one machine
 # finds Ray's default agent port taken, and its agent never starts.
 NO_AGENT = "No available agent"
@@ -58,6 +62,19 @@ def _gone(error: BaseException) -> bool:
     return answer is not None and answer[0] == 404
 
 
+def _client(address: str):
+    """Ray's job client, whose every request gives up after REQUEST_S without an answer (its
+    own wait for one has no end)."""
+    from ray.job_submission import JobSubmissionClient
+
+    class Client(JobSubmissionClient):
+        def _do_request(self, method: str, endpoint: str, **kwargs):
+            kwargs.setdefault("timeout", REQUEST_S)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return Client(address)
+
+
 def submit(
     address: str,
     submission_id: str,
@@ -67,13 +84,11 @@ def submit(
 ):
     """A client of the cluster at `address` that has taken job `submission_id` (`job`: the rest
     of `submit_job`'s arguments)."""
-    from ray.job_submission import JobSubmissionClient
-
     started, client, told = time.monotonic(), None, False
     while True:
         try:
             if client is None:
-                client = JobSubmissionClient(address)
+                client = _client(address)
             elif _known(client, submission_id):  # an earlier try went through, its answer lost
                 return client
             client.submit_job(submission_id=submission_id, **job)
@@ -200,6 +215,20 @@ def follow(
 async def _stream(client, submission_id: str, printed: _Printed) -> None:
     # The dashboard streams a job's log from its start on every connection.
     at = 0
-    async for text in client.tail_job_logs(submission_id):
+    chunks = aiter(client.tail_job_logs(submission_id))
+    while True:
+        chunk = asyncio.ensure_future(anext(chunks))
+        while not (await asyncio.wait({chunk}, timeout=QUIET_S))[0]:
+            # Silent: a job between lines, or a connection that will never speak again. The
+            # status answers, or its error ends this stream.
+            try:
+                await asyncio.to_thread(client.get_job_info, submission_id)
+            except BaseException:
+                chunk.cancel()
+                raise
+        try:
+            text = chunk.result()
+        except StopAsyncIteration:
+            return
         printed.add(text, at)
         at += len(text)

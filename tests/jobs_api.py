@@ -47,7 +47,9 @@ class JobsAPI:
         (no close frame: 1006) once that many lines have gone out, and the job waits for the cut;
         then, by `after_drop`: "reconnect" the API serves on; "poll" its log stream answers 502 from
         then on (a proxy that passes no websocket) while the rest answers; "vanish" the server stops
-        listening (connection refused); "forget" it answers 404 for the job (a restarted head). With
+        listening (connection refused); "forget" it answers 404 for the job (a restarted head);
+        "hang" the stream goes silent and stays open, and no request is answered any more (a
+        host gone without a word, or a proxy that holds the connection). With
     `late_s`, it listens only that long after it starts (a head whose dashboard is starting)."""
 
     def __init__(
@@ -90,6 +92,7 @@ class JobsAPI:
         app.router.add_get("/api/jobs/{id}/logs", self.logs)
         app.router.add_get("/api/jobs/{id}/logs/tail", self.tail)
         self.dropped = asyncio.Event()
+        self.stopping = asyncio.Event()
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         self.site = web.TCPSite(self.runner, "127.0.0.1", self.port)
@@ -99,6 +102,7 @@ class JobsAPI:
             await self.site.start()
 
     async def _stop(self) -> None:
+        self.stopping.set()  # what "hang" holds, let go
         for task in self.tasks:
             task.cancel()
         await self.runner.cleanup()
@@ -130,25 +134,27 @@ class JobsAPI:
         job.status, job.exit_code = self.ending
         job.message = "Job finished successfully." if job.exit_code == 0 else "Job failed."
 
-    def _job(self, request) -> Job | None:
+    async def _job(self, request) -> Job | None:
+        if self.after_drop == "hang" and self.dropped.is_set():
+            await self.stopping.wait()  # taken, never answered
         if self.after_drop == "forget" and self.dropped.is_set():
             return None
         return self.jobs.get(request.match_info["id"])
 
     async def info(self, request):
-        job = self._job(request)
+        job = await self._job(request)
         if job is None:
             return web.Response(text=f"Job {request.match_info['id']} does not exist", status=404)
         return web.json_response(job.details())
 
     async def logs(self, request):
-        job = self._job(request)
+        job = await self._job(request)
         if job is None:
             return web.Response(text="no such job", status=404)
         return web.json_response({"logs": "".join(job.log)})
 
     async def tail(self, request):
-        job = self._job(request)
+        job = await self._job(request)
         if job is None:
             return web.Response(text="no such job", status=404)
         if self.after_drop == "poll" and self.dropped.is_set():
@@ -163,6 +169,10 @@ class JobsAPI:
             await ws.send_str("".join(job.log))
         cut = self.drop_after if self.streams == 1 else math.inf
         while True:
+            if sent >= cut and self.after_drop == "hang":
+                self.dropped.set()
+                await self.stopping.wait()  # open, and silent
+                return ws
             if sent >= cut:
                 request.transport.abort()  # no close frame: the client reads close code 1006
                 self.dropped.set()

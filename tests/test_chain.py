@@ -248,20 +248,29 @@ def test_a_cluster_that_never_takes_the_job_ends_the_chain_with_exit_3(chain):
     assert "default port 52365" in line and "--dashboard-agent-listen-port" in line
 
 
-@pytest.mark.parametrize("after_drop", ["vanish", "forget"])
-def test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id(chain, after_drop):
+@pytest.mark.parametrize("after_drop", ["vanish", "hang", "forget"])
+def test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id(
+    chain, after_drop, monkeypatch
+):
     # "vanish": the cluster stops answering (connection refused), for longer than the bound;
-    # "forget": a restarted head that no longer knows the job.
+    # "hang": the connection stays open and silent, and requests go unanswered; "forget": a
+    # restarted head that no longer knows the job.
+    monkeypatch.setattr("jobs.follow.QUIET_S", 0.5)
+    monkeypatch.setattr("jobs.follow.REQUEST_S", 2.0)
     with JobsAPI(LINES, drop_after=5, after_drop=after_drop) as api:
         code, out, err = chain(api, "--reconnect-timeout-s=1")
         (submission_id,) = api.jobs
     assert code == 3, out + err
     assert f"submitted {submission_id}" in out and printed_lines(out) == LINES[:5]
     (line,) = err.splitlines()
-    if after_drop == "vanish":
+    if after_drop in ("vanish", "hang"):
         assert f"job {submission_id} again for up to 1 s (--reconnect-timeout-s)" in out
         assert line.startswith(f"error: cannot reach the cluster at --address {api.address} for")
-        assert f"1 s (--reconnect-timeout-s), following job {submission_id}, which may" in line
+        # At least the bound: "hang" spends REQUEST_S on each request that goes unanswered.
+        assert re.search(
+            rf" for [1-9]\d* s \(--reconnect-timeout-s\), following job {submission_id}, which may",
+            line,
+        )
     else:
         assert line.startswith(
             f"error: the cluster at --address {api.address} no longer knows job {submission_id}"
