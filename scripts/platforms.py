@@ -35,9 +35,10 @@ _ARTIFACTS_STAND_IN = "s3://ANYSCALE-ARTIFACT-STORAGE"  # plan() wants a URI; re
 # Storage per profile: the default profile's runs outlive the cluster (a retried job, on a new
 # cluster, resumes from them); the demo's live and die with its one cluster.
 ANYSCALE_ROOTS = {"": f"{_ARTIFACTS_STAND_IN}/ray-cv", "demo": "/mnt/cluster_storage/ray-cv"}
-# Steps whose retry resumes (train and tune from their checkpoints, preprocess and infer from
-# their committed parts) run on spot workers; export is short and the service must stay up.
-SPOT_STEPS = ("preprocess", "train", "infer", "tune", "chain")
+# Spot workers where a retry resumes: train and tune from their checkpoints, infer from the parts
+# it committed, the chain from its last step (a committed dataset is up to date). Preprocessing
+# and export start over, and the service must stay up: on demand.
+SPOT_STEPS = ("train", "infer", "tune", "chain")
 COMPUTE = {"ray-cv": "compute.yaml", "ray-cv-spot": "compute-spot.yaml"}
 TIMEOUT_S = {"preprocess": 4 * 3600, "train": 24 * 3600, "infer": 4 * 3600, "export": 3600}
 TIMEOUT_S["tune"] = 48 * 3600

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -257,6 +258,31 @@ def test_the_crd_check_refuses_unknown_fields_and_broken_rules(schemas):
     bad["spec"]["managedBy"] = "someone-else"
     with pytest.raises(AssertionError, match="managedBy"):
         check_manifest(bad, schemas)
+
+
+# The operator's own checks, in Go and no part of the CRDs (ray-operator/controllers/ray/utils/
+# validation.go and constant.go at v1.7.0), that these manifests could break.
+MAX_NAME = {"RayJob": 47, "RayService": 47, "RayCronJob": 36}
+TOKEN_AUTH_RAY = (2, 52, 0)
+
+
+def test_manifests_pass_the_operators_own_checks():
+    for path in manifests():
+        manifest = load(path)
+        name, kind = manifest["metadata"]["name"], manifest["kind"]
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name), f"{path.name}: not DNS-1035"
+        assert len(name) <= MAX_NAME[kind], f"{path.name}: name longer than {MAX_NAME[kind]}"
+        spec = manifest["spec"].get("jobTemplate", manifest["spec"])
+        cluster = spec.get("rayClusterSpec") or spec["rayClusterConfig"]
+        if cluster.get("authOptions", {}).get("mode") == "token":
+            version = tuple(int(part) for part in cluster["rayVersion"].split("."))
+            assert version >= TOKEN_AUTH_RAY, f"{path.name}: token auth needs Ray 2.52+"
+        for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+            params = group.get("rayStartParams", {})
+            in_params = any(params.get(k) for k in ("num-cpus", "num-gpus", "memory", "resources"))
+            assert not (in_params and group.get("resources")), f"{path.name}: resources twice"
+        if "backoffLimit" in spec:
+            assert spec["backoffLimit"] > 0 and spec["activeDeadlineSeconds"] > 0, path.name
 
 
 def test_vendored_crds_are_the_pinned_release():
