@@ -283,7 +283,12 @@ def kuberay_files(runtime_env: dict, lock: str, nodes: dict, s3_root: str, image
             "spec": {
                 "schedule": SCHEDULE,
                 "timeZone": "Etc/UTC",
-                "jobTemplate": rayjob_spec(chain(commands), runtime_env, cluster, "chain"),
+                # KubeRay's submitter pastes the entrypoint into a bash line of its own
+                # (`ray job submit ... -- <entrypoint> ; ...`): a bare && would run the later
+                # steps in the submitter pod. In one word, `ray job submit` passes it on whole.
+                "jobTemplate": rayjob_spec(
+                    shlex.join(["bash", "-c", chain(commands)]), runtime_env, cluster, "chain"
+                ),
             },
         }
     )

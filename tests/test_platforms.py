@@ -83,16 +83,36 @@ def test_the_files_carry_runtime_env_and_the_lock():
 # Entrypoints and the jobs' own config loading ---------------------------------------------------
 
 
-def check_entrypoint(entrypoint: str) -> list[str]:
+def shell_words(line: str) -> list[str]:
+    """The words a shell makes of `line`, its operators (&&, ;, |, ...) words of their own."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    return list(lexer)
+
+
+def is_operator(word: str) -> bool:
+    return bool(word) and set(word) <= set("();<>|&")
+
+
+def check_entrypoint(entrypoint: str, *, pasted: bool = False) -> list[str]:
     """Load each command's config as its job would (its argument parser, then its files and
-    overrides, from the bundle root); returns the job modules. Raises as the job would fail."""
-    argv = shlex.split(os.path.expandvars(entrypoint))
-    assert "$" not in " ".join(argv), f"an environment variable left unset: {entrypoint}"
+    overrides, from the bundle root); returns the job modules. Raises as the job would fail.
+
+    `pasted`: KubeRay's submitter pastes the entrypoint into its own bash line, `ray job submit
+    ... -- <entrypoint> ; fi ; ray job logs ...`, so an operator there would be its shell's; one
+    `bash -c '...'` word holds a chain."""
+    words = shell_words(os.path.expandvars(entrypoint))
+    assert "$" not in " ".join(words), f"an environment variable left unset: {entrypoint}"
+    if pasted:
+        assert not [w for w in words if is_operator(w)], f"the submitter's shell: {entrypoint}"
+        if words[:2] == ["bash", "-c"] and len(words) == 3:
+            words = shell_words(words[2])
     commands, steps = [[]], []
-    for word in argv:
+    for word in words:
         if word == "&&":
             commands.append([])
         else:
+            assert not is_operator(word), f"{word} in {entrypoint}"
             commands[-1].append(word)
     for command in commands:
         assert command[:2] == ["python", "-m"] and command[2].startswith("jobs."), command
@@ -113,13 +133,16 @@ def in_bundle(monkeypatch):
 
 
 def test_every_entrypoint_loads_with_its_jobs_config(in_bundle):
-    entrypoints = [(p, job["entrypoint"]) for p, job in anyscale_jobs()]
+    entrypoints = [(p, job["entrypoint"], False) for p, job in anyscale_jobs()]
     for path in manifests():
         spec = load(path)["spec"]
         spec = spec.get("jobTemplate", spec)
         if "entrypoint" in spec:
-            entrypoints.append((path, spec["entrypoint"]))
-    steps = {path.name: check_entrypoint(entrypoint) for path, entrypoint in entrypoints}
+            entrypoints.append((path, spec["entrypoint"], True))
+    steps = {
+        path.name: check_entrypoint(entrypoint, pasted=pasted)
+        for path, entrypoint, pasted in entrypoints
+    }
     assert steps["rayjob-train.yaml"] == ["train"]
     assert steps["schedule.yaml"] == steps["raycronjob.yaml"] == ["preprocess", "train", "infer"]
     assert {s for found in steps.values() for s in found} == set(CONFIGS)
@@ -132,6 +155,10 @@ def test_a_typo_in_an_entrypoint_fails_as_the_job_would(in_bundle):
         check_entrypoint(job["entrypoint"] + " epochz=3")
     with pytest.raises(ConfigError):
         check_entrypoint(job["entrypoint"].replace("configs/train.yaml", "configs/train.yml"))
+    # A chain that KubeRay's submitter would split: its later steps would run in the submitter.
+    cron = load(OUT / "kuberay" / "raycronjob.yaml")["spec"]["jobTemplate"]["entrypoint"]
+    with pytest.raises(AssertionError, match="the submitter's shell"):
+        check_entrypoint(shlex.split(cron)[2], pasted=True)
 
 
 def test_the_serve_apps_args_load_as_the_application_does(in_bundle):
