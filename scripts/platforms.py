@@ -40,8 +40,9 @@ ANYSCALE_ROOTS = {"": f"{_ARTIFACTS_STAND_IN}/ray-cv", "demo": "/mnt/cluster_sto
 # and export start over, and the service must stay up: on demand.
 SPOT_STEPS = ("train", "infer", "tune", "chain")
 COMPUTE = {"ray-cv": "compute.yaml", "ray-cv-spot": "compute-spot.yaml"}
-TIMEOUT_S = {"preprocess": 4 * 3600, "train": 24 * 3600, "infer": 4 * 3600, "export": 3600}
-TIMEOUT_S["tune"] = 48 * 3600
+HOUR = 3600
+TIMEOUT_S = {"preprocess": 4 * HOUR, "train": 24 * HOUR, "infer": 4 * HOUR, "export": HOUR}
+TIMEOUT_S |= {"tune": 48 * HOUR, "chain": sum(TIMEOUT_S[step] for step in STEPS)}
 MAX_RETRIES = 2
 SCHEDULE = "0 2 * * *"  # the chain every night at 02:00 UTC
 SERVICE = "ray-cv-classifier"
@@ -102,10 +103,9 @@ def chain(commands: dict[str, str]) -> str:
 
 def anyscale_files(runtime_env: dict, lock: str, nodes: dict) -> dict[str, str]:
     ray = ray_version(lock)
-    files = {"anyscale/requirements.txt": "".join(f"{line}\n" for line in pins(lock))}
-    files["anyscale/requirements.txt"] = HEADER + files["anyscale/requirements.txt"]
+    files = {"anyscale/requirements.txt": HEADER + "".join(f"{pin}\n" for pin in pins(lock))}
     for name, filename in COMPUTE.items():
-        market = {"market_type": "PREFER_SPOT"} if name.endswith("-spot") else {}
+        market = "PREFER_SPOT" if name.endswith("-spot") else "ON_DEMAND"
         files[f"anyscale/{filename}"] = dump(
             {
                 # CPU 0: tasks never run on the head, as in cluster.yaml; it runs the drivers.
@@ -119,7 +119,7 @@ def anyscale_files(runtime_env: dict, lock: str, nodes: dict) -> dict[str, str]:
                         "instance_type": nodes[f"{group}_worker"]["node_config"]["InstanceType"],
                         "min_nodes": 0,
                         "max_nodes": nodes[f"{group}_worker"]["max_workers"],
-                        **market,
+                        "market_type": market,
                     }
                     for group in ("cpu", "gpu")
                 ],
@@ -138,7 +138,7 @@ def anyscale_files(runtime_env: dict, lock: str, nodes: dict) -> dict[str, str]:
             "excludes": runtime_env["excludes"],
             "env_vars": runtime_env["env_vars"],
             "max_retries": MAX_RETRIES,
-            "timeout_s": TIMEOUT_S.get(step, sum(TIMEOUT_S[s] for s in STEPS)),
+            "timeout_s": TIMEOUT_S[step],
         }
 
     for profile, root in ANYSCALE_ROOTS.items():
@@ -255,7 +255,7 @@ def rayjob_spec(entrypoint: str, runtime_env: dict, cluster: dict, step: str) ->
         "ttlSecondsAfterFinished": 3600,
         # A retry is a new cluster and the same command: the step resumes (jobs.submit's doc).
         "backoffLimit": MAX_RETRIES,
-        "activeDeadlineSeconds": TIMEOUT_S.get(step, sum(TIMEOUT_S[s] for s in STEPS)),
+        "activeDeadlineSeconds": TIMEOUT_S[step],
         "rayClusterSpec": cluster,
     }
 
@@ -333,7 +333,7 @@ def generate(*, s3_root: str = S3_ROOT, image: str = "") -> dict[str, str]:
     lock = LOCK.read_text()
     nodes = yaml.safe_load((BUNDLE_ROOT / "cluster.yaml").read_text())["available_node_types"]
     image = image or f"REGISTRY/ray-cv:{ray_version(lock)}"
-    assert set(CONFIGS) == set(TIMEOUT_S)
+    assert set(TIMEOUT_S) == {*CONFIGS, "chain"}
     return {
         **anyscale_files(runtime_env, lock, nodes),
         **kuberay_files(runtime_env, lock, nodes, s3_root, image),
