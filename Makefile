@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LOCK   := requirements/cluster.lock
 
-.PHONY: install lock demo test test-fast test-deploy lint format docs bench bench-gpu bench-scale clean
+.PHONY: install lock platforms demo test test-fast test-deploy lint format docs bench bench-gpu bench-scale clean
 
 install: $(STAMP)
 
@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt) $(LOCK)
 ## header), keeping the locked versions that still fit; `make lock UPGRADE=1`: the newest.
 lock: $(STAMP)
 	$(PY) -m scripts.lock $(if $(UPGRADE),--upgrade)
+
+## platforms/: the Anyscale and KubeRay files, written from runtime_env.yaml, the lock, configs/
+## and cluster.yaml (docs/anyscale.md, docs/kubernetes.md); tests/test_platforms.py checks them.
+platforms: $(STAMP)
+	$(PY) -m scripts.platforms
 
 ## Start a local Ray cluster, submit the jobs to it with `ray job submit`, stop it.
 demo: $(STAMP)

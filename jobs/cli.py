@@ -37,6 +37,33 @@ def job_main(
 
     Exit codes: 0 done, 1 the input data is unusable, 2 the config is invalid, 3 the work
     failed on the cluster (no room for the workers, or retries used up)."""
+    args = job_parser(doc, config_cls, default_config, docs_page=docs_page).parse_args()
+    setup_logging()
+    started = time.monotonic()
+    try:
+        cfg = job_config(config_cls, default_config, args)
+        result = body(cfg)
+    except Exception as e:
+        ended = failure(e)
+        if ended is None:
+            raise  # a bug: its traceback, and exit 1
+        code, line = ended
+        if isinstance(e, OSError):  # where in the bundle a storage call failed, for the log
+            log.warning("storage failed", exc_info=True)
+        print(f"error: {line}", file=sys.stderr)
+        exit_now(code)
+    # What the driver itself cost: it must not grow with the data (the work runs on the cluster).
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    log.info("done in %.0f s; driver peak memory %.0f MiB", time.monotonic() - started, peak_mib)
+    if result is not None:
+        print(result, flush=True)
+    exit_now(0)
+
+
+def job_parser(
+    doc: str, config_cls: type[C], default_config: str, *, docs_page: str
+) -> argparse.ArgumentParser:
+    """The arguments every job takes: `--config FILE [--config FILE ...] key=value ...`."""
     parser = argparse.ArgumentParser(
         description=doc,
         epilog=(
@@ -55,28 +82,13 @@ def job_main(
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="settings over the file's (below)"
     )
-    args = parser.parse_args()
-    setup_logging()
-    started = time.monotonic()
-    try:
-        files = [Path(f) for f in args.config or [default_config]]
-        cfg = load_config(config_cls, files, args.overrides)
-        result = body(cfg)
-    except Exception as e:
-        ended = failure(e)
-        if ended is None:
-            raise  # a bug: its traceback, and exit 1
-        code, line = ended
-        if isinstance(e, OSError):  # where in the bundle a storage call failed, for the log
-            log.warning("storage failed", exc_info=True)
-        print(f"error: {line}", file=sys.stderr)
-        exit_now(code)
-    # What the driver itself cost: it must not grow with the data (the work runs on the cluster).
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    log.info("done in %.0f s; driver peak memory %.0f MiB", time.monotonic() - started, peak_mib)
-    if result is not None:
-        print(result, flush=True)
-    exit_now(0)
+    return parser
+
+
+def job_config(config_cls: type[C], default_config: str, args: argparse.Namespace) -> C:
+    """The config that `args` (from job_parser) ask for: its files, then its overrides."""
+    files = [Path(f) for f in args.config or [default_config]]
+    return load_config(config_cls, files, args.overrides)
 
 
 def exit_now(code: int) -> None:

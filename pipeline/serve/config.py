@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
@@ -17,6 +19,15 @@ from pipeline.core.config import (
 
 
 def _model_source(value: str) -> str:
+    # $NAME or ${NAME}, expanded where the application is built: on Anyscale,
+    # $ANYSCALE_ARTIFACT_STORAGE/... (a Serve config file expands nothing itself).
+    value = os.path.expandvars(value)
+    if unset := re.findall(r"\$\{?(\w+)", value):
+        raise ValueError(
+            f"{value!r} names the environment variable {unset[0]}, which is not set where the "
+            "application is built: set it there (the application's runtime_env env_vars) or "
+            "write the path out"
+        )
     if value.startswith(REGISTERED_MODEL):
         name, version, alias = registered_model(value)
         if not name or not (version or alias):
@@ -39,7 +50,7 @@ class ServeConfig(Strict):
         description="A training run directory (its best checkpoint by its checkpoint.metric), one "
         "checkpoint directory, or a registered model version (models:/<name>/<version>, "
         "models:/<name>@<alias>); resolved once per deploy, so every replica serves one "
-        "checkpoint."
+        "checkpoint. $NAME and ${NAME} are expanded from the environment."
     )
     tracking_uri: str | None = Field(
         None,
