@@ -27,6 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent
+ENDED = ("STOPPED", "SUCCEEDED", "FAILED")  # a job's statuses once it has ended
 # Ray's fake multi-node provider, each node with a runtime-env directory of its own.
 PROVIDER_DIR = Path(__file__).resolve().parent / "autoscaler"
 # Keys a cluster config must have; the fake multi-node provider runs no commands.
@@ -208,6 +209,23 @@ class LocalCluster:
         if body["result"] is False:
             raise RuntimeError(f"state API: {body['msg']}")
         return body["data"]["result"]["result"]
+
+    def stop_job(self, submission_id: str, timeout_s: float = 120) -> str:
+        """`ray job stop`, by request: no CLI process to start first, so the stop lands at once
+        on a loaded machine. Returns the job's status once it has ended (STOPPED, or SUCCEEDED
+        or FAILED where the job ended first)."""
+        request = urllib.request.Request(
+            f"{self.address}/api/jobs/{submission_id}/stop",
+            method="POST",
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+        urllib.request.urlopen(request, timeout=60).close()
+        deadline = time.monotonic() + timeout_s
+        while (status := self.get(f"/api/jobs/{submission_id}")["status"]) not in ENDED:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {submission_id} still {status} {timeout_s:.0f} s after")
+            time.sleep(0.5)
+        return status
 
     def get(self, path: str, timeout_s: float = 60):
         """The JSON answer to an authenticated GET of the dashboard's `path`."""

@@ -124,7 +124,7 @@ class ServeApp:
             env=self.cluster.env,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=180,  # a driver's start on a loaded machine; the kill's moment is its own
         )
         if proc.returncode != 0:
             raise RuntimeError(f"could not kill a replica:\n{proc.stderr}")

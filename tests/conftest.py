@@ -26,6 +26,7 @@ from helpers import (
     in_background,
     kill_worker,
     latest_recorded,
+    local_ray,
     png_bytes,
     tracked,
     train_job,
@@ -120,7 +121,7 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(scope="module")
 def ray_in_process():
     """An in-process Ray instance for library-level tests; stopped after the module."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    local_ray()
     yield
     ray.shutdown()
 

@@ -207,6 +207,21 @@ def start_task(cmd: list[str], cluster: LocalCluster) -> tuple[subprocess.Popen,
     return proc, lines, in_background(read)
 
 
+def local_ray(attempts: int = 4) -> None:
+    """`ray.init` of an in-process Ray instance of 2 CPUs. Ray waits a fixed 30 s for its raylet
+    to register, which a loaded machine can exceed: it is started again, up to `attempts`."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as e:
+            if attempt == attempts or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
+
+
 def generated_dataset(out: Path, *overrides: str):
     """Preprocess generated images into `out` (an in-process Ray for the job's tasks); returns
     the manifest."""
@@ -219,15 +234,7 @@ def generated_dataset(out: Path, *overrides: str):
 
     args = [f"output={out}", "source.kind=synthetic", *overrides]
     cfg = load_config(PreprocessConfig, None, args)
-    for attempt in (1, 2):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-            break
-        except Exception as e:
-            # Ray waits a fixed 30 s for its raylet, which a loaded machine can exceed: once more.
-            if attempt == 2 or "timed out during startup" not in str(e):
-                raise
-            ray.shutdown()
+    local_ray()
     try:
         return preprocess(cfg, output=Location.parse(str(out)))
     finally:

@@ -203,7 +203,7 @@ def test_a_stopped_job_fails_its_task(chain, airflow, cluster_2cpu):
     wait_for(
         lambda: "RUNNING" in cluster_2cpu.ray("job", "status", job) or run.done(), "job running"
     )
-    cluster_2cpu.ray("job", "stop", job)
+    cluster_2cpu.stop_job(job)
     code, out, states = run.result(timeout=300)
     assert code != 0, out[-5000:]
     assert states == {"preprocess": "success", "train": "failed", "infer": "upstream_failed"}

@@ -193,7 +193,7 @@ def test_a_job_stopped_midway_infers_only_the_rest_when_submitted_again(
     submit = {"runtime_env": runtime_env, "submission_id": f"infer-stopped-{tmp_path.name}"}
     job = in_background(infer_job, cluster_2cpu, *args, **submit)
     pid = held_worker(marker, job)  # a write task, its first part of 10 predictions written
-    cluster_2cpu.ray("job", "stop", submit["submission_id"])
+    cluster_2cpu.stop_job(submit["submission_id"])
     assert "was stopped" in job.result().stdout  # `ray job submit` exits 0 for a stopped job
     wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the stopped job's write task to end")
     (stopped,) = (out / VERSIONS).iterdir()

@@ -171,7 +171,7 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(
     assert code == 0, out
     newer = read_manifest(dataset)
     assert newer.image_size == 40 and read_manifest(dataset, manifest.version) == manifest
-    cluster_2cpu.ray("job", "stop", submission_id)
+    cluster_2cpu.stop_job(submission_id)
     reading.result(timeout=300)
     out = "".join(lines)
     proc.wait()

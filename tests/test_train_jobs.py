@@ -205,7 +205,7 @@ def test_a_resume_stopped_with_ray_job_stop_leaves_the_run_as_it_finished(
     with pytest.raises(ConfigError, match=rf"since .* by train job {submission_id} on "):
         resolve_checkpoint(Location.parse(str(run)))
 
-    cluster_2cpu.ray("job", "stop", submission_id)
+    cluster_2cpu.stop_job(submission_id)
     job.result()
     logs = cluster_2cpu.ray("job", "logs", submission_id)
     assert "SIGTERM: the job is being stopped" in logs, logs

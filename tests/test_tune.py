@@ -117,9 +117,10 @@ def test_asha_stops_trailing_trials_and_inference_takes_the_best_run(
 def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_nothing_twice(
     cluster_2cpu, tiny_dataset, tmp_path
 ):
-    # One trial at a time: the first trains 2 epochs, the second 3. The first's worker is
-    # SIGKILLed once Ray has recorded its epoch 0 (the first trial's rank 0 is the first process
-    # to reach the armed point); its Train run's FailureConfig restarts it from that checkpoint.
+    # One trial at a time: the first trains 2 epochs, the second 4 (time for the stop to land).
+    # The first's worker is SIGKILLed once Ray has recorded its epoch 0 (the first trial's rank 0
+    # is the first process to reach the armed point); its Train run's FailureConfig restarts it
+    # from that checkpoint.
     # The driver is stopped once the first has finished and the second has a checkpoint; the
     # same command, unarmed, then resumes.
     args = [
@@ -131,7 +132,7 @@ def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_n
         "num_samples=1",
         "asha.enabled=false",
         "max_concurrent_trials=1",
-        "space.epochs={grid: [2, 3]}",
+        "space.epochs={grid: [2, 4]}",
     ]
     sweep = tmp_path / "resumed"
     fault = tmp_path / "fault"
@@ -156,8 +157,7 @@ def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_n
     waited = "the first trial finished, the second checkpointed"
     wait_for(lambda: first_done_second_started() or job.done(), waited, 600)
     assert not job.done(), f"the sweep ended first:\n{job.result().stdout}"
-    cluster_2cpu.ray("job", "stop", "tune-stopped", timeout_s=120)
-    assert "was stopped" in cluster_2cpu.ray("job", "status", "tune-stopped")
+    assert cluster_2cpu.stop_job("tune-stopped") == "STOPPED"
     out = job.result().stdout
     second = trial_run(1)
     stopped_at = latest_recorded(second)
@@ -168,7 +168,7 @@ def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_n
     resumed = f"resumed from checkpoint {first / 'epoch_0000'} (epoch 0 done)"
     assert out.count(resumed) == 1, out
     assert out.count("training epochs 0 to 1:") == 1 and out.count("training epochs 1 to 1:") == 1
-    assert out.count("training epochs 0 to 2:") == 1 and f"new run {second}" in out
+    assert out.count("training epochs 0 to 3:") == 1 and f"new run {second}" in out
     assert f"resumed from checkpoint {second}" not in out
 
     proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
@@ -181,18 +181,18 @@ def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_n
     assert (first / "epoch_0001" / WEIGHTS).stat().st_mtime_ns == first_weights
     # The running one trains on from its latest checkpoint (or was complete already).
     done = int(stopped_at.removeprefix("epoch_")) + 1
-    if done < 3:
-        assert f"run {second} has {done} of 3 epochs: resuming from {second / stopped_at}" in out
+    if done < 4:
+        assert f"run {second} has {done} of 4 epochs: resuming from {second / stopped_at}" in out
     else:
         assert f"run {second} is complete" in out
     assert f"new run {second}" not in out
     # Every epoch of every trial once, both trials finished, and each listed once.
     assert [r["epoch"] for r in history(first)] == [0, 1]
-    assert [r["epoch"] for r in history(second)] == [0, 1, 2]
+    assert [r["epoch"] for r in history(second)] == [0, 1, 2, 3]
     summary = json.loads((sweep / SWEEP_SUMMARY).read_text())
     assert [(t["run"], t["status"], t["epochs"]) for t in summary["trials"]] == [
         (str(first), "finished", 2),
-        (str(second), "finished", 3),
+        (str(second), "finished", 4),
     ]
     assert summary["counts"] == {"finished": 2, "stopped early": 0, "failed": 0}
 
