@@ -136,8 +136,8 @@ def _called(name: str, key: str, **kwargs):
     except Exception as e:  # the user's own words
         args = ", ".join(f"{k}=" for k in kwargs)
         raise ConfigError(
-            f"{key}: {name}({args}) failed: {type(e).__name__}: {e}. It is called with the "
-            f"keyword arguments {args}"
+            f"{key}: {name}({args}) failed: {type(e).__name__}: {str(e).rstrip('.')}. It is "
+            f"called with the keyword arguments {args}"
         ) from None
 
 
