@@ -8,18 +8,26 @@ from __future__ import annotations
 import csv
 import io
 import re
+import shutil
 import sys
 import textwrap
 
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import OneWorker, small_run_config
+from PIL import Image
 
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
+from pipeline.data.images import encode_image
+from pipeline.export import exporter
+from pipeline.export.config import ExportConfig
 from pipeline.model.checkpoint import (
     Score,
     best_of,
@@ -27,8 +35,11 @@ from pipeline.model.checkpoint import (
     read_meta,
     served_weights,
 )
+from pipeline.model.classifier import Classifier
+from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import load_model
 from pipeline.model.runs import checkpoint_dir_name, history_csv
+from pipeline.tracking import pyfunc
 from pipeline.train import driver
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
@@ -200,7 +211,24 @@ def test_hooks_train_report_rank_and_the_checkpoint_loads_without_them(
     sys.path.remove(str(user_hooks))
     sys.modules.pop("my_hooks")
     model, _ = load_model(last)
-    assert model(torch.zeros(1, 3, 32, 32)).shape == (1, 3)
+    pixels = np.zeros((1, 3, 32, 32), dtype=np.uint8)
+    policy = DevicePolicy.for_input(torch.device("cpu"), "fp32", meta.model_input)
+    with torch.no_grad():
+        expected = model(policy.inputs(torch.from_numpy(pixels))).softmax(dim=1)
+    # Inference's and serving's model, the MLflow model, and an export with its parity check.
+    classifier = Classifier(last, use_gpu=False, precision="fp32")
+    assert torch.allclose(classifier.probabilities(pixels), expected, atol=1e-5)
+    checkpoint = tmp_path / "mlflow" / pyfunc.CHECKPOINT
+    shutil.copytree(last.path, checkpoint)
+    pyfunc.save(checkpoint, tmp_path / "mlflow" / "model", meta)
+    image = Image.new("RGB", (32, 32), (0, 0, 0))
+    frame = pd.DataFrame({pyfunc.IMAGES: [encode_image(image, image_format="png")]})
+    answer = mlflow.pyfunc.load_model(str(tmp_path / "mlflow" / "model")).predict(frame)
+    assert answer["pred"].tolist() == [int(expected.argmax())]
+    export = load_config(ExportConfig, None, [f"model={last.path}", "cpus=1"])
+    output = Location.parse(str(tmp_path / "export"))
+    summary = exporter.export_checkpoint(export, checkpoint=last, output=output)
+    assert (tmp_path / "export" / "model.onnx").exists(), summary
 
 
 def test_a_metric_without_an_order_needs_checkpoint_mode(small_dataset, tmp_path, user_hooks):
