@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 import shutil
 import sys
@@ -18,9 +19,19 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import OneWorker, small_run_config
+import yaml
+from helpers import (
+    OneWorker,
+    history,
+    metric_steps,
+    mlflow_run,
+    small_run_config,
+    tracked,
+    train_job,
+)
 from PIL import Image
 
+from harness.cluster import BUNDLE_ROOT
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
@@ -38,20 +49,22 @@ from pipeline.model.checkpoint import (
 from pipeline.model.classifier import Classifier
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import load_model
-from pipeline.model.runs import checkpoint_dir_name, history_csv
+from pipeline.model.runs import RUN_SUMMARY, checkpoint_dir_name, history_csv
 from pipeline.tracking import pyfunc
 from pipeline.train import driver
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.hooks import build_loss, class_weights
 from pipeline.train.torch_input import Augment
+from pipeline.tune import sweep
+from pipeline.tune.config import SweepConfig
 
 HOOKS = '''
 """A user's own focal loss, macro-F1 and augmentation."""
 
 import torch
 import torch.nn.functional as F
-from torchmetrics.classification import MulticlassF1Score
+from torchmetrics.classification import MulticlassF1Score, MulticlassHammingDistance
 from torchvision.transforms import v2
 
 CALLS = {"loss": 0, "augment": 0}
@@ -68,6 +81,10 @@ def focal(num_classes, class_weights=None, gamma=2.0):
 
 def macro_f1(num_classes):
     return MulticlassF1Score(num_classes, average="macro")
+
+
+def errors(num_classes):
+    return MulticlassHammingDistance(num_classes)  # the share wrong: the lowest is best
 
 
 class Counted(v2.Transform):
@@ -275,3 +292,94 @@ def test_checkpoint_metric_must_be_one_the_run_computes(small_dataset, tmp_path)
         small_run_config(
             small_dataset, tmp_path, "metrics=[per_class_recall]", "checkpoint.metric=val_recall"
         )
+
+
+@pytest.mark.slow
+def test_a_run_with_hooks_shipped_beside_the_bundle_ranks_by_them_and_infers_without(
+    cluster_2cpu, small_dataset, tmp_path, mlflow_server
+):
+    # The hooks as a package of their own, outside the checkout, shipped with the train job
+    # only (Ray's py_modules); the infer job has the bundle's runtime env alone.
+    package = tmp_path / "code" / "myhooks"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(HOOKS))
+    env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
+    (tmp_path / "env.yaml").write_text(yaml.safe_dump(env | {"py_modules": [str(package)]}))
+    storage = tmp_path / "runs"
+    hooks = (
+        "loss=myhooks:focal",
+        "metrics=[myhooks:macro_f1, top2_accuracy]",
+        "checkpoint.metric=val_macro_f1",
+        "augment=myhooks:augment",
+    )
+    small = ("global_batch_size=8", "epochs=2", "scaling.num_workers=1")
+    proc = train_job(
+        cluster_2cpu,
+        small_dataset,
+        storage,
+        "name=hooks",
+        *small,
+        *hooks,
+        *tracked(mlflow_server),
+        runtime_env=tmp_path / "env.yaml",
+    )
+    assert proc.returncode == 0, proc.stdout
+    out = proc.stdout
+    assert "checkpoints ranked by val_macro_f1 (max), by myhooks:macro_f1's Metric" in out
+    assert re.search(r"epoch 1/1: .* val_macro_f1 \d\.\d{4} val_top2_accuracy \d\.\d{4}", out)
+    run = storage / "hooks"
+    rows = history(run)
+    assert [r["epoch"] for r in rows] == [0, 1]
+    summary = json.loads((run / RUN_SUMMARY).read_text())
+    assert (summary["checkpoint_metric"], summary["checkpoint_mode"]) == ("val_macro_f1", "max")
+    # The highest; of equal ones the newest, as Ray keeps them.
+    best = max(rows, key=lambda r: (r["val_macro_f1"], r["epoch"]))
+    assert summary["best_metrics"]["epoch"] == best["epoch"], rows
+    assert "best checkpoint (by val_macro_f1, max is best)" in out
+    steps = metric_steps(mlflow_server, mlflow_run(mlflow_server, run).info.run_id, rows)
+    assert steps["val_macro_f1"] == steps["val_top2_accuracy"] == [0, 1]
+
+    infer = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
+    args = [f"model={run}", f"input={small_dataset}", f"output={tmp_path / 'predictions'}"]
+    proc = cluster_2cpu.submit([*infer, *args, "cpus_per_actor=1"], capture=True, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout
+    assert f"best checkpoint epoch {int(best['epoch'])} by val_macro_f1 (max)" in proc.stdout
+    predicted = json.loads((tmp_path / "predictions" / "summary.json").read_text())
+    assert predicted["checkpoint"].endswith(checkpoint_dir_name(int(best["epoch"])))
+
+
+def test_the_examples_hooks_pass_the_drivers_check(small_dataset, tmp_path):
+    example = BUNDLE_ROOT / "examples" / "custom_hooks" / "train.yaml"
+    cfg = load_config(
+        TrainConfig, example, [f"dataset={small_dataset}", f"storage_path={tmp_path}"]
+    )
+    manifest = read_manifest(Location.parse(str(small_dataset)))
+    checked = driver.check_hooks(cfg, manifest)
+    assert config_score(checked.model_dump()).mode == "max"
+    loss = build_loss(checked, manifest, torch.device("cpu"))
+    logits, targets = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+    # Each image's cross-entropy scaled by (1 - p)^2 < 1: below the plain mean (equal counts,
+    # so the balanced weights are all 1).
+    assert 0 < loss(logits, targets).item() < F.cross_entropy(logits, targets).item()
+
+
+def test_a_sweep_ranks_its_trials_by_your_metric_in_its_order(small_dataset, tmp_path, user_hooks):
+    given = [
+        f"dataset={small_dataset}",
+        f"storage_path={tmp_path}",
+        "name=s",
+        "train.global_batch_size=8",
+        "train.metrics=[my_hooks:errors]",
+        "train.checkpoint.metric=val_errors",
+    ]
+    cfg = load_config(SweepConfig, BUNDLE_ROOT / "configs" / "demo-tune.yaml", given)
+    root = Location.parse(str(small_dataset))
+    mode = sweep._check_inputs(cfg.trial_configs(), root, read_manifest(root).version)
+    assert mode == "min"  # MulticlassHammingDistance.higher_is_better is False
+    resolved = cfg.with_checkpoint_mode(mode)
+    assert sweep.ranking(resolved.score) == ("val_errors", "min")
+    assert {c.checkpoint.mode for c in resolved.trial_configs()} == {"min"}
+    # A built-in metric needs no resolving: the highest is best.
+    builtin = [*given[:4], "train.metrics=[macro_f1]", "train.checkpoint.metric=val_macro_f1"]
+    plain = load_config(SweepConfig, BUNDLE_ROOT / "configs" / "demo-tune.yaml", builtin)
+    assert sweep.ranking(plain.score) == ("val_macro_f1", "max")

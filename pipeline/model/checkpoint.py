@@ -95,7 +95,11 @@ def score_of(metric: str, mode: str | None = None) -> Score:
 def config_score(config: dict) -> Score:
     """The Score of a resolved training config (a checkpoint's or a run's record)."""
     checkpoint = config.get("checkpoint", {})
-    return score_of(checkpoint.get("metric", RECORDED_BEFORE_SCORES), checkpoint.get("mode"))
+    metric, mode = checkpoint.get("metric", RECORDED_BEFORE_SCORES), checkpoint.get("mode")
+    named = {f"val_{m}" for m in config.get("metrics", ()) if ":" not in m}
+    if mode is None and metric in named:
+        mode = "max"  # the built-in metrics (accuracies, F1): the highest is best
+    return score_of(metric, mode)
 
 
 class ModelSpec(BaseModel):
