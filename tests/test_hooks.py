@@ -55,6 +55,7 @@ from pipeline.train import driver
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.hooks import build_loss, class_weights
+from pipeline.train.step import train_data
 from pipeline.train.torch_input import Augment
 from pipeline.tune import sweep
 from pipeline.tune.config import SweepConfig
@@ -163,6 +164,22 @@ def test_crop_scale_ratio_and_flip_reach_the_transform():
         TrainConfig, None, ["dataset=/d", "storage_path=/s", "crop_scale=[0.5, 0.9]", "flip=false"]
     )
     assert (cfg.crop_scale, cfg.crop_ratio, cfg.flip) == ((0.5, 0.9), (0.75, 4 / 3), False)
+
+
+def test_own_augment_gives_the_same_batches_for_the_same_seed(small_dataset, tmp_path, user_hooks):
+    root = Location.parse(str(small_dataset))
+    manifest = read_manifest(root)
+
+    def batches(seed: int, epoch: int) -> list[torch.Tensor]:
+        cfg = small_run_config(small_dataset, tmp_path, "augment=my_hooks:augment", f"seed={seed}")
+        loader = train_data(cfg, root, manifest, rank=0, world=1, device=torch.device("cpu"))
+        loader.set_epoch(epoch)
+        return [images for images, _ in loader]
+
+    first = batches(0, 0)
+    assert first and all(torch.equal(a, b) for a, b in zip(first, batches(0, 0), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, batches(1, 0), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, batches(0, 1), strict=True))
 
 
 def test_own_augment_draws_repeat_for_the_same_key(user_hooks):
