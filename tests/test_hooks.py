@@ -54,6 +54,7 @@ from pipeline.tracking import pyfunc
 from pipeline.train import driver
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
+from pipeline.train.device_decode import pick_decode
 from pipeline.train.hooks import build_loss, class_weights
 from pipeline.train.step import train_data
 from pipeline.train.torch_input import Augment
@@ -400,3 +401,14 @@ def test_a_sweep_ranks_its_trials_by_your_metric_in_its_order(small_dataset, tmp
     builtin = [*given[:4], "train.metrics=[macro_f1]", "train.checkpoint.metric=val_macro_f1"]
     plain = load_config(SweepConfig, BUNDLE_ROOT / "configs" / "demo-tune.yaml", builtin)
     assert sweep.ranking(plain.score) == ("val_macro_f1", "max")
+
+
+def test_decode_auto_keeps_your_own_augment_on_the_cpu(small_dataset, tmp_path):
+    # On a CUDA worker with JPEGs auto decodes on the GPU, which only the presets augment on.
+    cuda = torch.device("cuda")
+    preset = small_run_config(small_dataset, tmp_path, "decode=auto")
+    assert pick_decode(preset.decode_setting(), cuda, "jpeg") == "gpu"
+    own = small_run_config(small_dataset, tmp_path, "decode=auto", "augment=my_hooks:augment")
+    assert pick_decode(own.decode_setting(), cuda, "jpeg") == "cpu"
+    with pytest.raises(ConfigError, match=r"augment=my_hooks:augment runs on decoded images"):
+        small_run_config(small_dataset, tmp_path, "decode=gpu", "augment=my_hooks:augment")
