@@ -284,6 +284,15 @@ def hooks_checked(tmp_path, dataset, *overrides):
     check_hooks(cfg, read_manifest(Location.parse(cfg.dataset)))
 
 
+def balanced_without_a_class(tmp_path, dataset):
+    manifest = read_manifest(Location.parse(str(dataset)))
+    counts = dict(manifest.splits["train"].counts)
+    counts.pop(manifest.classes[-1])
+    train = manifest.splits["train"].model_copy(update={"counts": counts})
+    lacking = manifest.model_copy(update={"splits": {**manifest.splits, "train": train}})
+    check_hooks(train_config(tmp_path, dataset, "class_weights=balanced"), lacking)
+
+
 def own_hook(tmp_path, dataset, key: str, source: str):
     """The train config's `key` (loss, augment, metrics) as module:function of a module that
     holds `source`, checked on the driver."""
@@ -609,6 +618,12 @@ CASES = [
         2,
         "class_weights has <n> weights and the dataset <n> classes",
         lambda t, d: hooks_checked(t, d, "class_weights=[1, 2]"),
+    ),
+    Case(
+        "`class_weights: balanced` where the train split has no rows of a class",
+        1,
+        "class_weights=balanced: the train split has no rows of class <name>",
+        balanced_without_a_class,
     ),
     Case(
         "`optimizer.label_smoothing` with your own `loss`",
