@@ -34,15 +34,18 @@ def main(cfg: TrainConfig) -> str:
     ray.init()
     summary = train(cfg, dataset=dataset, runs=runs, tracking=tracking)
     best = summary["best_metrics"]
+    by = summary["checkpoint_metric"]
     log.info(
-        "%d epochs, final val accuracy %.4f; best checkpoint (by %s) epoch %d, val loss %.4f, val "
-        "accuracy %.4f; %.1f images/s",
+        "%d epochs, final val accuracy %.4f; best checkpoint (by %s, %s) epoch %d, val loss %.4f, "
+        "val accuracy %.4f%s; %.1f images/s",
         summary["epochs"],
         summary["final_accuracy"],
-        summary["checkpoint_metric"],
+        by,
+        "the newest" if by == "last" else f"{summary['checkpoint_mode']} is best",
         best["epoch"],
         best["val_loss"],
         best["val_accuracy"],
+        f", {by} {best[by]:.4f}" if by not in ("val_loss", "val_accuracy", "last") else "",
         summary["images_per_s"],
     )
     log.info(input_verdict(summary, cfg))

@@ -86,6 +86,7 @@ MINUTES = {
     "tests/test_preemption.py": 4,
     "tests/test_export.py": 12,
     "tests/test_models.py": 5,
+    "tests/test_hooks.py": 3,
     "tests/test_publish.py": 4,
 }
 

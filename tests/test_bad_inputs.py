@@ -50,7 +50,7 @@ from pipeline.model.runs import RUN_SUMMARY, SNAPSHOT, mark_training, resume_cha
 from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
 from pipeline.train.config import TrainConfig
-from pipeline.train.driver import check_dataset, check_model, pick_dataset_version
+from pipeline.train.driver import check_dataset, check_hooks, check_model, pick_dataset_version
 from pipeline.train.torch_input import RowGroupStream
 from pipeline.tune.config import SweepConfig
 from pipeline.tune.sweep import pinned_version, sweep
@@ -277,6 +277,34 @@ def user_model(source: str):
             sys.path.remove(str(tmp_path))
 
     return run
+
+
+def hooks_checked(tmp_path, dataset, *overrides):
+    cfg = train_config(tmp_path, dataset, *overrides)
+    check_hooks(cfg, read_manifest(Location.parse(cfg.dataset)))
+
+
+def balanced_without_a_class(tmp_path, dataset):
+    manifest = read_manifest(Location.parse(str(dataset)))
+    counts = dict(manifest.splits["train"].counts)
+    counts.pop(manifest.classes[-1])
+    train = manifest.splits["train"].model_copy(update={"counts": counts})
+    lacking = manifest.model_copy(update={"splits": {**manifest.splits, "train": train}})
+    check_hooks(train_config(tmp_path, dataset, "class_weights=balanced"), lacking)
+
+
+def own_hook(tmp_path, dataset, key: str, source: str):
+    """The train config's `key` (loss, augment, metrics) as module:function of a module that
+    holds `source`, checked on the driver."""
+    module = f"user_hook_{uuid.uuid4().hex}"
+    (tmp_path / f"{module}.py").write_text(source)
+    sys.path.insert(0, str(tmp_path))
+    setting = f"metrics=[{module}:hook]" if key == "metrics" else f"{key}={module}:hook"
+    extra = ["checkpoint.metric=val_hook"] if key == "metrics" else []
+    try:
+        hooks_checked(tmp_path, dataset, setting, *extra)
+    finally:
+        sys.path.remove(str(tmp_path))
 
 
 def changed_optimizer(tmp_path, dataset):
@@ -573,11 +601,82 @@ CASES = [
         lambda t, d: train_config(t, d, "num_to_keep=3"),
     ),
     Case(
-        "a `checkpoint.metric` the bundle does not rank by",
+        "a `checkpoint.metric` the bundle does not rank by: none of val_loss, val_accuracy, last "
+        "or val_<name> of a `metrics` entry",
         2,
-        "invalid config (<where>): checkpoint.metric: Input should be 'val_loss', 'val_accuracy' "
-        "or 'last'",
+        "invalid config (<where>): checkpoint.metric=<name>: use val_loss, val_accuracy, last",
         lambda t, d: train_config(t, d, "checkpoint.metric=val_top5"),
+    ),
+    Case(
+        "a `metrics` entry that is no metric's name nor module:function",
+        2,
+        "invalid config (<where>): metrics.0: unknown metric <name>: use top<k>_accuracy",
+        lambda t, d: train_config(t, d, "metrics=[f1]"),
+    ),
+    Case(
+        "`class_weights` of another count than the dataset's classes",
+        2,
+        "class_weights has <n> weights and the dataset <n> classes",
+        lambda t, d: hooks_checked(t, d, "class_weights=[1, 2]"),
+    ),
+    Case(
+        "`class_weights: balanced` where the train split has no rows of a class",
+        1,
+        "class_weights=balanced: the train split has no rows of class <name>",
+        balanced_without_a_class,
+    ),
+    Case(
+        "`optimizer.label_smoothing` with your own `loss`",
+        2,
+        "invalid config (<where>): optimizer.label_smoothing applies to the built-in "
+        "cross-entropy, and loss=<name> replaces it",
+        lambda t, d: train_config(t, d, "loss=my_loss:focal", "optimizer.label_smoothing=0.1"),
+    ),
+    Case(
+        "your own `augment` with `decode: gpu`",
+        2,
+        "invalid config (<where>): augment=<name> runs on decoded images in the DataLoader "
+        "processes",
+        lambda t, d: train_config(t, d, "augment=my_augment:build", "decode=gpu"),
+    ),
+    Case(
+        "a `module:function` loss, metric or augment whose module is not there",
+        2,
+        "loss=<name>: there is no module <module>",
+        lambda t, d: hooks_checked(t, d, "loss=examples.no_such_module:focal"),
+    ),
+    Case(
+        "a `module:function` loss, metric or augment that fails when called",
+        2,
+        "loss: <name>(num_classes=, class_weights=) failed: <error>",
+        lambda t, d: own_hook(t, d, "loss", "def hook(num_classes):\n    pass\n"),
+    ),
+    Case(
+        "your own augment that does not give uint8 images of the stored size",
+        2,
+        "augment=<name> must return uint8 (3, <n>, <n>) images",
+        lambda t, d: own_hook(
+            t,
+            d,
+            "augment",
+            "from torchvision.transforms import v2\n\n\ndef hook(image_size):\n"
+            "    return v2.Resize(image_size // 2)\n",
+        ),
+    ),
+    Case(
+        "`checkpoint.metric` of your own Metric whose `higher_is_better` is None, without "
+        "`checkpoint.mode`",
+        2,
+        "checkpoint.metric=<name>: <hook>'s Metric has higher_is_better=None: set "
+        "checkpoint.mode=max or min",
+        lambda t, d: own_hook(
+            t,
+            d,
+            "metrics",
+            "from torchmetrics.classification import MulticlassAccuracy\n\n\n"
+            "class Unordered(MulticlassAccuracy):\n    higher_is_better = None\n\n\n"
+            "def hook(num_classes):\n    return Unordered(num_classes)\n",
+        ),
     ),
     Case(
         "`checkpoint.every_steps` with `ingest: ray_data`",

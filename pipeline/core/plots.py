@@ -6,8 +6,8 @@ import io
 
 
 def plot_curves(history: list[dict], *, best_epoch: int | None, chosen_by: str) -> bytes:
-    """Loss and val accuracy per epoch, the best checkpoint's epoch (`chosen_by` what) marked
-    (none in a run that diverged), as PNG bytes."""
+    """Loss and val accuracy (and the run's other val scores, `metrics`) per epoch, the best
+    checkpoint's epoch (`chosen_by` what) marked (none in a run that diverged), as PNG bytes."""
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
@@ -16,15 +16,24 @@ def plot_curves(history: list[dict], *, best_epoch: int | None, chosen_by: str) 
     left.plot(epochs, [h["train_loss"] for h in history], marker="o", label="train")
     left.plot(epochs, [h["val_loss"] for h in history], marker="o", label="val")
     left.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
-    right.plot(epochs, [h["val_accuracy"] for h in history], marker="o", color="tab:green")
-    right.set(xlabel="epoch", ylabel="accuracy", ylim=(0, 1), title="Val accuracy")
+    scores = [k for k in dict.fromkeys(k for h in history for k in h) if _a_val_score(k)]
+    for key in scores:
+        right.plot(epochs, [h.get(key, float("nan")) for h in history], marker="o", label=key)
+    right.set(xlabel="epoch", ylabel="score", title="Val scores")
     for ax in (left, right):
         if best_epoch is not None:
             ax.axvline(best_epoch, color="gray", linestyle="--", label=f"best by {chosen_by}")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.legend()
+    right.legend()
     return _png(fig)
+
+
+def _a_val_score(key: str) -> bool:
+    """val_accuracy and the run's `metrics` (val_<name>), not its loss, image count or the
+    values per class (val_recall/<class>)."""
+    return key.startswith("val_") and "/" not in key and key not in ("val_loss", "val_images")
 
 
 def plot_trials(

@@ -82,9 +82,24 @@ SCORES = {
 RECORDED_BEFORE_SCORES = "val_accuracy"
 
 
+def score_of(metric: str, mode: str | None = None) -> Score:
+    """The Score of checkpoint.metric `metric`: val_loss, val_accuracy, last, or a `metrics`
+    entry's val_<name> ranked in `mode` (which the train job resolves and records); raw and EMA
+    weights are compared by the same metric."""
+    if metric in SCORES:
+        return SCORES[metric]
+    assert mode in ("min", "max"), f"{metric} has no recorded mode"
+    return Score(metric, metric, mode, metric, mode)
+
+
 def config_score(config: dict) -> Score:
     """The Score of a resolved training config (a checkpoint's or a run's record)."""
-    return SCORES[config.get("checkpoint", {}).get("metric", RECORDED_BEFORE_SCORES)]
+    checkpoint = config.get("checkpoint", {})
+    metric, mode = checkpoint.get("metric", RECORDED_BEFORE_SCORES), checkpoint.get("mode")
+    named = {f"val_{m}" for m in config.get("metrics", ()) if ":" not in m}
+    if mode is None and metric in named:
+        mode = "max"  # the built-in metrics (accuracies, F1): the highest is best
+    return score_of(metric, mode)
 
 
 class ModelSpec(BaseModel):

@@ -198,32 +198,36 @@ class UserModel(Architecture):
 
     def __init__(self, name: str, kwargs: dict[str, Any]):
         super().__init__(name, kwargs)
-        module_name, _, function = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if not (module_name + ".").startswith(f"{e.name}."):  # one the module imports
-                raise ConfigError(
-                    f"model.name={name!r}: importing {module_name} failed: {e}"
-                ) from None
-            raise ConfigError(
-                f"model.name={name!r}: there is no module {module_name} (a .py file below the "
-                "bundle's root, which every job ships as its working_dir; dots for folders)"
-            ) from None
-        except Exception as e:  # the module's own error, at import
-            raise ConfigError(
-                f"model.name={name!r}: importing {module_name} failed: {type(e).__name__}: {e}"
-            ) from None
-        self.function = getattr(module, function, None)
-        if not callable(self.function):
-            names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-            raise ConfigError(
-                f"model.name={name!r}: {module_name} has no function {function}"
-                f"{_close(function, names)}"
-            )
+        self.function = user_function(name, "model.name")
 
     def build(self, num_classes: int) -> torch.nn.Module:
         return self._call(self.function, num_classes)
+
+
+def user_function(name: str, key: str) -> Callable[..., Any]:
+    """The user's function that setting `key` names as module:function, imported; ConfigError
+    where the module does not import or has no such function."""
+    module_name, _, function = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if not (module_name + ".").startswith(f"{e.name}."):  # one the module imports
+            raise ConfigError(f"{key}={name!r}: importing {module_name} failed: {e}") from None
+        raise ConfigError(
+            f"{key}={name!r}: there is no module {module_name} (a .py file below the "
+            "bundle's root, which every job ships as its working_dir; dots for folders)"
+        ) from None
+    except Exception as e:  # the module's own error, at import
+        raise ConfigError(
+            f"{key}={name!r}: importing {module_name} failed: {type(e).__name__}: {e}"
+        ) from None
+    found = getattr(module, function, None)
+    if not callable(found):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise ConfigError(
+            f"{key}={name!r}: {module_name} has no function {function}{_close(function, names)}"
+        )
+    return found
 
 
 def architecture(name: str, kwargs: dict[str, Any] | None = None) -> Architecture:

@@ -36,11 +36,11 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
 from pipeline.model.checkpoint import (
     RECORDED_BEFORE_SCORES,
-    SCORES,
     CheckpointMeta,
     Score,
     best_of,
     read_meta,
+    score_of,
 )
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,9 @@ class DivergedRun(InputError):
 def summary_score(summary: dict) -> Score:
     """The score a finished run ranked its checkpoints by, as its summary records it (runs
     from before checkpoint.metric: val accuracy, which they were ranked by)."""
-    return SCORES[summary.get("checkpoint_metric", RECORDED_BEFORE_SCORES)]
+    return score_of(
+        summary.get("checkpoint_metric", RECORDED_BEFORE_SCORES), summary.get("checkpoint_mode")
+    )
 
 
 def latest_checkpoint(run_dir: Location) -> Location | None:
@@ -354,6 +356,7 @@ FIXED_ON_RESUME = {
     "optimizer.name": "the optimizer's state (momentum or Adam moments) belongs to its kind",
     "checkpoint.metric": "the checkpoints kept so far were chosen by the run's metric, and Ray "
     "Train goes on ranking them in that order",
+    "checkpoint.mode": "the checkpoints kept so far were chosen in the run's order",
 }
 
 

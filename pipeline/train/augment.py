@@ -12,16 +12,31 @@ AUTO_AUGMENT = {
 }
 
 
-def train_transform(kind: str, *, image_size: int, auto_augment: str = "none") -> v2.Transform:
-    """Augmentation on uint8 (3, H, W); the images are already `image_size` squares. The
+def train_transform(
+    augment: str,
+    *,
+    image_size: int,
+    auto_augment: str = "none",
+    scale: tuple[float, float] = (0.25, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+) -> v2.Transform:
+    """Augmentation on uint8 (3, H, W); the images are already `image_size` squares. `augment`: a
+    preset, or the user's module:function(image_size=) returning a v2 transform. The
     `auto_augment` policy comes after the crop and flip, as in torchvision's presets."""
+    kind = augment
+    flips = [v2.RandomHorizontalFlip()] if flip else []
     if kind == "random_resized_crop":
-        steps = [RandomResizedCrop(image_size, scale=(0.25, 1.0)), v2.RandomHorizontalFlip()]
+        steps = [RandomResizedCrop(image_size, scale=tuple(scale), ratio=tuple(ratio)), *flips]
     elif kind == "crop_flip":
         pad = max(1, image_size // 8)
-        steps = [v2.RandomCrop(image_size, padding=pad), v2.RandomHorizontalFlip()]
+        steps = [v2.RandomCrop(image_size, padding=pad), *flips]
     elif kind == "none":
         steps = []
+    elif ":" in kind:
+        from pipeline.train.hooks import own_augment
+
+        steps = [own_augment(kind, image_size=image_size)]
     else:
         raise ValueError(f"unknown augment {kind!r}: use random_resized_crop, crop_flip or none")
     if auto_augment != "none":
@@ -52,6 +67,17 @@ class RandomResizedCrop(v2.RandomResizedCrop):
             antialias=self.antialias,
         )
         return out[0]
+
+
+def transform_options(cfg) -> dict:
+    """`train_transform`'s keyword arguments, less image_size, from a TrainConfig."""
+    return {
+        "augment": cfg.augment,
+        "auto_augment": cfg.auto_augment,
+        "scale": tuple(cfg.crop_scale),
+        "ratio": tuple(cfg.crop_ratio),
+        "flip": cfg.flip,
+    }
 
 
 def batch_mix(*, mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> v2.Transform | None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from pipeline.core.config import AbsolutePathOrURI, Strict, TrackingConfig
 from pipeline.model.config import ModelConfig
@@ -21,6 +22,68 @@ class TrainTrackingConfig(TrackingConfig):
 
 RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=100)]
 
+# The user's own code, as model.name names it: module:function, the module a .py file that ships
+# with the job (dots for folders).
+HOOK = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# The metrics by name: top-k accuracy (top3_accuracy), macro F1, and each class's recall.
+TOP_K = re.compile(r"^top([1-9]\d*)_accuracy$")
+NAMED_METRICS = ("macro_f1", "per_class_recall")
+PER_CLASS = "per_class_recall"  # a value per class: no score to rank checkpoints by
+# checkpoint.metric's own choices, beside val_<name> of a `metrics` entry.
+FIXED_SCORES = ("val_loss", "val_accuracy", "last")
+
+
+def is_hook(name: str) -> bool:
+    """Whether a setting names the user's own module:function."""
+    return bool(HOOK.match(name))
+
+
+def metric_name(entry: str) -> str:
+    """The name a `metrics` entry reports under (val_<name>): its own, or a hook's function."""
+    return entry.partition(":")[2] if is_hook(entry) else entry
+
+
+def _loss(value: str | None) -> str | None:
+    if value is not None and not is_hook(value):
+        raise ValueError(
+            "not module:function: give your module and its function, e.g. my_loss:focal (or "
+            "null for cross-entropy)"
+        )
+    return value
+
+
+def _augment(value: str) -> str:
+    if value in AUGMENTS or is_hook(value):
+        return value
+    raise ValueError(
+        f"use {', '.join(AUGMENTS)}, or module:function returning a torchvision v2 transform "
+        "(e.g. my_augment:build)"
+    )
+
+
+def _metric(value: str) -> str:
+    if TOP_K.match(value) or value in NAMED_METRICS or is_hook(value):
+        return value
+    raise ValueError(
+        f"unknown metric {value!r}: use top<k>_accuracy (top3_accuracy), macro_f1, "
+        "per_class_recall, or module:function returning a torchmetrics Metric (my_metrics:f1)"
+    )
+
+
+def _class_weights(value: Any) -> Any:
+    if value is None or value == "balanced":
+        return value
+    if (
+        isinstance(value, list | tuple)
+        and value
+        and all(isinstance(w, int | float) and not isinstance(w, bool) and w > 0 for w in value)
+    ):
+        return [float(w) for w in value]
+    raise ValueError("give balanced (from the train split's counts) or one weight > 0 per class")
+
+
+AUGMENTS = ("random_resized_crop", "crop_flip", "none")
+
 
 class OptimizerConfig(Strict):
     name: Literal["sgd", "adamw"] = Field("sgd", description="SGD (Nesterov momentum) or AdamW.")
@@ -29,7 +92,9 @@ class OptimizerConfig(Strict):
     weight_decay: float = Field(5e-5, ge=0, description="Weight decay.")
     schedule: Literal["cosine", "constant"] = Field("cosine", description="Per-epoch LR schedule.")
     warmup_epochs: int = Field(0, ge=0, description="Epochs of linear warm-up before the schedule.")
-    label_smoothing: float = Field(0.0, ge=0, lt=1, description="Cross-entropy label smoothing.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=1, description="Cross-entropy label smoothing (the built-in loss only)."
+    )
     clip_grad_norm: float | None = Field(
         None,
         gt=0,
@@ -72,10 +137,16 @@ class EMAConfig(Strict):
 
 
 class CheckpointConfig(Strict):
-    metric: Literal["val_loss", "val_accuracy", "last"] = Field(
+    metric: str = Field(
         "val_loss",
-        description="What makes a checkpoint best, for retention, inference, serving, export and "
-        "the registry: val_loss (lowest), val_accuracy (highest) or last (the newest epoch).",
+        description="What makes a checkpoint best (kept, served, exported, a sweep's score): "
+        "val_loss, val_accuracy, last (the newest epoch), or val_<name> of a `metrics` entry.",
+    )
+    mode: Literal["min", "max"] | None = Field(
+        None,
+        description="Whether the lowest or highest val_<name> is best; null: the metric's own "
+        "(accuracies and F1: max; a hook's Metric: its higher_is_better), which the train job "
+        "records here.",
     )
     num_to_keep: int = Field(
         2, ge=1, description="Best checkpoints kept by `metric` (the latest is kept too)."
@@ -171,8 +242,20 @@ class TrainConfig(Strict):
             "device; JPEG only), auto (gpu on CUDA workers with JPEG datasets)."
         ),
     )
-    augment: Literal["random_resized_crop", "crop_flip", "none"] = Field(
-        "random_resized_crop", description="Train-time augmentation; val is never augmented."
+    augment: Annotated[str, AfterValidator(_augment)] = Field(
+        "random_resized_crop",
+        description="Train-time augmentation (never val's): random_resized_crop, crop_flip, "
+        "none, or module:function(image_size=) returning a v2 transform of uint8 images.",
+    )
+    crop_scale: tuple[float, float] = Field(
+        (0.25, 1.0),
+        description="random_resized_crop: the crop's share of the image's area, [min, max].",
+    )
+    crop_ratio: tuple[float, float] = Field(
+        (0.75, 4 / 3), description="random_resized_crop: the crop's aspect ratio, [min, max]."
+    )
+    flip: bool = Field(
+        True, description="random_resized_crop and crop_flip: a random horizontal flip."
     )
     auto_augment: Literal["none", "trivial_augment_wide", "rand_augment"] = Field(
         "none",
@@ -188,6 +271,21 @@ class TrainConfig(Strict):
         description="CutMix's alpha; 0: off. With both on, each batch gets one of the two.",
     )
     ema: EMAConfig = EMAConfig()
+    loss: Annotated[str | None, AfterValidator(_loss)] = Field(
+        None,
+        description="module:function(num_classes=, class_weights=) returning the loss, a "
+        "callable (logits, targets) -> scalar; null: cross-entropy.",
+    )
+    class_weights: Annotated[Any, BeforeValidator(_class_weights)] = Field(
+        None,
+        description="Weights of the classes in the loss: balanced (train rows / (classes x the "
+        "class's rows), from the train split's counts), a list of one per class, or null.",
+    )
+    metrics: tuple[Annotated[str, AfterValidator(_metric)], ...] = Field(
+        (),
+        description="Scores of the whole val split per epoch, as val_<name>: top<k>_accuracy, "
+        "macro_f1, per_class_recall, or module:function(num_classes=) returning a Metric.",
+    )
     micro_batch_size: int | None = Field(
         None,
         ge=2,
@@ -297,6 +395,69 @@ class TrainConfig(Strict):
                 "picks cpu with ray_data)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _loss_and_metrics(self) -> TrainConfig:
+        if self.loss is not None and self.optimizer.label_smoothing:
+            raise ValueError(
+                f"optimizer.label_smoothing applies to the built-in cross-entropy, and loss="
+                f"{self.loss} replaces it: smooth the labels in your loss, or set "
+                "optimizer.label_smoothing=0"
+            )
+        for low, high, key in (*self.crop_scale, "crop_scale"), (*self.crop_ratio, "crop_ratio"):
+            if not 0 < low <= high or (key == "crop_scale" and high > 1):
+                raise ValueError(
+                    f"{key}=[{low}, {high}]: give [min, max] with 0 < min <= max"
+                    + (" <= 1" if key == "crop_scale" else "")
+                )
+        names = [metric_name(m) for m in self.metrics]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"metrics: {', '.join(twice)} named twice: each reports val_<name>")
+        if clash := sorted({"loss", "accuracy"} & set(names)):
+            raise ValueError(f"metrics: val_{clash[0]} is the job's own: rename the function")
+        c = self.checkpoint
+        ranked = [f"val_{n}" for n in names if n != PER_CLASS]
+        if c.metric not in (*FIXED_SCORES, *ranked):
+            raise ValueError(
+                f"checkpoint.metric={c.metric}: use {', '.join((*FIXED_SCORES, *ranked))} "
+                "(val_<name> of a `metrics` entry: add it to metrics)"
+            )
+        if c.metric in FIXED_SCORES and c.mode is not None:
+            raise ValueError(
+                f"checkpoint.mode={c.mode}: checkpoint.metric={c.metric} has its own order; "
+                "set checkpoint.mode for val_<name> only"
+            )
+        entries = {f"val_{metric_name(m)}": m for m in self.metrics}
+        builtin = c.metric in entries and not is_hook(entries[c.metric])
+        if builtin and c.mode == "min":
+            raise ValueError(f"checkpoint.mode=min: the highest {c.metric} is best")
+        return self
+
+    @model_validator(mode="after")
+    def _own_augment_on_cpu(self) -> TrainConfig:
+        if is_hook(self.augment) and self.decode == "gpu":
+            raise ValueError(
+                f"augment={self.augment} runs on decoded images in the DataLoader processes: "
+                "decode=gpu augments on the device with the built-in augmentations only (the "
+                "seeding per batch covers the CPU generator, not the GPU's). Use decode=cpu or "
+                "decode=auto (which picks cpu with your augment)"
+            )
+        return self
+
+    def ranked_by_hook(self) -> str | None:
+        """The `metrics` entry (module:function) whose val_<name> checkpoint.metric names."""
+        entries = {f"val_{metric_name(m)}": m for m in self.metrics}
+        entry = entries.get(self.checkpoint.metric)
+        return entry if entry is not None and is_hook(entry) else None
+
+    def with_checkpoint_mode(self, mode: str | None) -> TrainConfig:
+        """This config with checkpoint.mode set: what the train job records."""
+        checkpoint = self.checkpoint.model_copy(update={"mode": mode})
+        return self.model_copy(update={"checkpoint": checkpoint})
+
+    def decode_setting(self) -> str:
+        """`decode`, where auto goes to the CPU for the user's own augment."""
+        return "cpu" if self.decode == "auto" and is_hook(self.augment) else self.decode
 
     def batch_size_per_worker(self, workers: int) -> int:
         """Each worker's share of the global batch, with `workers` workers running."""

@@ -41,7 +41,7 @@ from pipeline.data.dataset import (
     committed_versions,
     read_manifest,
 )
-from pipeline.model.checkpoint import SCORES, CheckpointMeta, ModelInput, read_meta
+from pipeline.model.checkpoint import CheckpointMeta, ModelInput, config_score, read_meta
 from pipeline.model.runs import (
     RUN_SUMMARY,
     DivergedRun,
@@ -51,7 +51,7 @@ from pipeline.model.runs import (
     resume_changes,
     write_reports,
 )
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import TrainConfig, is_hook
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,33 @@ def check_dataset(cfg: TrainConfig, dataset: Location, version: str) -> Manifest
     return manifest
 
 
+def recorded_mode(cfg: TrainConfig, recorded: dict) -> TrainConfig:
+    """`cfg` with the run's recorded checkpoint.mode, where it ranks by the same metric and
+    leaves the mode to it."""
+    was = recorded.get("checkpoint", {})
+    if cfg.checkpoint.mode is None and was.get("metric") == cfg.checkpoint.metric:
+        return cfg.with_checkpoint_mode(was.get("mode"))
+    return cfg
+
+
+def check_hooks(cfg: TrainConfig, manifest: Manifest) -> TrainConfig:
+    """The loss, metrics, augmentation and class weights the config names, checked once here
+    rather than failing on every worker; returns `cfg` with checkpoint.mode resolved."""
+    if not (cfg.loss or cfg.metrics or cfg.class_weights is not None or is_hook(cfg.augment)):
+        return cfg  # nothing of the user's: no torchmetrics to import
+    from pipeline.train.hooks import check_hooks
+
+    return check_hooks(cfg, manifest)
+
+
+def ranked_why(cfg: TrainConfig) -> str:
+    """Where the order of the checkpoints' score comes from, for the log."""
+    hook = cfg.ranked_by_hook()
+    if hook is not None:
+        return f", by {hook}'s Metric (higher_is_better) or checkpoint.mode"
+    return " (checkpoint.metric)"
+
+
 def check_model(cfg: TrainConfig, manifest: Manifest, dataset: Location) -> ModelInput:
     """The model's name, builder arguments, weights and head, checked once here rather than
     failing on every worker; returns what the network takes (its input size and
@@ -175,9 +202,10 @@ def train(
     sweep's trial passes its reports to Ray Tune)."""
     started = time.monotonic()
     run_dir = runs.child(cfg.name)
-    score = SCORES[cfg.checkpoint.metric]  # a resume keeps the run's: resume_changes checks
     latest = latest_checkpoint(run_dir)
     meta = read_meta(latest) if latest is not None else None
+    if meta is not None:
+        cfg = recorded_mode(cfg, meta.config)  # a resume keeps the run's: resume_changes checks
     changes = resume_changes(meta.config, cfg) if meta is not None else []
     if meta is not None:
         for change in changes:
@@ -190,6 +218,7 @@ def train(
             )
             if tracking is not None:  # logs what an earlier job could not
                 tracking.start(run_dir, cfg, version=meta.dataset_version, changes=changes)
+            score = config_score(cfg.model_dump())
             summary = write_reports(run_dir, score, wall_time_s=time.monotonic() - started)
             if tracking is not None:
                 tracking.finish(run_dir, summary)
@@ -206,6 +235,9 @@ def train(
     else:
         log.info("new run %s on dataset version %s", run_dir.uri, version)
         inputs = check_model(cfg, manifest, dataset)
+    cfg = check_hooks(cfg, manifest)
+    score = config_score(cfg.model_dump())
+    log.info("checkpoints ranked by %s%s", score, ranked_why(cfg))
 
     # Before the workers start: a tracking server that cannot take the run fails the job now.
     sink = tracking.start(run_dir, cfg, version=version, changes=changes) if tracking else None
@@ -370,22 +402,17 @@ def fit(
 ) -> None:
     from ray.train.v2.api.exceptions import ControllerError, PreemptionError
 
-    s, score = cfg.scaling, SCORES[cfg.checkpoint.metric]
+    s, score = cfg.scaling, config_score(cfg.model_dump())
     per_worker = {"CPU": s.cpus_per_worker} | ({"GPU": 1} if s.use_gpu else {})
     os.environ[WORKER_GROUP_START_TIMEOUT_S_ENV_VAR] = str(s.startup_timeout_s)
     workers = f"{s.min_workers} to {s.max_workers}" if s.elastic else str(s.max_workers)
     data = {}
     if cfg.ingest == "ray_data":
+        from pipeline.train.augment import transform_options
         from pipeline.train.ray_data_input import ExactValConfig, datasets
 
         data = {
-            "datasets": datasets(
-                manifest,
-                dataset,
-                augment=cfg.augment,
-                auto_augment=cfg.auto_augment,
-                seed=cfg.seed,
-            ),
+            "datasets": datasets(manifest, dataset, seed=cfg.seed, **transform_options(cfg)),
             "dataset_config": ExactValConfig(),
         }
         spare = ray.cluster_resources().get("CPU", 0) - s.max_workers * s.cpus_per_worker

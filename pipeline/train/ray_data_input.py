@@ -60,10 +60,9 @@ def read_groups(batch: dict, *, footers: list[ShardFooter], classes: int) -> dic
     return {"image": table["image"].to_numpy(), "label": table["label"].to_numpy()}
 
 
-def datasets(
-    manifest: Manifest, dataset: Location, *, augment: str, seed: int, auto_augment: str = "none"
-) -> dict:
-    """The driver's `datasets=` for TorchTrainer: train decoded and augmented, val decoded."""
+def datasets(manifest: Manifest, dataset: Location, *, augment: str, seed: int, **options) -> dict:
+    """The driver's `datasets=` for TorchTrainer: train decoded and augmented (`options`:
+    `train_transform`'s other ones), val decoded."""
     quiet_ray_data()  # Ray Train hands this context to the actors that run the datasets
     # A damaged row group's InputError raised as it is (in Ray's RayTaskError), not wrapped in
     # Ray Data's UserCodeException, so the run ends on it rather than retrying the worker.
@@ -74,7 +73,7 @@ def datasets(
     # for a run started with the same seed.
     every_epoch = ray.data.RandomSeedConfig(seed=seed, reseed_after_execution=True)
     train = read_split(dataset, manifest, "train").randomize_block_order(seed=every_epoch)
-    augmented = {"augment": augment, "auto_augment": auto_augment, "image_size": size}
+    augmented = {"augment": augment, "image_size": size, **options}
     train = train.map_batches(decode_batch, fn_kwargs=augmented, batch_size=DECODE_BATCH)
     val = read_split(dataset, manifest, "val").map_batches(
         decode_batch, fn_kwargs={"augment": "none", "image_size": size}, batch_size=DECODE_BATCH
@@ -82,15 +81,16 @@ def datasets(
     return {"train": train, "val": val}
 
 
-def decode_batch(batch: dict, *, augment: str, image_size: int, auto_augment: str = "none") -> dict:
-    """Ray Data stage: encoded images -> uint8 (N, 3, S, S), augmented as the torch loader does."""
+def decode_batch(batch: dict, *, augment: str, image_size: int, **options) -> dict:
+    """Ray Data stage: encoded images -> uint8 (N, 3, S, S), augmented as the torch loader does
+    (`options`: `train_transform`'s auto_augment, scale, ratio, flip)."""
     # Imported here: the stage's worker processes need torchvision, the driver does not.
     from torchvision.transforms import v2
 
     from pipeline.data.images import decode_image
     from pipeline.train.augment import train_transform
 
-    transform = train_transform(augment, image_size=image_size, auto_augment=auto_augment)
+    transform = train_transform(augment, image_size=image_size, **options)
     images = np.stack(
         [transform(v2.functional.pil_to_tensor(decode_image(b))).numpy() for b in batch["image"]]
     )

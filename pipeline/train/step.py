@@ -14,16 +14,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import unwrap
-from pipeline.train.augment import train_transform
+from pipeline.train.augment import train_transform, transform_options
 from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.ema import ModelEMA
+from pipeline.train.hooks import epoch_values
 from pipeline.train.ring import RingLoader
 from pipeline.train.torch_input import RowGroupStream
 
@@ -156,20 +158,34 @@ def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int |
 
 
 @torch.no_grad()
-def evaluate(model, loader, *, policy: DevicePolicy, num_classes: int, ema=None) -> dict:
-    """Loss and accuracy over the samples of every rank, each counted once; with `ema` (the
-    averaged model) its loss and accuracy too (`ema_val_loss`, `ema_val_accuracy`), from the
-    same pass over the batches.
+def evaluate(
+    model,
+    loader,
+    *,
+    policy: DevicePolicy,
+    num_classes: int,
+    ema=None,
+    metrics: Callable[[], dict[str, Metric]] | None = None,
+    classes: list[str] = (),
+) -> dict:
+    """Loss and accuracy over the samples of every rank, each counted once; with `metrics`
+    (a new set of torchmetrics Metrics by name per call), each of them as val_<name> (one per
+    class, val_<name>/<class>, for a value per class: `classes`); with `ema` (the averaged
+    model) all of them for it too (`ema_val_loss`, `ema_val_accuracy`, ...), from the same
+    pass over the batches.
 
     `model` must be the bare model: DDP's forward would sync buffers, and ranks may hold
-    different numbers of val batches (no padding, so that the accuracy is exact)."""
+    different numbers of val batches (no padding, so that the scores are exact: each Metric
+    sums its state over the ranks at `compute`)."""
     models = {"": model} | ({"ema_": ema} if ema is not None else {})
-    accuracy, loss_sum = {}, {}
+    accuracy, loss_sum, others = {}, {}, {}
     for prefix, m in models.items():
         m.eval()
         metric = MulticlassAccuracy(num_classes, average="micro", sync_on_compute=True)
         accuracy[prefix] = metric.to(policy.device)
         loss_sum[prefix] = torch.zeros((), dtype=torch.float64, device=policy.device)
+        own = metrics() if metrics is not None else {}
+        others[prefix] = {name: o.to(policy.device) for name, o in own.items()}
     count = 0
     for batch, labels in loader:
         x, y = policy.inputs(batch), labels.to(policy.device, non_blocking=True)
@@ -178,6 +194,8 @@ def evaluate(model, loader, *, policy: DevicePolicy, num_classes: int, ema=None)
                 logits = m(x).float()
             loss_sum[prefix] += F.cross_entropy(logits, y, reduction="sum").double()
             accuracy[prefix].update(logits.argmax(dim=1), y)
+            for other in others[prefix].values():
+                other.update(logits, y)
         count += len(y)
     total, *losses = all_reduce(
         [count, *(s.item() for s in loss_sum.values())], device=policy.device
@@ -186,6 +204,9 @@ def evaluate(model, loader, *, policy: DevicePolicy, num_classes: int, ema=None)
     for prefix, loss in zip(models, losses, strict=True):
         out[f"{prefix}val_loss"] = loss / max(total, 1)
         out[f"{prefix}val_accuracy"] = accuracy[prefix].compute().item()
+        for name, other in others[prefix].items():
+            values = epoch_values(name, other.compute().detach().cpu(), list(classes))
+            out |= {prefix + key: value for key, value in values.items()}
     return out
 
 
@@ -231,10 +252,8 @@ def train_data(
     """This worker's training batches (decode + augment in `loader_workers` processes, or on
     `device` by `decode`), with `set_epoch` to reshuffle. Ray Train needs no wrapping of it:
     the benchmark's plain loop uses it as it is."""
-    transform = train_transform(
-        cfg.augment, image_size=manifest.image_size, auto_augment=cfg.auto_augment
-    )
-    on_device = pick_decode(cfg.decode, device, manifest.image_format) == "gpu"
+    transform = train_transform(**transform_options(cfg), image_size=manifest.image_size)
+    on_device = pick_decode(cfg.decode_setting(), device, manifest.image_format) == "gpu"
     stream = RowGroupStream(
         dataset,
         manifest,
@@ -258,7 +277,7 @@ def train_data(
 def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
     """This worker's contiguous share of the val split, unpadded (see `evaluate`), decoded
     where `decode` says."""
-    on_device = pick_decode(cfg.decode, device, manifest.image_format) == "gpu"
+    on_device = pick_decode(cfg.decode_setting(), device, manifest.image_format) == "gpu"
     stream = RowGroupStream(
         dataset,
         manifest,

@@ -42,9 +42,10 @@ from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import batchnorm_layers, build_model, unwrap
 from pipeline.model.runs import check_resumable, checkpoint_dir_name
 from pipeline.train.augment import batch_mix
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import TrainConfig, is_hook
 from pipeline.train.device_decode import pick_decode
 from pipeline.train.ema import ModelEMA
+from pipeline.train.hooks import build_loss, build_metrics
 from pipeline.train.optim import build_optimizer, restore_optimizer
 from pipeline.train.rest import Segment
 from pipeline.train.saving import Snapshot, publish_checkpoint
@@ -153,7 +154,7 @@ def train_loop_per_worker(config: dict) -> None:
             )
 
     train_loader, val_loader = loaders(w, device)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optimizer.label_smoothing)
+    criterion = build_loss(cfg, manifest, device)
     mix = batch_mix(
         mixup_alpha=cfg.mixup_alpha,
         cutmix_alpha=cfg.cutmix_alpha,
@@ -170,7 +171,9 @@ def train_loop_per_worker(config: dict) -> None:
             log.info(
                 "decode=%s: %s",
                 cfg.decode,
-                decode_where(pick_decode(cfg.decode, device, manifest.image_format), device),
+                decode_where(
+                    pick_decode(cfg.decode_setting(), device, manifest.image_format), device
+                ),
             )
 
     steps = StepCheckpoints(w, device) if cfg.checkpoint.every_steps is not None else None
@@ -247,6 +250,8 @@ def train_loop_per_worker(config: dict) -> None:
             policy=policy,
             num_classes=len(manifest.classes),
             ema=ema.module if ema is not None else None,
+            metrics=(lambda: build_metrics(cfg, len(manifest.classes))) if cfg.metrics else None,
+            classes=manifest.classes,
         )
         scheduler.step()
         loss_sum, images = all_reduce([t["loss_sum"], t["images"]], device=device)
@@ -264,7 +269,8 @@ def train_loop_per_worker(config: dict) -> None:
             "val_loss": v["val_loss"],
             "val_accuracy": v["val_accuracy"],
             "val_images": v["val_images"],  # all of val, each once: the score is exact
-            **{k: v[k] for k in ("ema_val_loss", "ema_val_accuracy") if k in v},
+            # The `metrics` (val_<name>), and the EMA's scores (ema_val_loss, ...).
+            **{k: x for k, x in v.items() if k not in NOT_SCORES},
             "lr": lr,
             "images_per_s": images / slowest,  # all workers together
             "images_per_s_per_worker": t["images"] / t["seconds"],  # this rank's (rank 0's)
@@ -283,6 +289,20 @@ def train_loop_per_worker(config: dict) -> None:
         epochs.save_and_report(metrics, unwrap(model).state_dict(), train_state, ema_weights)
     if steps is not None and steps.writer is not None:
         steps.writer.wait()  # the last one on storage (Ray waits for the epochs' uploads)
+
+
+# The epoch's numbers that are not scores of the val split, and those the log line shows first.
+NOT_SCORES = ("val_images", "val_loss", "val_accuracy")
+
+
+def scores_text(metrics: dict) -> str:
+    """The epoch's other val scores for its log line: the `metrics` (val_<name>; those per
+    class are in history.csv), then the EMA's."""
+    scores = {
+        k: v for k, v in metrics.items() if "val_" in k and "/" not in k and k not in NOT_SCORES
+    }
+    ordered = sorted(scores, key=lambda k: k.startswith("ema_"))
+    return "".join(f" {k} {scores[k]:.4f}" for k in ordered)
 
 
 def train_state_of(optimizer, scheduler, policy: DevicePolicy, ema: ModelEMA | None) -> dict:
@@ -476,6 +496,12 @@ def build_ema(w: Worker, model: torch.nn.Module, train_state: dict | None) -> Mo
 def log_recipe(cfg: TrainConfig, world: int) -> None:
     """One line of what the recipe turns on, beyond the plain steps."""
     on = []
+    if cfg.loss is not None:
+        on.append(f"loss={cfg.loss}")
+    if cfg.class_weights is not None:
+        on.append(f"class_weights={cfg.class_weights}")
+    if is_hook(cfg.augment):
+        on.append(f"augment={cfg.augment}")
     if cfg.auto_augment != "none":
         on.append(f"auto_augment={cfg.auto_augment}")
     if cfg.mixup_alpha or cfg.cutmix_alpha:
@@ -613,9 +639,7 @@ class EpochCheckpoints:
             "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f "
             "images/s, %.0f%% of the time waiting for input",
             *(epoch, w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m["val_accuracy"]),
-            f" ema_val_loss {m['ema_val_loss']:.4f} ema_val_accuracy {m['ema_val_accuracy']:.4f}"
-            if "ema_val_loss" in m
-            else "",
+            scores_text(m),
             *(m["lr"], m["images_per_s"], 100 * m["input_wait_share"]),
         )
         meta = checkpoint_meta(w, metrics)

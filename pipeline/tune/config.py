@@ -32,6 +32,7 @@ NOT_SEARCHED = {
     "dataset_version": "the sweep pins one version for every trial",
     "switch_dataset": "the sweep pins one version for every trial",
     "checkpoint.metric": "trials are ranked by one score: set train.checkpoint.metric",
+    "checkpoint.mode": "trials are ranked by one score: set train.checkpoint.mode",
     "tracking": "the sweep tracks its trials itself",
 }
 # Combinations of the discrete values validated before a sweep starts; past it, each value alone.
@@ -176,10 +177,18 @@ class SweepConfig(Strict):
 
     @property
     def score(self) -> Score:
-        """The train job's score: trials are ranked as their checkpoints are."""
-        from pipeline.model.checkpoint import SCORES
+        """The train job's score: trials are ranked as their checkpoints are (a val_<name> of
+        the user's Metric once `with_checkpoint_mode` has its order)."""
+        from pipeline.model.checkpoint import config_score
 
-        return SCORES[self.base_train().checkpoint.metric]
+        return config_score(self.base_train().model_dump())
+
+    def with_checkpoint_mode(self, mode: str | None) -> SweepConfig:
+        """This sweep with train.checkpoint.mode set: every trial ranks in that order."""
+        train = _plain(self.train)
+        if mode is not None:
+            train.setdefault("checkpoint", {})["mode"] = mode
+        return self.model_copy(update={"train": train})
 
     def base_train(self) -> TrainConfig:
         """The train config of every trial before the space's values."""

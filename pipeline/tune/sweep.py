@@ -102,7 +102,10 @@ def sweep(
         )
     version = pinned_version(cfg, dataset, sweep_dir)
     configs = [c.model_copy(update={"dataset_version": version}) for c in cfg.trial_configs()]
-    _check_inputs(configs, dataset, version)
+    mode = _check_inputs(configs, dataset, version)
+    cfg = cfg.with_checkpoint_mode(mode)
+    configs = [c.with_checkpoint_mode(mode) for c in configs]
+    log.info("trials ranked by %s", cfg.score)
     trials = None
     if tracking is not None:  # before any trial: a server that cannot take the sweep fails it
         trials = tracking.start(sweep_dir, cfg.model_dump(mode="json"), version=version)
@@ -157,10 +160,11 @@ def _pin_line(version: str) -> bytes:
     return yaml.safe_dump({"pinned_dataset_version": version}).encode()
 
 
-def _check_inputs(configs: list[TrainConfig], dataset: Location, version: str) -> None:
-    """The dataset and every model the space names, checked once here rather than failing in
-    every trial (pipeline.train.driver's own checks)."""
-    from pipeline.train.driver import check_dataset, check_model
+def _check_inputs(configs: list[TrainConfig], dataset: Location, version: str) -> str | None:
+    """The dataset, every model the space names and the hooks of the train config, checked
+    once here rather than failing in every trial (pipeline.train.driver's own checks); returns
+    the order of the trials' score (checkpoint.mode, resolved)."""
+    from pipeline.train.driver import check_dataset, check_hooks, check_model
 
     seen_data, seen_models = set(), set()
     for c in configs:
@@ -172,6 +176,7 @@ def _check_inputs(configs: list[TrainConfig], dataset: Location, version: str) -
         if model not in seen_models:
             seen_models.add(model)
             check_model(c, manifest, dataset)
+    return check_hooks(configs[0], manifest).checkpoint.mode
 
 
 def trials_at_once(cfg: SweepConfig, configs: list[TrainConfig]) -> int:

@@ -1,0 +1,414 @@
+"""The user's loss, metrics and augmentation, by config: class weights from the train split's
+counts, the built-in metrics and hooks (module:function) from a module outside the checkout,
+trained by the workers' own loop in this process; what the run records and ranks by, and a
+checkpoint trained with hooks used by inference, export and the MLflow model without them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import shutil
+import sys
+import textwrap
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from helpers import (
+    OneWorker,
+    history,
+    metric_steps,
+    mlflow_run,
+    small_run_config,
+    tracked,
+    train_job,
+)
+from PIL import Image
+
+from harness.cluster import BUNDLE_ROOT
+from pipeline.core.config import load_config
+from pipeline.core.errors import ConfigError
+from pipeline.core.storage import Location
+from pipeline.data.dataset import read_manifest
+from pipeline.data.images import encode_image
+from pipeline.export import exporter
+from pipeline.export.config import ExportConfig
+from pipeline.model.checkpoint import (
+    Score,
+    best_of,
+    config_score,
+    read_meta,
+    served_weights,
+)
+from pipeline.model.classifier import Classifier
+from pipeline.model.device import DevicePolicy
+from pipeline.model.networks import load_model
+from pipeline.model.runs import RUN_SUMMARY, checkpoint_dir_name, history_csv
+from pipeline.tracking import pyfunc
+from pipeline.train import driver
+from pipeline.train.augment import train_transform
+from pipeline.train.config import TrainConfig
+from pipeline.train.device_decode import pick_decode
+from pipeline.train.hooks import build_loss, class_weights
+from pipeline.train.step import train_data
+from pipeline.train.torch_input import Augment
+from pipeline.tune import sweep
+from pipeline.tune.config import SweepConfig
+
+HOOKS = '''
+"""A user's own focal loss, macro-F1 and augmentation."""
+
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import MulticlassF1Score, MulticlassHammingDistance
+from torchvision.transforms import v2
+
+CALLS = {"loss": 0, "augment": 0}
+
+
+def focal(num_classes, class_weights=None, gamma=2.0):
+    def loss(logits, targets):
+        CALLS["loss"] += 1
+        ce = F.cross_entropy(logits, targets, weight=class_weights, reduction="none")
+        return ((1 - torch.exp(-ce)) ** gamma * ce).mean()
+
+    return loss
+
+
+def macro_f1(num_classes):
+    return MulticlassF1Score(num_classes, average="macro")
+
+
+def errors(num_classes):
+    return MulticlassHammingDistance(num_classes)  # the share wrong: the lowest is best
+
+
+class Counted(v2.Transform):
+    def transform(self, inpt, params):
+        CALLS["augment"] += 1
+        return inpt
+
+
+def augment(image_size):
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(image_size, scale=(0.5, 1.0)),
+            v2.RandomRotation(15),
+            v2.ColorJitter(brightness=0.3, contrast=0.3),
+            v2.RandomErasing(p=0.5, value=0),
+            Counted(),
+        ]
+    )
+'''
+
+
+@pytest.fixture
+def user_hooks(tmp_path, monkeypatch):
+    """The module `my_hooks` in a folder of its own outside the checkout, importable as the
+    train job's would be (on sys.path); forgotten again after the test."""
+    folder = tmp_path / "user_code"
+    folder.mkdir()
+    (folder / "my_hooks.py").write_text(textwrap.dedent(HOOKS))
+    monkeypatch.syspath_prepend(str(folder))
+    yield folder
+    sys.modules.pop("my_hooks", None)
+
+
+def imbalanced(manifest, counts: dict[str, int]):
+    """`manifest` whose train split counts `counts` rows of each class."""
+    train = manifest.splits["train"].model_copy(update={"counts": counts})
+    return manifest.model_copy(update={"splits": {**manifest.splits, "train": train}})
+
+
+def test_balanced_class_weights_weigh_the_loss_by_the_train_counts(small_dataset, tmp_path):
+    manifest = read_manifest(Location.parse(str(small_dataset)))
+    a, b, c = manifest.classes
+    manifest = imbalanced(manifest, {a: 50, b: 50, c: 10})  # c five times rarer
+    cfg = small_run_config(small_dataset, tmp_path, "class_weights=balanced")
+    weights = class_weights(cfg, manifest)
+    assert weights.tolist() == pytest.approx([110 / 150, 110 / 150, 110 / 30])
+    assert weights[2] / weights[0] == pytest.approx(5.0)
+
+    # An image of the rare class counts five times as much in the loss as one of another.
+    loss = build_loss(cfg, manifest, torch.device("cpu"))
+    logits = torch.tensor([[2.0, 0.5, -1.0], [0.1, 0.2, 1.5], [1.0, 1.0, 1.0]])
+    targets = torch.tensor([0, 2, 1])
+    each = F.cross_entropy(logits, targets, reduction="none")
+    w = weights[targets]
+    assert loss(logits, targets).item() == pytest.approx((w * each).sum().item() / w.sum().item())
+    plain = build_loss(small_run_config(small_dataset, tmp_path), manifest, torch.device("cpu"))
+    assert plain(logits, targets).item() == pytest.approx(each.mean().item())
+
+    # A list: one weight per class, in the manifest's order.
+    listed = small_run_config(small_dataset, tmp_path, "class_weights=[1, 2, 3]")
+    assert class_weights(listed, manifest).tolist() == [1.0, 2.0, 3.0]
+    wrong = small_run_config(small_dataset, tmp_path, "class_weights=[1, 2]")
+    with pytest.raises(ConfigError, match=r"^class_weights has 2 weights and the dataset 3 "):
+        driver.check_hooks(wrong, manifest)
+
+
+def test_crop_scale_ratio_and_flip_reach_the_transform():
+    steps = train_transform(
+        "random_resized_crop", image_size=32, scale=(0.5, 0.9), ratio=(0.9, 1.1), flip=False
+    ).transforms
+    assert [type(s).__name__ for s in steps] == ["RandomResizedCrop"]
+    assert (steps[0].scale, steps[0].ratio) == ((0.5, 0.9), (0.9, 1.1))
+    flipped = train_transform("crop_flip", image_size=32).transforms
+    assert [type(s).__name__ for s in flipped] == ["RandomCrop", "RandomHorizontalFlip"]
+    cfg = load_config(
+        TrainConfig, None, ["dataset=/d", "storage_path=/s", "crop_scale=[0.5, 0.9]", "flip=false"]
+    )
+    assert (cfg.crop_scale, cfg.crop_ratio, cfg.flip) == ((0.5, 0.9), (0.75, 4 / 3), False)
+
+
+def test_own_augment_gives_the_same_batches_for_the_same_seed(small_dataset, tmp_path, user_hooks):
+    root = Location.parse(str(small_dataset))
+    manifest = read_manifest(root)
+
+    def batches(seed: int, epoch: int) -> list[torch.Tensor]:
+        cfg = small_run_config(small_dataset, tmp_path, "augment=my_hooks:augment", f"seed={seed}")
+        loader = train_data(cfg, root, manifest, rank=0, world=1, device=torch.device("cpu"))
+        loader.set_epoch(epoch)
+        return [images for images, _ in loader]
+
+    first = batches(0, 0)
+    assert first and all(torch.equal(a, b) for a, b in zip(first, batches(0, 0), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, batches(1, 0), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, batches(0, 1), strict=True))
+
+
+def test_own_augment_draws_repeat_for_the_same_key(user_hooks):
+    transform = train_transform("my_hooks:augment", image_size=32, auto_augment="none")
+    images = [torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8) for _ in range(4)]
+    first = Augment(transform, "0/0/0/0")(images)
+    again = Augment(transform, "0/0/0/0")(images)
+    other = Augment(transform, "0/1/0/0")(images)
+    assert all(torch.equal(x, y) for x, y in zip(first, again, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(first, other, strict=True))
+    assert all(x.dtype == torch.uint8 and x.shape == (3, 32, 32) for x in first)
+
+
+def test_hooks_train_report_rank_and_the_checkpoint_loads_without_them(
+    small_dataset, tmp_path, monkeypatch, user_hooks
+):
+    storage = tmp_path / "runs"
+    hooks = (
+        "loss=my_hooks:focal",
+        "class_weights=balanced",
+        "metrics=[my_hooks:macro_f1, top2_accuracy, per_class_recall]",
+        "checkpoint.metric=val_macro_f1",
+        "augment=my_hooks:augment",
+    )
+    cfg = small_run_config(small_dataset, storage, "epochs=2", *hooks)
+    root = Location.parse(str(small_dataset))
+    manifest = read_manifest(root)
+    inputs = driver.check_model(cfg, manifest, root)
+    cfg = driver.check_hooks(cfg, manifest)
+    assert cfg.checkpoint.mode == "max"  # from MulticlassF1Score.higher_is_better
+    import my_hooks
+
+    my_hooks.CALLS.update(loss=0, augment=0)  # the driver's check called each once
+    run = OneWorker(monkeypatch, storage / "run")
+    run.run(cfg, inputs)
+    # The loss trained every step (one an epoch), and the augmentation every train image.
+    assert my_hooks.CALLS["loss"] == 2
+    assert my_hooks.CALLS["augment"] == 2 * 8
+
+    last = Location.parse(str(run.run_dir / checkpoint_dir_name(1)))
+    meta = read_meta(last)
+    history = meta.history
+    for row in history:
+        assert 0 <= row["val_macro_f1"] <= 1 and 0 <= row["val_top2_accuracy"] <= 1
+        assert row["val_top2_accuracy"] >= row["val_accuracy"]
+        assert {f"val_recall/{c}" for c in manifest.classes} <= row.keys()
+    rows = list(csv.DictReader(io.StringIO(history_csv(history))))
+    assert [float(r["val_macro_f1"]) for r in rows] == pytest.approx(
+        [h["val_macro_f1"] for h in history]
+    )
+    # The checkpoint records what was used, and ranks by it, highest first.
+    assert meta.config["loss"] == "my_hooks:focal"
+    assert meta.config["augment"] == "my_hooks:augment"
+    assert meta.config["metrics"][0] == "my_hooks:macro_f1"
+    score = config_score(meta.config)
+    assert score == Score("val_macro_f1", "val_macro_f1", "max", "val_macro_f1", "max")
+    best = best_of(history, lambda h: h[score.key], score.mode)
+    assert best["val_macro_f1"] == max(h["val_macro_f1"] for h in history)
+    assert served_weights(meta) == "raw"
+
+    # Without the hooks' module: what inference, serving, export and the MLflow model load.
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    sys.path.remove(str(user_hooks))
+    sys.modules.pop("my_hooks")
+    model, _ = load_model(last)
+    pixels = np.zeros((1, 3, 32, 32), dtype=np.uint8)
+    policy = DevicePolicy.for_input(torch.device("cpu"), "fp32", meta.model_input)
+    with torch.no_grad():
+        expected = model(policy.inputs(torch.from_numpy(pixels))).softmax(dim=1)
+    # Inference's and serving's model, the MLflow model, and an export with its parity check.
+    classifier = Classifier(last, use_gpu=False, precision="fp32")
+    assert torch.allclose(classifier.probabilities(pixels), expected, atol=1e-5)
+    checkpoint = tmp_path / "mlflow" / pyfunc.CHECKPOINT
+    shutil.copytree(last.path, checkpoint)
+    pyfunc.save(checkpoint, tmp_path / "mlflow" / "model", meta)
+    image = Image.new("RGB", (32, 32), (0, 0, 0))
+    frame = pd.DataFrame({pyfunc.IMAGES: [encode_image(image, image_format="png")]})
+    answer = mlflow.pyfunc.load_model(str(tmp_path / "mlflow" / "model")).predict(frame)
+    assert answer["pred"].tolist() == [int(expected.argmax())]
+    export = load_config(ExportConfig, None, [f"model={last.path}", "cpus=1"])
+    output = Location.parse(str(tmp_path / "export"))
+    summary = exporter.export_checkpoint(export, checkpoint=last, output=output)
+    assert (tmp_path / "export" / "model.onnx").exists(), summary
+
+
+def test_a_metric_without_an_order_needs_checkpoint_mode(small_dataset, tmp_path, user_hooks):
+    (user_hooks / "unordered.py").write_text(
+        "from torchmetrics.classification import MulticlassAccuracy\n\n\n"
+        "class Unordered(MulticlassAccuracy):\n    higher_is_better = None\n\n\n"
+        "def score(num_classes):\n    return Unordered(num_classes)\n"
+    )
+    manifest = read_manifest(Location.parse(str(small_dataset)))
+    keys = ("metrics=[unordered:score]", "checkpoint.metric=val_score")
+    cfg = small_run_config(small_dataset, tmp_path, *keys)
+    with pytest.raises(ConfigError, match=r"higher_is_better=None: set checkpoint.mode=max or min"):
+        driver.check_hooks(cfg, manifest)
+    cfg = small_run_config(small_dataset, tmp_path, *keys, "checkpoint.mode=min")
+    assert driver.check_hooks(cfg, manifest).checkpoint.mode == "min"
+    sys.modules.pop("unordered", None)
+
+
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("loss=my_hooks:macro_f1", "loss: my_hooks:macro_f1(num_classes=, class_weights=) failed"),
+        ("augment=my_hooks:focal", "augment: my_hooks:focal(image_size=) failed"),
+        ("metrics=[my_hooks:nothing]", "metrics='my_hooks:nothing': my_hooks has no function"),
+        ("metrics=[top5_accuracy]", "metrics: top5_accuracy needs at least 5 classes"),
+    ],
+)
+def test_hooks_are_checked_on_the_driver(small_dataset, tmp_path, user_hooks, setting, said):
+    manifest = read_manifest(Location.parse(str(small_dataset)))
+    cfg = small_run_config(small_dataset, tmp_path, setting)
+    with pytest.raises(ConfigError, match="^" + re.escape(said)):
+        driver.check_hooks(cfg, manifest)
+
+
+def test_checkpoint_metric_must_be_one_the_run_computes(small_dataset, tmp_path):
+    with pytest.raises(ConfigError, match=r"checkpoint.metric=val_macro_f1: use val_loss, "):
+        small_run_config(small_dataset, tmp_path, "checkpoint.metric=val_macro_f1")
+    keys = ("metrics=[macro_f1, per_class_recall]", "checkpoint.metric=val_macro_f1")
+    cfg = small_run_config(small_dataset, tmp_path, *keys)
+    manifest = read_manifest(Location.parse(str(small_dataset)))
+    resolved = driver.check_hooks(cfg, manifest)
+    assert config_score(resolved.model_dump()).mode == "max"
+    with pytest.raises(ConfigError, match=r"checkpoint.metric=val_recall: use val_loss, "):
+        small_run_config(
+            small_dataset, tmp_path, "metrics=[per_class_recall]", "checkpoint.metric=val_recall"
+        )
+
+
+@pytest.mark.slow
+def test_a_run_with_hooks_shipped_beside_the_bundle_ranks_by_them_and_infers_without(
+    cluster_2cpu, small_dataset, tmp_path, mlflow_server
+):
+    # The hooks as a package of their own, outside the checkout, shipped with the train job
+    # only (Ray's py_modules); the infer job has the bundle's runtime env alone.
+    package = tmp_path / "code" / "myhooks"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(HOOKS))
+    env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
+    (tmp_path / "env.yaml").write_text(yaml.safe_dump(env | {"py_modules": [str(package)]}))
+    storage = tmp_path / "runs"
+    hooks = (
+        "loss=myhooks:focal",
+        "metrics=[myhooks:macro_f1, top2_accuracy]",
+        "checkpoint.metric=val_macro_f1",
+        "augment=myhooks:augment",
+    )
+    small = ("global_batch_size=8", "epochs=2", "scaling.num_workers=1")
+    proc = train_job(
+        cluster_2cpu,
+        small_dataset,
+        storage,
+        "name=hooks",
+        *small,
+        *hooks,
+        *tracked(mlflow_server),
+        runtime_env=tmp_path / "env.yaml",
+    )
+    assert proc.returncode == 0, proc.stdout
+    out = proc.stdout
+    assert "checkpoints ranked by val_macro_f1 (max), by myhooks:macro_f1's Metric" in out
+    assert re.search(r"epoch 1/1: .* val_macro_f1 \d\.\d{4} val_top2_accuracy \d\.\d{4}", out)
+    run = storage / "hooks"
+    rows = history(run)
+    assert [r["epoch"] for r in rows] == [0, 1]
+    summary = json.loads((run / RUN_SUMMARY).read_text())
+    assert (summary["checkpoint_metric"], summary["checkpoint_mode"]) == ("val_macro_f1", "max")
+    # The highest; of equal ones the newest, as Ray keeps them.
+    best = max(rows, key=lambda r: (r["val_macro_f1"], r["epoch"]))
+    assert summary["best_metrics"]["epoch"] == best["epoch"], rows
+    assert "best checkpoint (by val_macro_f1, max is best)" in out
+    steps = metric_steps(mlflow_server, mlflow_run(mlflow_server, run).info.run_id, rows)
+    assert steps["val_macro_f1"] == steps["val_top2_accuracy"] == [0, 1]
+
+    infer = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
+    args = [f"model={run}", f"input={small_dataset}", f"output={tmp_path / 'predictions'}"]
+    proc = cluster_2cpu.submit([*infer, *args, "cpus_per_actor=1"], capture=True, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout
+    assert f"best checkpoint epoch {int(best['epoch'])} by val_macro_f1 (max)" in proc.stdout
+    predicted = json.loads((tmp_path / "predictions" / "summary.json").read_text())
+    assert predicted["checkpoint"].endswith(checkpoint_dir_name(int(best["epoch"])))
+
+
+def test_the_examples_hooks_pass_the_drivers_check(small_dataset, tmp_path):
+    example = BUNDLE_ROOT / "examples" / "custom_hooks" / "train.yaml"
+    cfg = load_config(
+        TrainConfig, example, [f"dataset={small_dataset}", f"storage_path={tmp_path}"]
+    )
+    manifest = read_manifest(Location.parse(str(small_dataset)))
+    checked = driver.check_hooks(cfg, manifest)
+    assert config_score(checked.model_dump()).mode == "max"
+    loss = build_loss(checked, manifest, torch.device("cpu"))
+    logits, targets = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+    # Each image's cross-entropy scaled by (1 - p)^2 < 1: below the plain mean (equal counts,
+    # so the balanced weights are all 1).
+    assert 0 < loss(logits, targets).item() < F.cross_entropy(logits, targets).item()
+
+
+def test_a_sweep_ranks_its_trials_by_your_metric_in_its_order(small_dataset, tmp_path, user_hooks):
+    given = [
+        f"dataset={small_dataset}",
+        f"storage_path={tmp_path}",
+        "name=s",
+        "train.global_batch_size=8",
+        "train.metrics=[my_hooks:errors]",
+        "train.checkpoint.metric=val_errors",
+    ]
+    cfg = load_config(SweepConfig, BUNDLE_ROOT / "configs" / "demo-tune.yaml", given)
+    root = Location.parse(str(small_dataset))
+    mode = sweep._check_inputs(cfg.trial_configs(), root, read_manifest(root).version)
+    assert mode == "min"  # MulticlassHammingDistance.higher_is_better is False
+    resolved = cfg.with_checkpoint_mode(mode)
+    assert sweep.ranking(resolved.score) == ("val_errors", "min")
+    assert {c.checkpoint.mode for c in resolved.trial_configs()} == {"min"}
+    # A built-in metric needs no resolving: the highest is best.
+    builtin = [*given[:4], "train.metrics=[macro_f1]", "train.checkpoint.metric=val_macro_f1"]
+    plain = load_config(SweepConfig, BUNDLE_ROOT / "configs" / "demo-tune.yaml", builtin)
+    assert sweep.ranking(plain.score) == ("val_macro_f1", "max")
+
+
+def test_decode_auto_keeps_your_own_augment_on_the_cpu(small_dataset, tmp_path):
+    # On a CUDA worker with JPEGs auto decodes on the GPU, which only the presets augment on.
+    cuda = torch.device("cuda")
+    preset = small_run_config(small_dataset, tmp_path, "decode=auto")
+    assert pick_decode(preset.decode_setting(), cuda, "jpeg") == "gpu"
+    own = small_run_config(small_dataset, tmp_path, "decode=auto", "augment=my_hooks:augment")
+    assert pick_decode(own.decode_setting(), cuda, "jpeg") == "cpu"
+    with pytest.raises(ConfigError, match=r"augment=my_hooks:augment runs on decoded images"):
+        small_run_config(small_dataset, tmp_path, "decode=gpu", "augment=my_hooks:augment")
