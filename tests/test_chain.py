@@ -19,6 +19,7 @@ from jobs_api import JobsAPI
 from harness.cluster import BUNDLE_ROOT
 from jobs.submit import (
     RAY_NOISE,
+    check_py_modules,
     committed_version,
     main,
     parse_env,
@@ -85,10 +86,11 @@ def test_plan_keeps_the_roots_query_after_every_path():
 
 
 def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
-    submitted = {}
+    submitted, shipped = {}, {}
 
-    def submit(address, job, env_vars=None, log=None, patience=None):
+    def submit(address, job, env_vars=None, log=None, patience=None, py_modules=()):
         submitted[job.step] = job.entrypoint
+        shipped[job.step] = py_modules
         log.append("INFO jobs.preprocess: current dataset version: 20261123T1-aa\n")
         return 0
 
@@ -108,6 +110,36 @@ def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
     assert main([*args, "tune"]) == 0
     assert list(submitted) == ["tune"]
     assert {"dataset=s3://b/x/dataset", "storage_path=s3://b/x/runs"} <= set(submitted["tune"])
+
+
+def test_the_users_package_ships_with_every_job_as_py_modules(tmp_path, monkeypatch, capsys):
+    package, wheel = tmp_path / "mynet", tmp_path / "mynet-1.0-py3-none-any.whl"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    wheel.write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    given = ["mynet", str(wheel), "s3://b/code/mynet.zip"]
+    modules = check_py_modules(given)
+    assert modules == [str(package), str(wheel), "s3://b/code/mynet.zip"]
+    env = runtime_env({}, modules)
+    assert env["py_modules"] == modules and env["working_dir"] == str(BUNDLE_ROOT)
+    assert "py_modules" not in runtime_env({})
+    # The chain hands them to every job it submits, and a scheduler's step command carries them.
+    shipped = {}
+
+    def submit(address, job, env_vars=None, log=None, patience=None, py_modules=()):
+        shipped[job.step] = py_modules
+        return 0
+
+    monkeypatch.setattr("jobs.submit.submit_and_wait", submit)
+    command = step_command("http://127.0.0.1:9", "s3://b/x", "all", py_modules=given)
+    assert main([*command[3:-1], "--profile", "demo", "all"]) == 0
+    assert shipped == dict.fromkeys(["preprocess", "train", "infer"], modules)
+    # A path that is no package is refused before anything is submitted.
+    args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
+    for bad, said in [("nowhere", "no such path"), ("mynet/__init__.py", "not a folder")]:
+        assert main([*args, "--py-module", bad, "all"]) == 2
+        assert f"--py-module {bad}: {said}" in capsys.readouterr().err
 
 
 def test_a_local_root_becomes_absolute(tmp_path, monkeypatch):

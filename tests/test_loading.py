@@ -30,11 +30,18 @@ from pipeline.model.checkpoint import (
     RAW,
     SCORES,
     WEIGHTS,
+    ModelSpec,
     best_of,
     save_checkpoint,
     served_weights,
 )
-from pipeline.model.networks import build_model, load_model
+from pipeline.model.networks import (
+    PY_MODULES_FILES,
+    build_model,
+    check_model_code,
+    load_model,
+    py_module_dirs,
+)
 from pipeline.model.runs import (
     RUN_SUMMARY,
     SNAPSHOT,
@@ -182,6 +189,43 @@ def test_a_module_shipped_with_the_job_loads(tmp_path):
     # Below another root it is not the job's own.
     with pytest.raises(ConfigError, match=r"which is not a file below"):
         load_model(Location.parse(str(tmp_path)), code_root=tmp_path)
+
+
+def ray_unpacked(tmp_path: Path, package: str, text: str) -> Path:
+    """`package` with `text` as its __init__.py, where Ray unpacks an uploaded py_module:
+    .../runtime_resources/py_modules_files/_ray_pkg_<hash>/<package>/; that folder."""
+    folder = tmp_path / "runtime_resources" / PY_MODULES_FILES / f"_ray_pkg_{package}0123"
+    (folder / package).mkdir(parents=True)
+    (folder / package / "__init__.py").write_text(text)
+    return folder
+
+
+def test_a_py_module_loads_only_where_the_runtime_env_ships_it(tmp_path, monkeypatch):
+    shipped = ray_unpacked(tmp_path, "mynet", NETWORK)
+    other = ray_unpacked(tmp_path, "theirnet", NETWORK)  # another job's, on the path all the same
+    monkeypatch.syspath_prepend(str(shipped))
+    monkeypatch.syspath_prepend(str(other))
+    (tmp_path / "working_dir").mkdir()
+    monkeypatch.chdir(tmp_path / "working_dir")  # the py_modules lie outside it
+    uris = [f"gcs://{shipped.name}.zip"]
+    assert py_module_dirs(uris, sys.path) == [shipped]
+    assert py_module_dirs([f"gcs://{shipped.name}.whl"], sys.path) == [shipped]
+    assert py_module_dirs(["local:///opt/nets"], sys.path) == [Path("/opt/nets")]
+    name = "mynet:build"
+    model = build_model(len(CLASSES), name=name)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    save_checkpoint(checkpoint, model.state_dict(), checkpoint_meta(model={"name": name}), {})
+    with pytest.raises(ConfigError, match=r"Ship your package with --py-module"):
+        check_model_code(ModelSpec(name=name), shipped=[])
+    check_model_code(ModelSpec(name=name), shipped=py_module_dirs(uris, sys.path))
+    # The runtime env names the folders: the checkpoint's data cannot add one.
+    for refused in ("theirnet:build", "torch.hub:load", "json:loads"):
+        with pytest.raises(ConfigError, match=r"which is not a file below"):
+            check_model_code(ModelSpec(name=refused), shipped=py_module_dirs(uris, sys.path))
+    # Loaders take the runtime env's folders by default (none here: no Ray).
+    with pytest.raises(ConfigError, match=r"names module mynet"):
+        load_model(Location.parse(str(checkpoint)))
 
 
 # --- a network in a package, as an MLflow model ------------------------------------------------
