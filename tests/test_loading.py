@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import ray.train
 import torch
-from helpers import bundle_hidden_env, checkpoint_meta, png_bytes
+from helpers import bundle_hidden_env, checkpoint_meta, png_bytes, recorded_run
 
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError, InputError
@@ -44,7 +44,6 @@ from pipeline.model.networks import (
 )
 from pipeline.model.runs import (
     RUN_SUMMARY,
-    SNAPSHOT,
     DivergedRun,
     checkpoint_dir_name,
     write_reports,
@@ -332,11 +331,7 @@ def diverged_run(tmp_path, monkeypatch, losses: list[float]) -> Location:
         meta = checkpoint_meta(epoch=e, metrics=metrics, history=history)
         save_checkpoint(directory, {}, meta, {})
         record.append((ray.train.Checkpoint(str(directory)), metrics))
-    result = ray.train.Result(*record[-1][::-1], None, run.path, best_checkpoints=record)
-    monkeypatch.setattr(source, "load_result", lambda _: result)
-    monkeypatch.setattr("pipeline.model.runs.load_result", lambda _: result)
-    run.child(SNAPSHOT).write_bytes(b"{}")
-    return run
+    return recorded_run(run, record, monkeypatch)
 
 
 def test_a_nan_checkpoint_is_never_the_best(tmp_path, monkeypatch):
