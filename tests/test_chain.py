@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import CLASSES, make_image_folder
 from jobs_api import JobsAPI
+from test_loading import NETWORK
 
 from harness.cluster import BUNDLE_ROOT
 from jobs.submit import (
@@ -228,7 +229,7 @@ def chain(tmp_path, capsys, monkeypatch):
     """Run the chain's preprocess step against `api`, in this process: (exit code, out, err)."""
     monkeypatch.setattr("jobs.follow.POLL_S", 0.05)
     # Nothing to upload: the stand-in holds every package.
-    monkeypatch.setattr("jobs.submit.runtime_env", lambda env_vars=None: {})
+    monkeypatch.setattr("jobs.submit.runtime_env", lambda env_vars=None, py_modules=(): {})
 
     def run(api: JobsAPI, *flags: str) -> tuple[int, str, str]:
         args = ["--address", api.address, "--root", str(tmp_path), "--profile", "demo", *flags]
@@ -362,3 +363,40 @@ def test_all_classifies_a_folder_of_new_images_and_then_one_image(cluster_2cpu, 
     printed = json.loads(re.search(r'^\{\n  "input".*?^\}$', out, re.S | re.M)[0])
     assert printed["input"] == str(image) and len(printed["top_k"]) == 3
     assert read_summary(Location.parse(str(predictions))) == summary
+
+
+# --- the user's own package, outside the checkout, shipped as py_modules ---------------------
+
+
+@pytest.mark.slow
+def test_a_network_in_the_users_own_package_trains_infers_and_exports(cluster_2cpu, tmp_path):
+    package = tmp_path / "src" / "mynet"  # outside the checkout, importable from nowhere here
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(NETWORK)
+    root = tmp_path / "chain"
+    sets = [*TINY, "train.name=mine", "train.model.name=mynet:build"]
+
+    def chain(step: str, py_modules: list[str]) -> subprocess.CompletedProcess:
+        cmd = step_command(
+            cluster_2cpu.address, str(root), step, profile="demo", sets=sets, py_modules=py_modules
+        )
+        return subprocess.run(
+            cmd, cwd=BUNDLE_ROOT, env=cluster_2cpu.env, text=True, capture_output=True, timeout=900
+        )
+
+    done = chain("all", [str(package)])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    assert "model mynet:build" in done.stdout
+    predictions = root / "predictions" / "mine"
+    assert (
+        read_predictions(str(predictions)).num_rows
+        == read_summary(Location.parse(str(predictions)))["images"]
+    )
+    exported = chain("export", [str(package)])
+    assert exported.returncode == 0, (exported.stdout + exported.stderr)[-5000:]
+    (export,) = (root / "runs" / "mine" / "export").iterdir()
+    assert {"model.onnx", "model.pt2", "preprocessing.json"} <= {p.name for p in export.iterdir()}
+    # Without the package in the runtime env, the checkpoint's module is refused, unrun.
+    refused = chain("infer", [])
+    assert refused.returncode == 2, (refused.stdout + refused.stderr)[-5000:]
+    assert "names module mynet" in refused.stdout + refused.stderr
