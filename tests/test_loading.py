@@ -225,6 +225,22 @@ def test_a_py_module_loads_only_where_the_runtime_env_ships_it(tmp_path, monkeyp
     # Loaders take the runtime env's folders by default (none here: no Ray).
     with pytest.raises(ConfigError, match=r"names module mynet"):
         load_model(Location.parse(str(checkpoint)))
+    # The MLflow model of that run ships the package from Ray's folder in its code/, and loads
+    # where neither the bundle nor the package is importable.
+    saved = save_pyfunc(tmp_path / "saved", model, name)
+    assert sorted(p.name for p in (saved / "code").iterdir()) == ["mynet", "pipeline"]
+    (tmp_path / "image.png").write_bytes(png_bytes("red_circle", 0))
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", PREDICT, str(tmp_path / "image.png"), str(saved)],
+        cwd=run,
+        env=bundle_hidden_env(run),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(json.loads(proc.stdout.splitlines()[-1])[0]) <= set(CLASSES)
 
 
 # --- a network in a package, as an MLflow model ------------------------------------------------
