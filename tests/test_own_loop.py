@@ -25,6 +25,7 @@ from pipeline.model import source
 from pipeline.model.checkpoint import CHECKPOINT_FORMAT, METADATA, read_meta, save_checkpoint
 from pipeline.model.networks import build_model, load_model
 from pipeline.model.runs import RUN_FORMAT, RUN_SUMMARY, checkpoint_dir_name
+from pipeline.tracking import registered_checkpoint
 from pipeline.train import api
 
 CLASSES = ["a", "b", "c"]
@@ -63,8 +64,9 @@ def test_a_card_refuses_a_metric_that_ranks_nothing_and_a_report_without_the_key
         )
 
 
-def own_run(tmp_path, monkeypatch, losses: list[float]) -> Location:
+def own_run(tmp_path, monkeypatch, losses: list[float], weights=None, **fields) -> Location:
     """A run as the API writes it (no throughput in its history), Ray's record faked."""
+    tmp_path.mkdir(exist_ok=True)
     run = Location.parse(str(tmp_path))
     record, history = [], []
     for epoch, loss in enumerate(losses):
@@ -72,7 +74,7 @@ def own_run(tmp_path, monkeypatch, losses: list[float]) -> Location:
         directory.mkdir()
         metrics = {"epoch": epoch, "train_loss": loss, "val_loss": loss, "val_accuracy": 0.5}
         history = [*history, metrics]
-        save_checkpoint(directory, {}, card().meta(metrics, history), {})
+        save_checkpoint(directory, weights or {}, card(**fields).meta(metrics, history), {})
         record.append((ray.train.Checkpoint(str(directory)), metrics))
     return recorded_run(run, record, monkeypatch)
 
@@ -87,6 +89,24 @@ def test_finishing_a_run_writes_the_records_the_loaders_pick_its_best_by(tmp_pat
         "epoch,train_loss,val_loss,val_accuracy"
     )
     assert source.resolve_checkpoint(run).path == str(tmp_path / "epoch_0001")
+
+
+def test_a_registered_run_is_a_model_version_the_loaders_take(tmp_path, monkeypatch, mlflow_server):
+    tiny = {"model": "examples.custom_model.tiny_cnn:build", "kwargs": {"width": 8}}
+    net = build_model(len(CLASSES), name=tiny["model"], kwargs=tiny["kwargs"])
+    own_run(tmp_path / "own", monkeypatch, [0.9, 0.4], weights=net.state_dict(), **tiny)
+    api.finish_run(str(tmp_path), "own")
+    run_id = api.register_run(
+        str(tmp_path), "own", tracking_uri=mlflow_server.uri, registered_model="own-loop"
+    )
+    client = mlflow_server.client()
+    assert [m.value for m in client.get_metric_history(run_id, "val_loss")] == [0.9, 0.4]
+    checkpoint = registered_checkpoint("models:/own-loop/1", uri=mlflow_server.uri)
+    loaded, meta = load_model(checkpoint)
+    assert meta.epoch == 1 and meta.model.name == tiny["model"]
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), net.eval()(x))
 
 
 def test_a_newer_format_is_refused_in_one_line(tmp_path, monkeypatch):

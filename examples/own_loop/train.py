@@ -126,6 +126,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--tracking-uri", help="an MLflow server: register the best checkpoint")
     args = parser.parse_args()
 
     card = api.ModelCard.for_dataset(args.dataset, model=args.model, config=vars(args))
@@ -138,6 +139,8 @@ def main():
     trainer.fit()
     summary = api.finish_run(args.storage_path, args.name)
     print(f"best checkpoint: {summary['best_checkpoint']}")
+    if args.tracking_uri:
+        api.register_run(args.storage_path, args.name, tracking_uri=args.tracking_uri)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ On the driver:
     )
     trainer.fit()
     api.finish_run("s3://bucket/ray-cv/runs", "my-run")
+    api.register_run("s3://bucket/ray-cv/runs", "my-run", tracking_uri="http://mlflow:5000")
 
 In `train_loop_per_worker(config)`, every rank, once per epoch:
 
@@ -60,6 +61,7 @@ __all__ = [
     "ModelCard",
     "Resumed",
     "finish_run",
+    "register_run",
     "report",
     "resume",
     "run_config",
@@ -226,3 +228,34 @@ def finish_run(storage_path: str, name: str, *, wall_time_s: float | None = None
     if latest is None:
         raise InputError(f"run {run.uri} has no checkpoint: report one with api.report first")
     return write_reports(run, config_score(read_meta(latest).config), wall_time_s=wall_time_s)
+
+
+def register_run(
+    storage_path: str,
+    name: str,
+    *,
+    tracking_uri: str,
+    registered_model: str | None = "ray-cv-classifier",
+    experiment: str = "ray-cv-bundle",
+) -> str:
+    """On the driver, once the run finished: an MLflow run of `experiment` at `tracking_uri`
+    with the run's history, its best checkpoint logged as the bundle's MLflow model and
+    registered as a new version of `registered_model` (None: logged only), as the train job
+    does; returns the MLflow run's id."""
+    from pipeline.model.source import resolve_checkpoint
+    from pipeline.tracking.client import RUN_DIR, connect
+    from pipeline.tracking.registry import log_best_model
+
+    run = Location.parse(storage_path).child(name)
+    best = resolve_checkpoint(run)
+    history = read_meta(latest_checkpoint(run)).history
+    conn = connect(tracking_uri, experiment)
+    mlflow_run = conn.client.create_run(conn.experiment_id, run_name=name, tags={RUN_DIR: run.uri})
+    run_id = mlflow_run.info.run_id
+    for row in history:
+        for key, value in row.items():
+            if key != "epoch" and isinstance(value, int | float) and not isinstance(value, bool):
+                conn.client.log_metric(run_id, key, value, step=row["epoch"])
+    log_best_model(conn, run_id, best, registered_model)
+    conn.client.set_terminated(run_id)
+    return run_id
