@@ -210,6 +210,9 @@ def test_a_py_module_loads_only_where_the_runtime_env_ships_it(tmp_path, monkeyp
     assert py_module_dirs(uris, sys.path) == [shipped]
     assert py_module_dirs([f"gcs://{shipped.name}.whl"], sys.path) == [shipped]
     assert py_module_dirs(["local:///opt/nets"], sys.path) == [Path("/opt/nets")]
+    # A zip on storage: Ray names its folder by the URI's hash.
+    on_s3 = Path("/n", PY_MODULES_FILES, "s3_66b4d4c8e2d678e580b921a9cbd34d8d23c720fb")
+    assert py_module_dirs(["s3://bucket/code/mynet.zip"], ["/n/x", str(on_s3)]) == [on_s3]
     name = "mynet:build"
     model = build_model(len(CLASSES), name=name)
     checkpoint = tmp_path / "checkpoint"

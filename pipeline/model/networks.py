@@ -598,20 +598,21 @@ def shipped_module_dirs() -> list[Path]:
 
 def py_module_dirs(uris: Sequence[str], path: Sequence[str]) -> list[Path]:
     """The local folders of the py_modules `uris` of a runtime env: a `local://` one is its
-    path; one Ray uploaded (gcs://_ray_pkg_<hash>.zip, a .whl) is unpacked into a folder of its
-    file's name less the extension, below PY_MODULES_FILES, which Ray puts on `path`."""
+    path; one Ray downloads (gcs://_ray_pkg_<hash>.zip as uploaded, a .whl, s3://.../pkg.zip)
+    is unpacked into a folder below PY_MODULES_FILES named by Ray from the URI, which Ray puts
+    on `path`."""
+    from pipeline.core.ray_internals import get_local_dir_from_uri, get_local_dir_uri_path
+
     dirs = []
     for uri in uris:
-        scheme, _, rest = uri.partition("://")
-        if scheme == "local":
-            dirs.append(Path(rest))
+        if (local := get_local_dir_uri_path(uri)) is not None:
+            dirs.append(local)
             continue
-        name = rest.rsplit("/", 1)[-1]
-        stem = name.removesuffix(".tar.gz") if name.endswith(".tar.gz") else Path(name).stem
+        name = get_local_dir_from_uri(uri, PY_MODULES_FILES).name
         dirs += [
             Path(p)
             for p in path
-            if Path(p).name == stem and Path(p).parent.name == PY_MODULES_FILES
+            if Path(p).name == name and Path(p).parent.name == PY_MODULES_FILES
         ]
     return dirs
 
