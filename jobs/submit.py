@@ -5,11 +5,15 @@
     python -m jobs.submit --address ... --root ... --recipe finetune all
     python -m jobs.submit --address ... --root ... export
     python -m jobs.submit --address ... --root ... --profile demo tune
+    python -m jobs.submit --address ... --root ... --py-module ~/src/mynet \
+        --set train.model.name=mynet:build all
 
 Every job goes to the cluster with runtime_env.yaml, as `ray job submit` sends it; its log is
-streamed here. Paths come from `--root`: the dataset at <root>/dataset, training runs under
-<root>/runs (the run named by the train config), predictions at <root>/predictions/<run name>,
-the export of the run's best checkpoint at <root>/runs/<run name>/export/<checkpoint name>.
+streamed here; `--py-module PATH` adds the user's own package (a folder, a .whl or a URI) to
+every job's runtime env as `py_modules`, which Ray uploads with the job. Paths come from
+`--root`: the dataset at <root>/dataset, training runs under <root>/runs (the run named by
+the train config), predictions at <root>/predictions/<run name>, the export of the
+run's best checkpoint at <root>/runs/<run name>/export/<checkpoint name>.
 `--recipe NAME` layers configs/recipes/NAME.yaml over the train step's config.
 `all` runs preprocess, train and infer; export and tune (a sweep of the train job, its trials
 runs under <root>/runs/<sweep name>; docs/tune.md) run only when named.
@@ -174,6 +178,7 @@ def step_command(
     profile: str = "",
     sets: list[str] = (),
     recipe: str = "",
+    py_modules: list[str] = (),
 ) -> list[str]:
     """The command line that runs one step: what a scheduler's task runs (see examples/)."""
     return [
@@ -187,17 +192,41 @@ def step_command(
         *(["--profile", profile] if profile else []),
         *(["--recipe", recipe] if recipe else []),
         *[f"--set={s}" for s in sets],
+        *[f"--py-module={m}" for m in py_modules],
         step,
     ]
 
 
-def runtime_env(env_vars: dict[str, str] | None = None) -> dict:
-    """runtime_env.yaml, with the working dir made absolute (the bundle, wherever we run from)
-    and `env_vars` on top of its own."""
+def runtime_env(env_vars: dict[str, str] | None = None, py_modules: list[str] = ()) -> dict:
+    """runtime_env.yaml, with the working dir made absolute (the bundle, wherever we run from),
+    `env_vars` on top of its own and `py_modules` (checked with `check_py_modules`) after its
+    own."""
     env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
     env["working_dir"] = str((BUNDLE_ROOT / env.get("working_dir", ".")).resolve())
     env["env_vars"] = {**env.get("env_vars", {}), **(env_vars or {})}
+    if py_modules:
+        env["py_modules"] = [*env.get("py_modules", []), *py_modules]
     return env
+
+
+def check_py_modules(items: list[str]) -> list[str]:
+    """`--py-module` items as runtime env `py_modules`: a local folder (a Python package) or
+    .whl file made absolute, which Ray uploads with each job; a URI (s3://.../pkg.zip,
+    local:///path on every node) as it is. A local one that is neither is a ConfigError."""
+    modules = []
+    for item in items:
+        if "://" in item:
+            modules.append(item)
+            continue
+        path = Path(item).expanduser().resolve()
+        if not (path.is_dir() or (path.is_file() and path.suffix == ".whl")):
+            raise ConfigError(
+                f"--py-module {item}: {'no such path' if not path.exists() else 'not a folder'}; "
+                "give your package's folder (the one holding its __init__.py), a .whl file, or "
+                "a URI of a zip of it (s3://...)"
+            )
+        modules.append(str(path))
+    return modules
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -230,10 +259,11 @@ def submit_and_wait(
     env_vars: dict[str, str] | None = None,
     log: list[str] | None = None,
     patience: Patience | None = None,
+    py_modules: list[str] = (),
 ) -> int:
-    """Submit `job`, stream its log to stdout (and into `log`), return its exit code (0 only
-    for SUCCEEDED). A cluster that cannot take it yet, or a connection lost while it runs, is
-    waited for as `patience` says (jobs/follow.py)."""
+    """Submit `job` (with `py_modules` in its runtime env), stream its log to stdout (and into
+    `log`), return its exit code (0 only for SUCCEEDED). A cluster that cannot take it yet, or
+    a connection lost while it runs, is waited for as `patience` says (jobs/follow.py)."""
     from ray.job_submission import JobStatus
 
     # The job client sets its own logger to INFO on import: "WebSocket closed ..." per job.
@@ -258,7 +288,7 @@ def submit_and_wait(
         patience,
         say,
         entrypoint=shlex.join(job.entrypoint),
-        runtime_env=runtime_env(env_vars),
+        runtime_env=runtime_env(env_vars, py_modules),
     )
     print(f"[{job.step}] submitted {submission_id}: {shlex.join(job.entrypoint)}", flush=True)
     try:
@@ -356,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         help="an environment variable for the jobs, over runtime_env.yaml's (repeatable)",
     )
     add(
+        "--py-module",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="your own package for every job, as runtime_env py_modules: its folder, a .whl, "
+        "or a URI of a zip (repeatable); its networks then load in every job (docs/models.md)",
+    )
+    add(
         "--submit-timeout-s",
         type=float,
         default=Patience.submit_s,
@@ -400,6 +438,7 @@ def run_chain(args: argparse.Namespace) -> int:
     """The steps `args` name, one job after another; the first failed job's exit code."""
     jobs = plan(args.root, profile=args.profile, sets=args.set, recipe=args.recipe)
     env_vars = parse_env(args.env)
+    py_modules = check_py_modules(args.py_module)
     patience = Patience(submit_s=args.submit_timeout_s, reconnect_s=args.reconnect_timeout_s)
     version = None
     for job in jobs:
@@ -407,7 +446,9 @@ def run_chain(args: argparse.Namespace) -> int:
             if job.step == "train" and version is not None:
                 job = pin_dataset(job, version)
             log: list[str] = []
-            code = submit_and_wait(args.address, job, env_vars, log, patience)
+            code = submit_and_wait(
+                args.address, job, env_vars, log, patience, py_modules=py_modules
+            )
             if code != 0:
                 return code
             if job.step == "preprocess":

@@ -241,6 +241,18 @@ def generated_dataset(out: Path, *overrides: str):
         ray.shutdown()
 
 
+def recorded_run(run: Location, record: list[tuple], monkeypatch) -> Location:
+    """`run` as Ray's record of `record`, (ray.train.Checkpoint, metrics) pairs with the latest
+    last, for the loaders that read it (pipeline.model.source and runs); `run`."""
+    import ray.train
+
+    result = ray.train.Result(*record[-1][::-1], None, run.path, best_checkpoints=record)
+    monkeypatch.setattr("pipeline.model.source.load_result", lambda _: result)
+    monkeypatch.setattr("pipeline.model.runs.load_result", lambda _: result)
+    run.child(SNAPSHOT).write_bytes(b"{}")
+    return run
+
+
 def checkpoint_meta(**changes) -> CheckpointMeta:
     """The metadata of a small checkpoint of three classes, with `changes`."""
     fields = dict(

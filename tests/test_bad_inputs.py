@@ -29,7 +29,7 @@ from helpers import checkpoint_meta, errors_table, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT, free_port
 from harness.counting import FlakyHandler
-from jobs.submit import plan
+from jobs.submit import check_py_modules, plan
 from pipeline.core import storage
 from pipeline.core.config import load_config
 from pipeline.core.errors import EXIT_CODES, failure
@@ -45,8 +45,15 @@ from pipeline.infer.batch import infer, resolve_checkpoint
 from pipeline.infer.config import InferConfig
 from pipeline.infer.inputs import list_input
 from pipeline.infer.predictions import Tally, publish, start_version
-from pipeline.model.checkpoint import METADATA, WEIGHTS, check_weights
-from pipeline.model.runs import RUN_SUMMARY, SNAPSHOT, mark_training, resume_changes
+from pipeline.model.checkpoint import (
+    CHECKPOINT_FORMAT,
+    METADATA,
+    WEIGHTS,
+    check_weights,
+    read_meta,
+    save_checkpoint,
+)
+from pipeline.model.runs import RUN_FORMAT, RUN_SUMMARY, SNAPSHOT, mark_training, resume_changes
 from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
 from pipeline.train.config import TrainConfig
@@ -359,6 +366,20 @@ def checkpoint_of(name: str):
     return run
 
 
+def newer_checkpoint(tmp_path, _):
+    save_checkpoint(tmp_path, {}, checkpoint_meta(), {})
+    meta = json.loads((tmp_path / METADATA).read_text()) | {"format": CHECKPOINT_FORMAT + 1}
+    (tmp_path / METADATA).write_text(json.dumps(meta | {"calibration": {"temperature": 1.3}}))
+    read_meta(resolve_checkpoint(Location.parse(str(tmp_path))))
+
+
+def newer_run(tmp_path, _):
+    (tmp_path / SNAPSHOT).write_bytes(b"{}")
+    summary = {"format": RUN_FORMAT + 1, "status": "finished", "checkpoint_metric": "val_loss"}
+    (tmp_path / RUN_SUMMARY).write_text(json.dumps(summary))
+    resolve_checkpoint(Location.parse(str(tmp_path)))
+
+
 def training_run(tmp_path, _):
     run = Location.parse(str(tmp_path / "run"))
     run.child(SNAPSHOT).write_bytes(b"{}")
@@ -560,6 +581,13 @@ CASES = [
         "--root <uri>: no filesystem opens URIs of the scheme <scheme>",
         lambda t, _: plan("S3://bucket/ray-cv"),
         cli=lambda t, _: [chain_args("S3://bucket/ray-cv", "all")],
+    ),
+    Case(
+        "a chain `--py-module` that is no folder, .whl file or URI",
+        2,
+        "--py-module <path>: no such path; give your package's folder",
+        lambda t, _: check_py_modules([str(t / "nowhere")]),
+        cli=lambda t, _: [chain_args(t, "--py-module", str(t / "nowhere"), "all")],
     ),
     Case(
         "a resume with another optimizer, or to or from fp16",
@@ -785,8 +813,9 @@ CASES = [
     ),
     Case(
         "a checkpoint whose `module:function` model is neither a file below the job's working "
-        "dir (a pyfunc model's `code/`) nor in `allow_modules`: inference, serving, export and "
-        "the MLflow model refuse it, running none of it",
+        "dir (a pyfunc model's `code/`), nor in the runtime env's `py_modules`, nor in "
+        "`allow_modules`: inference, serving, export and the MLflow model refuse it, running none "
+        "of it",
         2,
         "the checkpoint's model.name=<name> names module <module>",
         inferred_with_hub_checkpoint,
@@ -963,6 +992,18 @@ CASES = [
         1,
         "model=<path> is neither a training run",
         checkpoint_of("run"),
+    ),
+    Case(
+        "a checkpoint of a newer format than this code reads",
+        1,
+        "<path> is a checkpoint of format <n>, newer than this code reads",
+        newer_checkpoint,
+    ),
+    Case(
+        "a run of a newer run format than this code reads",
+        1,
+        "run <path> is of run format <n>, newer than this code reads",
+        newer_run,
     ),
     Case(
         "an inference, serving or export `model=` run whose every kept checkpoint scored NaN "

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 from helpers import CLASSES, make_image_folder
 from jobs_api import JobsAPI
+from test_loading import NETWORK
 
 from harness.cluster import BUNDLE_ROOT
 from jobs.submit import (
     RAY_NOISE,
+    check_py_modules,
     committed_version,
     main,
     parse_env,
@@ -85,10 +87,11 @@ def test_plan_keeps_the_roots_query_after_every_path():
 
 
 def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
-    submitted = {}
+    submitted, shipped = {}, {}
 
-    def submit(address, job, env_vars=None, log=None, patience=None):
+    def submit(address, job, env_vars=None, log=None, patience=None, py_modules=()):
         submitted[job.step] = job.entrypoint
+        shipped[job.step] = py_modules
         log.append("INFO jobs.preprocess: current dataset version: 20261123T1-aa\n")
         return 0
 
@@ -108,6 +111,36 @@ def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
     assert main([*args, "tune"]) == 0
     assert list(submitted) == ["tune"]
     assert {"dataset=s3://b/x/dataset", "storage_path=s3://b/x/runs"} <= set(submitted["tune"])
+
+
+def test_the_users_package_ships_with_every_job_as_py_modules(tmp_path, monkeypatch, capsys):
+    package, wheel = tmp_path / "mynet", tmp_path / "mynet-1.0-py3-none-any.whl"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    wheel.write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    given = ["mynet", str(wheel), "s3://b/code/mynet.zip"]
+    modules = check_py_modules(given)
+    assert modules == [str(package), str(wheel), "s3://b/code/mynet.zip"]
+    env = runtime_env({}, modules)
+    assert env["py_modules"] == modules and env["working_dir"] == str(BUNDLE_ROOT)
+    assert "py_modules" not in runtime_env({})
+    # The chain hands them to every job it submits, and a scheduler's step command carries them.
+    shipped = {}
+
+    def submit(address, job, env_vars=None, log=None, patience=None, py_modules=()):
+        shipped[job.step] = py_modules
+        return 0
+
+    monkeypatch.setattr("jobs.submit.submit_and_wait", submit)
+    command = step_command("http://127.0.0.1:9", "s3://b/x", "all", py_modules=given)
+    assert main([*command[3:-1], "--profile", "demo", "all"]) == 0
+    assert shipped == dict.fromkeys(["preprocess", "train", "infer"], modules)
+    # A path that is no package is refused before anything is submitted.
+    args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
+    for bad, said in [("nowhere", "no such path"), ("mynet/__init__.py", "not a folder")]:
+        assert main([*args, "--py-module", bad, "all"]) == 2
+        assert f"--py-module {bad}: {said}" in capsys.readouterr().err
 
 
 def test_a_local_root_becomes_absolute(tmp_path, monkeypatch):
@@ -196,7 +229,7 @@ def chain(tmp_path, capsys, monkeypatch):
     """Run the chain's preprocess step against `api`, in this process: (exit code, out, err)."""
     monkeypatch.setattr("jobs.follow.POLL_S", 0.05)
     # Nothing to upload: the stand-in holds every package.
-    monkeypatch.setattr("jobs.submit.runtime_env", lambda env_vars=None: {})
+    monkeypatch.setattr("jobs.submit.runtime_env", lambda env_vars=None, py_modules=(): {})
 
     def run(api: JobsAPI, *flags: str) -> tuple[int, str, str]:
         args = ["--address", api.address, "--root", str(tmp_path), "--profile", "demo", *flags]
@@ -339,3 +372,40 @@ def test_all_classifies_a_folder_of_new_images_and_then_one_image(cluster_2cpu, 
     printed = json.loads(re.search(r'^\{\n  "input".*?^\}$', out, re.S | re.M)[0])
     assert printed["input"] == str(image) and len(printed["top_k"]) == 3
     assert read_summary(Location.parse(str(predictions))) == summary
+
+
+# --- the user's own package, outside the checkout, shipped as py_modules ---------------------
+
+
+@pytest.mark.slow
+def test_a_network_in_the_users_own_package_trains_infers_and_exports(cluster_2cpu, tmp_path):
+    package = tmp_path / "src" / "mynet"  # outside the checkout, importable from nowhere here
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(NETWORK)
+    root = tmp_path / "chain"
+    sets = [*TINY, "train.name=mine", "train.model.name=mynet:build"]
+
+    def chain(step: str, py_modules: list[str]) -> subprocess.CompletedProcess:
+        cmd = step_command(
+            cluster_2cpu.address, str(root), step, profile="demo", sets=sets, py_modules=py_modules
+        )
+        return subprocess.run(
+            cmd, cwd=BUNDLE_ROOT, env=cluster_2cpu.env, text=True, capture_output=True, timeout=900
+        )
+
+    done = chain("all", [str(package)])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+    assert "model mynet:build" in done.stdout
+    predictions = root / "predictions" / "mine"
+    assert (
+        read_predictions(str(predictions)).num_rows
+        == read_summary(Location.parse(str(predictions)))["images"]
+    )
+    exported = chain("export", [str(package)])
+    assert exported.returncode == 0, (exported.stdout + exported.stderr)[-5000:]
+    (export,) = (root / "runs" / "mine" / "export").iterdir()
+    assert {"model.onnx", "model.pt2", "preprocessing.json"} <= {p.name for p in export.iterdir()}
+    # Without the package in the runtime env, the checkpoint's module is refused, unrun.
+    refused = chain("infer", [])
+    assert refused.returncode == 2, (refused.stdout + refused.stderr)[-5000:]
+    assert "names module mynet" in refused.stdout + refused.stderr

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import ray.train
 import torch
-from helpers import bundle_hidden_env, checkpoint_meta, png_bytes
+from helpers import bundle_hidden_env, checkpoint_meta, png_bytes, recorded_run
 
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError, InputError
@@ -30,14 +30,20 @@ from pipeline.model.checkpoint import (
     RAW,
     SCORES,
     WEIGHTS,
+    ModelSpec,
     best_of,
     save_checkpoint,
     served_weights,
 )
-from pipeline.model.networks import build_model, load_model
+from pipeline.model.networks import (
+    PY_MODULES_FILES,
+    build_model,
+    check_model_code,
+    load_model,
+    py_module_dirs,
+)
 from pipeline.model.runs import (
     RUN_SUMMARY,
-    SNAPSHOT,
     DivergedRun,
     checkpoint_dir_name,
     write_reports,
@@ -184,6 +190,62 @@ def test_a_module_shipped_with_the_job_loads(tmp_path):
         load_model(Location.parse(str(tmp_path)), code_root=tmp_path)
 
 
+def ray_unpacked(tmp_path: Path, package: str, text: str) -> Path:
+    """`package` with `text` as its __init__.py, where Ray unpacks an uploaded py_module:
+    .../runtime_resources/py_modules_files/_ray_pkg_<hash>/<package>/; that folder."""
+    folder = tmp_path / "runtime_resources" / PY_MODULES_FILES / f"_ray_pkg_{package}0123"
+    (folder / package).mkdir(parents=True)
+    (folder / package / "__init__.py").write_text(text)
+    return folder
+
+
+def test_a_py_module_loads_only_where_the_runtime_env_ships_it(tmp_path, monkeypatch):
+    shipped = ray_unpacked(tmp_path, "mynet", NETWORK)
+    other = ray_unpacked(tmp_path, "theirnet", NETWORK)  # another job's, on the path all the same
+    monkeypatch.syspath_prepend(str(shipped))
+    monkeypatch.syspath_prepend(str(other))
+    (tmp_path / "working_dir").mkdir()
+    monkeypatch.chdir(tmp_path / "working_dir")  # the py_modules lie outside it
+    uris = [f"gcs://{shipped.name}.zip"]
+    assert py_module_dirs(uris, sys.path) == [shipped]
+    assert py_module_dirs([f"gcs://{shipped.name}.whl"], sys.path) == [shipped]
+    assert py_module_dirs(["local:///opt/nets"], sys.path) == [Path("/opt/nets")]
+    # A zip on storage: Ray names its folder by the URI's hash.
+    on_s3 = Path("/n", PY_MODULES_FILES, "s3_66b4d4c8e2d678e580b921a9cbd34d8d23c720fb")
+    assert py_module_dirs(["s3://bucket/code/mynet.zip"], ["/n/x", str(on_s3)]) == [on_s3]
+    name = "mynet:build"
+    model = build_model(len(CLASSES), name=name)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    save_checkpoint(checkpoint, model.state_dict(), checkpoint_meta(model={"name": name}), {})
+    with pytest.raises(ConfigError, match=r"Ship your package with --py-module"):
+        check_model_code(ModelSpec(name=name), shipped=[])
+    check_model_code(ModelSpec(name=name), shipped=py_module_dirs(uris, sys.path))
+    # The runtime env names the folders: the checkpoint's data cannot add one.
+    for refused in ("theirnet:build", "torch.hub:load", "json:loads"):
+        with pytest.raises(ConfigError, match=r"which is not a file below"):
+            check_model_code(ModelSpec(name=refused), shipped=py_module_dirs(uris, sys.path))
+    # Loaders take the runtime env's folders by default (none here: no Ray).
+    with pytest.raises(ConfigError, match=r"names module mynet"):
+        load_model(Location.parse(str(checkpoint)))
+    # The MLflow model of that run ships the package from Ray's folder in its code/, and loads
+    # where neither the bundle nor the package is importable.
+    saved = save_pyfunc(tmp_path / "saved", model, name)
+    assert sorted(p.name for p in (saved / "code").iterdir()) == ["mynet", "pipeline"]
+    (tmp_path / "image.png").write_bytes(png_bytes("red_circle", 0))
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", PREDICT, str(tmp_path / "image.png"), str(saved)],
+        cwd=run,
+        env=bundle_hidden_env(run),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(json.loads(proc.stdout.splitlines()[-1])[0]) <= set(CLASSES)
+
+
 # --- a network in a package, as an MLflow model ------------------------------------------------
 
 NETWORK = """
@@ -288,11 +350,7 @@ def diverged_run(tmp_path, monkeypatch, losses: list[float]) -> Location:
         meta = checkpoint_meta(epoch=e, metrics=metrics, history=history)
         save_checkpoint(directory, {}, meta, {})
         record.append((ray.train.Checkpoint(str(directory)), metrics))
-    result = ray.train.Result(*record[-1][::-1], None, run.path, best_checkpoints=record)
-    monkeypatch.setattr(source, "load_result", lambda _: result)
-    monkeypatch.setattr("pipeline.model.runs.load_result", lambda _: result)
-    run.child(SNAPSHOT).write_bytes(b"{}")
-    return run
+    return recorded_run(run, record, monkeypatch)
 
 
 def test_a_nan_checkpoint_is_never_the_best(tmp_path, monkeypatch):

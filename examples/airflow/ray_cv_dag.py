@@ -14,8 +14,10 @@ Set-up on the Airflow workers (Airflow 3; BashOperator is in the standard provid
     for the `python` first on the tasks' PATH: Airflow's own environment or one beside it (to
     parse this file Airflow needs only pyyaml and pydantic, which it ships with);
   - RAY_CV_ADDRESS (the Ray dashboard, e.g. http://ray-head:8265) and RAY_CV_ROOT (s3://...);
-    optionally RAY_CV_PROFILE and RAY_CV_SET (see `python -m jobs.submit --help`), and
-    RAY_CV_RETRIES (default 2: a task that fails is retried that many times, 5 minutes apart);
+    optionally RAY_CV_PROFILE and RAY_CV_SET (see `python -m jobs.submit --help`),
+    RAY_CV_PY_MODULES (your own packages for every job, space-separated: folders or .whl files
+    on the Airflow workers, or URIs; each a `--py-module`), and RAY_CV_RETRIES (default 2: a
+    task that fails is retried that many times, 5 minutes apart);
   - the cluster's token in the Airflow Variable `ray_auth_token` (Ray 2.60 clusters require
     token authentication). Nothing secret lives in this file.
 """
@@ -35,6 +37,7 @@ ADDRESS = os.environ.get("RAY_CV_ADDRESS", "http://127.0.0.1:8265")
 ROOT = os.environ.get("RAY_CV_ROOT", "s3://my-bucket/ray-cv")
 PROFILE = os.environ.get("RAY_CV_PROFILE", "")  # "demo" for the small generated-data configs
 SETTINGS = shlex.split(os.environ.get("RAY_CV_SET", ""))  # e.g. "train.epochs=20 infer.top_k=3"
+PY_MODULES = shlex.split(os.environ.get("RAY_CV_PY_MODULES", ""))  # e.g. "/opt/src/mynet"
 RETRIES = int(os.environ.get("RAY_CV_RETRIES", "2"))
 
 sys.path.insert(0, BUNDLE)
@@ -54,7 +57,9 @@ with DAG(
             BashOperator(
                 task_id=step,
                 bash_command=shlex.join(
-                    step_command(ADDRESS, ROOT, step, profile=PROFILE, sets=SETTINGS)
+                    step_command(
+                        ADDRESS, ROOT, step, profile=PROFILE, sets=SETTINGS, py_modules=PY_MODULES
+                    )
                 ),
                 cwd=BUNDLE,
                 env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "{{ var.value.ray_auth_token }}"},

@@ -20,6 +20,10 @@ from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
 # variable, as metadata under JOB_ID_METADATA_KEY (below).
 from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 
+# Where a node holds a runtime env's py_modules entry (pipeline.model.networks): the folder Ray
+# unpacks a downloaded one into (its name from the URI), or a local:// one's own path.
+from ray._private.runtime_env.packaging import get_local_dir_from_uri, get_local_dir_uri_path
+
 # The capacity wait's, as above; and inference's resume (pipeline.infer.batch), which asks the
 # GCS's job table whether the job that wrote a partial version still runs.
 from ray._private.state import state as gcs_state
@@ -86,6 +90,8 @@ __all__ = [
     "_internal_kv_put",
     "gcs_state",
     "get_cluster_resource_state",
+    "get_local_dir_from_uri",
+    "get_local_dir_uri_path",
     "internal_kv_get_gcs_client",
     "is_autoscaler_v2",
     "train_context",

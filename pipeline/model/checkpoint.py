@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import pickle
 import zipfile
@@ -28,7 +29,7 @@ from pipeline.core.errors import InputError, first_line
 from pipeline.core.storage import Location, retry
 
 # Format 1 held ResNet-18 only, as `"model": "resnet18"`; format 2 names any model and what its
-# input is. This code reads both.
+# input is. This code reads both, and refuses a newer one (docs/own-loop.md).
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)
 WEIGHTS, TRAIN_STATE, METADATA = "model.pt", "train_state.pt", "metadata.json"
@@ -190,8 +191,20 @@ def read_meta(checkpoint: Location) -> CheckpointMeta:
             f"{checkpoint.uri} has no {METADATA}: not a checkpoint written by this bundle's "
             "train job"
         )
+    data = path.read_bytes()
     try:
-        meta = CheckpointMeta.model_validate_json(path.read_bytes())
+        found = json.loads(data).get("format", 1)
+    except (ValueError, AttributeError):
+        found = None  # not a JSON object: validation says what it is
+    if isinstance(found, int) and found > CHECKPOINT_FORMAT:
+        # Before validating: a newer format may hold fields this code does not know.
+        raise InputError(
+            f"{checkpoint.uri} is a checkpoint of format {found}, newer than this code reads "
+            f"(formats {', '.join(map(str, READABLE_FORMATS))}): update the bundle where this "
+            "job runs"
+        )
+    try:
+        meta = CheckpointMeta.model_validate_json(data)
     except ValueError as e:
         raise InputError(f"{path.uri} is not valid checkpoint metadata: {e}") from None
     if meta.format not in READABLE_FORMATS or (meta.format == 1 and meta.model.name != "resnet18"):

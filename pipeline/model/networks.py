@@ -532,13 +532,19 @@ TIMM_LOADING = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "check
 
 
 def check_model_code(
-    spec: ModelSpec, *, allow_modules: Sequence[str] = (), code_root: Path | None = None
+    spec: ModelSpec,
+    *,
+    allow_modules: Sequence[str] = (),
+    code_root: Path | None = None,
+    shipped: Sequence[Path] | None = None,
 ) -> None:
     """Raise ConfigError unless rebuilding the network of a checkpoint's `spec` runs only code
     that the user chose: a torchvision or timm builder (with no argument that loads weights), or
     a `module:function` whose module is a file below `code_root` (default: the working dir, the
-    job's as submitted; a pyfunc model's code/), or one of `allow_modules`. Nothing is imported
-    to decide: a checkpoint's metadata is as untrusted as its tensors."""
+    job's as submitted; a pyfunc model's code/) or below a folder of `shipped` (default: the
+    py_modules of this process's runtime env, `shipped_module_dirs`), or one of
+    `allow_modules`. Nothing is imported to decide: a checkpoint's metadata is as untrusted as
+    its tensors, so what may run comes from the user's config and runtime env alone."""
     if spec.name.startswith(TIMM):
         if loading := sorted(set(spec.kwargs) & set(TIMM_LOADING)):
             raise ConfigError(
@@ -553,14 +559,17 @@ def check_model_code(
     if any(module == a or module.startswith(f"{a}.") for a in allow_modules):
         return
     root = (code_root or Path.cwd()).resolve()
+    shipped = [Path(d).resolve() for d in (shipped_module_dirs() if shipped is None else shipped)]
     files = None if module.split(".")[0] in BUNDLE_PACKAGES else _module_files(module)
     # An installed package is no code of the job's, even where its environment lies below the
-    # working dir (a checkout's .venv).
+    # working dir (a checkout's .venv). A py_module is the user's by their runtime env, wherever
+    # Ray unpacked it (a wheel is installed there, beside no environment's packages).
     installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     outside = [
         f
         for f in files or []
-        if not f.is_relative_to(root) or any(f.is_relative_to(p) for p in installed)
+        if not any(f.is_relative_to(d) for d in shipped)
+        and (not f.is_relative_to(root) or any(f.is_relative_to(p) for p in installed))
     ]
     if files and not outside:
         return
@@ -570,9 +579,46 @@ def check_model_code(
     raise ConfigError(
         f"the checkpoint's model.name={spec.name!r} names module {module}{where}, which is not "
         f"a file below {root} outside installed packages: a checkpoint runs only the bundle's "
-        "builders or a module that ships with the job (its working dir as submitted; a pyfunc "
-        f"model's code/). If you trust this checkpoint, allow it with allow_modules=[{module}]"
+        "builders or a module that ships with the job (its working dir as submitted, its "
+        "runtime env's py_modules; a pyfunc model's code/). Ship your package with "
+        "--py-module, or if you trust this checkpoint, allow it with "
+        f"allow_modules=[{module}]"
     )
+
+
+# Where Ray unpacks a py_modules entry that it downloads: <session>/runtime_resources/<this>/.
+PY_MODULES_FILES = "py_modules_files"
+
+
+def shipped_module_dirs() -> list[Path]:
+    """The folders of the py_modules in this process's runtime env (the user's `py_modules`,
+    as submitted with the job or the Serve application), where Ray put them on sys.path; none
+    outside a Ray worker or driver."""
+    ray = sys.modules.get("ray")  # a Ray process has imported it; a pyfunc's may have not
+    if ray is None or not ray.is_initialized():
+        return []
+    return py_module_dirs(ray.get_runtime_context().runtime_env.py_modules(), sys.path)
+
+
+def py_module_dirs(uris: Sequence[str], path: Sequence[str]) -> list[Path]:
+    """The local folders of the py_modules `uris` of a runtime env: a `local://` one is its
+    path; one Ray downloads (gcs://_ray_pkg_<hash>.zip as uploaded, a .whl, s3://.../pkg.zip)
+    is unpacked into a folder below PY_MODULES_FILES named by Ray from the URI, which Ray puts
+    on `path`."""
+    from pipeline.core.ray_internals import get_local_dir_from_uri, get_local_dir_uri_path
+
+    dirs = []
+    for uri in uris:
+        if (local := get_local_dir_uri_path(uri)) is not None:
+            dirs.append(local)
+            continue
+        name = get_local_dir_from_uri(uri, PY_MODULES_FILES).name
+        dirs += [
+            Path(p)
+            for p in path
+            if Path(p).name == name and Path(p).parent.name == PY_MODULES_FILES
+        ]
+    return dirs
 
 
 def _module_files(module: str) -> list[Path] | None:

@@ -5,7 +5,7 @@ checkpoint_manager_snapshot.json  Ray Train's record of the run's checkpoints an
 summary.json                      written last: a run with it has finished, unless it says
                                   "training" (a train job trains it again: TrainingMark); it
                                   records the run's checkpoint.metric, which inference reads to
-                                  pick the best
+                                  pick the best, and its `format` (RUN_FORMAT)
 history.csv, curves.png           one row per epoch; loss and accuracy curves
 """
 
@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:  # only a type here: inference reads runs without the train wing
     from pipeline.train.config import TrainConfig
 
+# The run layout's version, in its summary.json (docs/own-loop.md); a summary without one is
+# of format 1. A reader refuses a newer one: it may mean what this code cannot tell.
+RUN_FORMAT = 1
 SNAPSHOT = "checkpoint_manager_snapshot.json"
 RUN_SUMMARY = "summary.json"
 TRAINING = "training"  # the status of a run's summary while a train job trains it
@@ -238,6 +241,7 @@ def run_summary(run_dir: Location, *, now: float | None = None) -> dict:
     train job that stopped refreshing it (STALE_BEATS heartbeats missed), the finished summary
     that marker keeps. `now` defaults to time.time()."""
     summary = json.loads(run_dir.child(RUN_SUMMARY).read_bytes())
+    check_run_format(run_dir, summary.get(FINISHED) or summary)
     if summary.get("status") != TRAINING:
         return summary
     now = time.time() if now is None else now
@@ -260,6 +264,16 @@ def run_summary(run_dir: Location, *, now: float | None = None) -> dict:
         *(run_dir.uri, _holder(summary), _when(summary["since"]), now - beat, interval),
     )
     return finished
+
+
+def check_run_format(run_dir: Location, summary: dict) -> None:
+    """Raise InputError for a run summary of a format newer than this code's."""
+    found = summary.get("format", 1)
+    if not isinstance(found, int) or found > RUN_FORMAT:
+        raise InputError(
+            f"run {run_dir.uri} is of run format {found}, newer than this code reads (up to "
+            f"{RUN_FORMAT}): update the bundle where this job runs"
+        )
 
 
 def training_since(run_dir: Location, *, now: float | None = None) -> float | None:
@@ -290,7 +304,7 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
-def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dict:
+def write_reports(run_dir: Location, score: Score, *, wall_time_s: float | None) -> dict:
     """summary.json (last), history.csv and curves.png in the run directory; returns the
     summary. Raises DivergedRun, once they are written, for a run with no best checkpoint."""
     result = load_result(run_dir)
@@ -302,6 +316,7 @@ def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dic
     except DivergedRun as e:  # the reports as they are, without a best; then the error
         best, best_metrics, diverged = None, None, e
     summary = {
+        "format": RUN_FORMAT,
         "run": run_dir.uri,
         "status": "finished",
         "checkpoint_metric": score.metric,  # what inference, serving and export pick the best by
@@ -312,9 +327,10 @@ def write_reports(run_dir: Location, score: Score, *, wall_time_s: float) -> dic
         "final_accuracy": history[-1]["val_accuracy"],
         "epochs": len(history),
         "wall_time_s": wall_time_s,
-        "train_time_s": sum(h["train_s"] for h in history),
-        "images_per_s": _mean(h["images_per_s"] for h in history),
-        "images_per_s_per_worker": _mean(h["images_per_s_per_worker"] for h in history),
+        # A loop of the user's own (pipeline.train.api) may not measure these: null then.
+        "train_time_s": _sum_of(history, "train_s"),
+        "images_per_s": _mean_of(history, "images_per_s"),
+        "images_per_s_per_worker": _mean_of(history, "images_per_s_per_worker"),
         "input_wait_share": _mean_of(history, "input_wait_share"),
     }
     run_dir.child(HISTORY_CSV).write_bytes(history_csv(history).encode())
@@ -343,6 +359,12 @@ def _mean_of(history: list[dict], key: str) -> float | None:
     measured do not); None if none has."""
     values = [h[key] for h in history if key in h]
     return _mean(values) if values else None
+
+
+def _sum_of(history: list[dict], key: str) -> float | None:
+    """The sum of `key` over the epochs that have it; None if none has."""
+    values = [h[key] for h in history if key in h]
+    return sum(values) if values else None
 
 
 def _mean(values) -> float:
