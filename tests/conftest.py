@@ -76,7 +76,7 @@ MINUTES = {
     "tests/test_train_faults.py": 17,
     "tests/test_airflow.py": 14,
     "tests/test_steps.py": 8,
-    "tests/test_chain.py": 9,
+    "tests/test_chain.py": 7,
     "tests/test_own_loop.py": 5,
     "tests/test_tune.py": 6,
     "tests/test_serve.py": 6,
@@ -87,7 +87,8 @@ MINUTES = {
     "tests/test_preemption.py": 4,
     "tests/test_export.py": 12,
     "tests/test_models.py": 5,
-    "tests/test_hooks.py": 3,
+    "tests/test_hooks.py": 1,
+    "tests/test_platforms.py": 2,
     "tests/test_publish.py": 4,
 }
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import re
 import shutil
 import sys
@@ -19,15 +18,9 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
 from helpers import (
     OneWorker,
-    history,
-    metric_steps,
-    mlflow_run,
     small_run_config,
-    tracked,
-    train_job,
 )
 from PIL import Image
 
@@ -49,7 +42,7 @@ from pipeline.model.checkpoint import (
 from pipeline.model.classifier import Classifier
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import load_model
-from pipeline.model.runs import RUN_SUMMARY, checkpoint_dir_name, history_csv
+from pipeline.model.runs import checkpoint_dir_name, history_csv
 from pipeline.tracking import pyfunc
 from pipeline.train import driver
 from pipeline.train.augment import train_transform
@@ -310,60 +303,6 @@ def test_checkpoint_metric_must_be_one_the_run_computes(small_dataset, tmp_path)
         small_run_config(
             small_dataset, tmp_path, "metrics=[per_class_recall]", "checkpoint.metric=val_recall"
         )
-
-
-@pytest.mark.slow
-def test_a_run_with_hooks_shipped_beside_the_bundle_ranks_by_them_and_infers_without(
-    cluster_2cpu, small_dataset, tmp_path, mlflow_server
-):
-    # The hooks as a package of their own, outside the checkout, shipped with the train job
-    # only (Ray's py_modules); the infer job has the bundle's runtime env alone.
-    package = tmp_path / "code" / "myhooks"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(textwrap.dedent(HOOKS))
-    env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
-    (tmp_path / "env.yaml").write_text(yaml.safe_dump(env | {"py_modules": [str(package)]}))
-    storage = tmp_path / "runs"
-    hooks = (
-        "loss=myhooks:focal",
-        "metrics=[myhooks:macro_f1, top2_accuracy]",
-        "checkpoint.metric=val_macro_f1",
-        "augment=myhooks:augment",
-    )
-    small = ("global_batch_size=8", "epochs=2", "scaling.num_workers=1")
-    proc = train_job(
-        cluster_2cpu,
-        small_dataset,
-        storage,
-        "name=hooks",
-        *small,
-        *hooks,
-        *tracked(mlflow_server),
-        runtime_env=tmp_path / "env.yaml",
-    )
-    assert proc.returncode == 0, proc.stdout
-    out = proc.stdout
-    assert "checkpoints ranked by val_macro_f1 (max), by myhooks:macro_f1's Metric" in out
-    assert re.search(r"epoch 1/1: .* val_macro_f1 \d\.\d{4} val_top2_accuracy \d\.\d{4}", out)
-    run = storage / "hooks"
-    rows = history(run)
-    assert [r["epoch"] for r in rows] == [0, 1]
-    summary = json.loads((run / RUN_SUMMARY).read_text())
-    assert (summary["checkpoint_metric"], summary["checkpoint_mode"]) == ("val_macro_f1", "max")
-    # The highest; of equal ones the newest, as Ray keeps them.
-    best = max(rows, key=lambda r: (r["val_macro_f1"], r["epoch"]))
-    assert summary["best_metrics"]["epoch"] == best["epoch"], rows
-    assert "best checkpoint (by val_macro_f1, max is best)" in out
-    steps = metric_steps(mlflow_server, mlflow_run(mlflow_server, run).info.run_id, rows)
-    assert steps["val_macro_f1"] == steps["val_top2_accuracy"] == [0, 1]
-
-    infer = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
-    args = [f"model={run}", f"input={small_dataset}", f"output={tmp_path / 'predictions'}"]
-    proc = cluster_2cpu.submit([*infer, *args, "cpus_per_actor=1"], capture=True, timeout_s=600)
-    assert proc.returncode == 0, proc.stdout
-    assert f"best checkpoint epoch {int(best['epoch'])} by val_macro_f1 (max)" in proc.stdout
-    predicted = json.loads((tmp_path / "predictions" / "summary.json").read_text())
-    assert predicted["checkpoint"].endswith(checkpoint_dir_name(int(best["epoch"])))
 
 
 def test_the_examples_hooks_pass_the_drivers_check(small_dataset, tmp_path):
