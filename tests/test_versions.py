@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from helpers import checkpoint_meta
@@ -32,9 +33,11 @@ from pipeline.data.dataset import (
 )
 from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import parity_dataset
+from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.source import trained_version
 from pipeline.train.config import TrainConfig
-from pipeline.train.driver import pick_dataset_version
+from pipeline.train.driver import newest_meta, pick_dataset_version
+from pipeline.train.steps import STEPS, step_dir_name
 
 BUCKET = "versions-test"
 
@@ -198,6 +201,26 @@ def test_a_run_trains_on_through_its_version_unless_told_to_switch(tmp_path):
     assert pick_dataset_version(again, root, pinned, run="r") == OLDER
     switch = train_config(tmp_path, "switch_dataset=true")
     assert pick_dataset_version(switch, root, pinned, run="r") == NEWER
+
+
+def test_a_run_stopped_inside_its_first_epoch_goes_on_with_that_checkpoints_version(tmp_path):
+    # Stopped inside epoch 0: a checkpoint inside the epoch and none of an epoch, then a newer
+    # version committed. The run is pinned to its checkpoint's version, as after an epoch.
+    root = Location.parse(str(tmp_path / "d"))
+    for version in (OLDER, NEWER):
+        commit(root, written(root, version), "")
+    run = Location.parse(str(tmp_path / "runs" / "r"))
+    meta = checkpoint_meta(epoch=0, step=4, dataset_version=OLDER)
+    inside = Path(run.child(STEPS, step_dir_name(0, 4)).path)
+    inside.mkdir(parents=True)
+    save_checkpoint(inside, {}, meta, {})
+    pinned = newest_meta(run, None)
+    assert (pinned.epoch, pinned.step, pinned.dataset_version) == (0, 4, OLDER)
+    with pytest.raises(ConfigError, match=rf"trained on version {OLDER} .* which is still stored"):
+        pick_dataset_version(train_config(tmp_path), root, pinned, run=run.uri)
+    # Once epoch 0 has its checkpoint, the one inside it is older than that.
+    after = checkpoint_meta(epoch=0, dataset_version=NEWER)
+    assert newest_meta(run, after) is after
 
 
 def test_a_dataset_is_the_same_however_its_path_is_spelled(tmp_path, monkeypatch):

@@ -52,6 +52,7 @@ from pipeline.model.runs import (
     write_reports,
 )
 from pipeline.train.config import TrainConfig, is_hook
+from pipeline.train.steps import latest_step_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,14 @@ def pick_dataset_version(
         *(meta.dataset_version, wanted),
     )
     return wanted
+
+
+def newest_meta(run_dir: Location, meta: CheckpointMeta | None) -> CheckpointMeta | None:
+    """The metadata of the run's newest checkpoint of either kind: one inside the epoch after
+    the epoch checkpoint `meta` (a run stopped mid-epoch, inside its first perhaps, before any
+    epoch checkpoint), else `meta`. Its dataset version is the one the run goes on with."""
+    inside = latest_step_checkpoint(run_dir, epoch=0 if meta is None else meta.epoch + 1)
+    return read_meta(inside) if inside is not None else meta
 
 
 def check_dataset(cfg: TrainConfig, dataset: Location, version: str) -> Manifest:
@@ -223,7 +232,7 @@ def train(
             if tracking is not None:
                 tracking.finish(run_dir, summary)
             return summary
-    version = pick_dataset_version(cfg, dataset, meta, run=run_dir.uri)
+    version = pick_dataset_version(cfg, dataset, newest_meta(run_dir, meta), run=run_dir.uri)
     manifest = check_dataset(cfg, dataset, version)
     if meta is not None:
         check_resumable(meta, manifest, checkpoint=latest.uri, dataset=dataset.uri)

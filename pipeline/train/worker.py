@@ -416,6 +416,15 @@ def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
                 *(meta.epoch, meta.step, meta.config["seed"], w.cfg.seed, meta.epoch),
             )
         return None
+    if meta.dataset_version != w.manifest.version:
+        if w.rank == 0:
+            log.warning(
+                "the checkpoint of epoch %d step %d was taken on dataset version %s, this "
+                "attempt trains on version %s (switch_dataset=true): epoch %d starts over from "
+                "its start (its rows are another version's)",
+                *(meta.epoch, meta.step, meta.dataset_version, w.manifest.version, meta.epoch),
+            )
+        return None
     check_resumable(meta, w.manifest, checkpoint=found.uri, dataset=w.dataset.uri)
     model.load_state_dict(load_weights(found))
     train_state = load_train_state(found)
