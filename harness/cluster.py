@@ -8,6 +8,7 @@ cluster the user runs, nor their ~/.ray/auth_token.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent
 ENDED = ("STOPPED", "SUCCEEDED", "FAILED")  # a job's statuses once it has ended
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Ray's fake multi-node provider, each node with a runtime-env directory of its own.
 PROVIDER_DIR = Path(__file__).resolve().parent / "autoscaler"
 # Keys a cluster config must have; the fake multi-node provider runs no commands.
@@ -428,9 +431,26 @@ def _ray_start(args: list[str], num_cpus: int | None, env: dict[str, str]):
     ]
     log_file = open(os.path.join(temp_dir, "ray-start.log"), "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        env=env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_ends_with_its_starter(),
     )
     return temp_dir, proc, log_file
+
+
+def _ends_with_its_starter():
+    """For Popen's preexec_fn: the child gets SIGTERM when the thread that started it ends
+    (Linux's parent-death signal), so a run killed midway (a test worker that dies, Ctrl-C on
+    `make test`) leaves no cluster running; `ray start --block` takes its processes down on it.
+    Only from the main thread, whose end is the process's: another thread may end before the
+    cluster should."""
+    if sys.platform != "linux" or threading.current_thread() is not threading.main_thread():
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _log_tail(temp_dir: str, lines: int = 30) -> str:
