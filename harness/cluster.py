@@ -436,12 +436,12 @@ def _ray_start(args: list[str], num_cpus: int | None, env: dict[str, str]):
         stdout=log_file,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_ends_with_its_starter(),
+        preexec_fn=ends_with_its_starter(),
     )
     return temp_dir, proc, log_file
 
 
-def _ends_with_its_starter():
+def ends_with_its_starter():
     """For Popen's preexec_fn: the child gets SIGTERM when the thread that started it ends
     (Linux's parent-death signal), so a run killed midway (a test worker that dies, Ctrl-C on
     `make test`) leaves no cluster running; `ray start --block` takes its processes down on it.

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from harness.cluster import BUNDLE_ROOT, free_port
+from harness.cluster import BUNDLE_ROOT, ends_with_its_starter, free_port
 from harness.venvs import uv_venv
 
 REQUIREMENTS = BUNDLE_ROOT / "requirements" / "tracking-server.txt"
@@ -74,6 +74,7 @@ class MLflowServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() ends it and its workers
+                preexec_fn=ends_with_its_starter(),
             )
         deadline = time.monotonic() + timeout_s
         while not self.answers():
