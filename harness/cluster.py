@@ -217,12 +217,8 @@ class LocalCluster:
         """`ray job stop`, by request: no CLI process to start first, so the stop lands at once
         on a loaded machine. Returns the job's status once it has ended (STOPPED, or SUCCEEDED
         or FAILED where the job ended first)."""
-        request = urllib.request.Request(
-            f"{self.address}/api/jobs/{submission_id}/stop",
-            method="POST",
-            headers={"Authorization": f"Bearer {self.token}"},
-        )
-        urllib.request.urlopen(request, timeout=60).close()
+        stop = self.request(f"/api/jobs/{submission_id}/stop", method="POST")
+        urllib.request.urlopen(stop, timeout=60).close()
         deadline = time.monotonic() + timeout_s
         while (status := self.get(f"/api/jobs/{submission_id}")["status"]) not in ENDED:
             if time.monotonic() > deadline:
@@ -230,19 +226,22 @@ class LocalCluster:
             time.sleep(0.5)
         return status
 
+    def request(self, path: str, method: str = "GET") -> urllib.request.Request:
+        """A request to the dashboard's `path`, with this cluster's token."""
+        return urllib.request.Request(
+            f"{self.address}{path}",
+            method=method,
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+
     def get(self, path: str, timeout_s: float = 60):
         """The JSON answer to an authenticated GET of the dashboard's `path`."""
-        request = urllib.request.Request(
-            f"{self.address}{path}", headers={"Authorization": f"Bearer {self.token}"}
-        )
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with urllib.request.urlopen(self.request(path), timeout=timeout_s) as response:
             return json.load(response)
 
     def _wait_ready(self, timeout_s: float) -> None:
         # Ready when the job API answers an authenticated request.
-        request = urllib.request.Request(
-            f"{self.address}/api/jobs/", headers={"Authorization": f"Bearer {self.token}"}
-        )
+        request = self.request("/api/jobs/")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

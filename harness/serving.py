@@ -3,10 +3,8 @@ file), for the serving tests and bench/serve.py."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +80,7 @@ class ServeApp:
         """The application's details, as `serve status` reads them from the dashboard's REST
         API ({} before it is deployed): status, message, deployments with their replicas.
         One HTTP request, where the CLI would start a Python process for each poll."""
-        request = urllib.request.Request(
-            f"{self.cluster.address}/api/serve/applications/",
-            headers={"Authorization": f"Bearer {self.cluster.token}"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            details = json.load(response)
+        details = self.cluster.get("/api/serve/applications/", timeout_s=30)
         return (details.get("applications") or {}).get(APP, {})
 
     def replicas(self) -> list[dict]:
