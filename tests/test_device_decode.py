@@ -27,7 +27,7 @@ from pipeline.train.driver import check_dataset
 from pipeline.train.optim import build_optimizer
 from pipeline.train.ring import RingLoader
 from pipeline.train.step import EpochLoader, train_data, train_one_epoch, val_data
-from pipeline.train.torch_input import Augment, EncodedBatch, RowGroupStream
+from pipeline.train.torch_input import EncodedBatch, RowGroupStream, augmented
 
 CPU = torch.device("cpu")
 
@@ -137,7 +137,7 @@ def test_an_epoch_resumed_at_a_batch_yields_the_rest_of_the_uninterrupted_one(
     train.set_epoch(1)
     assert_same(batches(train), whole)  # the same seed: the same batches
     for start in sorted({1, n // 2, n - 1, n}):
-        train.set_epoch(1, start_batch=start)
+        train.set_epoch(1, start)
         rest = batches(train)
         if start < n:
             assert_same(rest, whole[start:])
@@ -196,7 +196,7 @@ def test_on_cuda_each_batch_is_decoded_and_augmented_there_with_the_cpu_paths_dr
         # same crops, flips and ops (interpolation on the GPU rounds within a level or so;
         # another draw would move most pixels by far more).
         on_gpu = decode_jpeg(batch.tensors(), mode=ImageReadMode.RGB, device=cuda)
-        expected = torch.stack(Augment(transform, batch.key)([i.cpu() for i in on_gpu]))
+        expected = torch.stack(augmented(transform, [i.cpu() for i in on_gpu], batch.seeds))
         diff = (images.cpu().int() - expected.int()).abs()
         assert (diff > 2).float().mean() < 0.03, diff.float().mean()
         # nvJPEG decodes the image libjpeg-turbo does, within a few levels.
@@ -217,7 +217,7 @@ def test_on_cuda_the_batches_repeat_and_a_resumed_epoch_yields_the_rest(tiny_dat
     whole = batches(gpu)
     assert_same(batches(gpu), whole)  # nvJPEG and the augmentation repeat, bit for bit
     assert [labels.tolist() for _, labels in whole] == [y.tolist() for _, y in batches(cpu)]
-    gpu.set_epoch(1, start_batch=3)
+    gpu.set_epoch(1, 3)
     assert_same(batches(gpu), whole[3:])
     images, _ = next(iter(val))
     assert images.device == cuda and images.shape[1:] == (3, 32, 32)

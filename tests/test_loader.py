@@ -3,6 +3,7 @@ DataLoader processes, each row read about once per epoch."""
 
 import collections
 import io
+import math
 import multiprocessing
 import os
 import random
@@ -27,7 +28,6 @@ from corpus import (
     rewrite_shard,
 )
 from PIL import Image
-from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 from harness.baseline import PillowStream, torchvisions_crop
@@ -55,7 +55,6 @@ from pipeline.data.images import (
 from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
-from pipeline.train.rest import Segment
 from pipeline.train.ring import BatchRing, RingLoader
 from pipeline.train.torch_input import RowGroupStream, decode
 
@@ -163,32 +162,21 @@ def streams(root, manifest, split, world, **kwargs) -> list[RowGroupStream]:
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_train_ranks_get_every_row_once_and_equal_batches(numbered, world, workers):
+def test_train_ranks_get_every_row_once_in_full_batches(numbered, world, workers):
     root, manifest, ids = numbered
     ranks = [
-        flat(epoch_batches(s, workers))
+        epoch_batches(s, workers)
         for s in streams(root, manifest, "train", world, batch_size=16, shuffle=True)
     ]
     n = len(ids["train"])
-    padding = -n % world
-    assert len({len(r) for r in ranks}) == 1  # DDP needs the same steps on every rank
-    served = collections.Counter(i for r in ranks for i in r)
-    assert sorted(served) == sorted(ids["train"])
-    # Padding repeats rows, as DistributedSampler does: `padding` rows twice, the rest once,
-    # and no rank sees a row twice.
-    assert sum(served.values()) == n + padding
-    assert sum(c - 1 for c in served.values()) == padding
-    assert all(len(set(r)) == len(r) for r in ranks)
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_train_drops_only_a_last_partial_batch_and_ranks_match(numbered, workers):
-    root, manifest, _ = numbered
-    kwargs = {"batch_size": 16, "shuffle": True, "drop_last": True}
-    ranks = [epoch_batches(s, workers) for s in streams(root, manifest, "train", 3, **kwargs)]
-    # 970 rows, 3 ranks: 324 each with padding, 20 full batches of 16; the last 4 rows dropped.
-    assert [len(r) for r in ranks] == [20, 20, 20]
+    steps = math.ceil(n / (16 * world))
+    # DDP needs the same steps on every rank; BatchNorm, no batch of a few images.
+    assert [len(r) for r in ranks] == [steps] * world
     assert all(len(b) == 16 for r in ranks for b in r)
+    served = collections.Counter(i for r in ranks for i in flat(r))
+    assert sorted(served) == sorted(ids["train"])
+    # The last step is filled with rows from the epoch's start, as DistributedSampler pads.
+    assert sum(c - 1 for c in served.values()) == steps * 16 * world - n
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -210,7 +198,7 @@ def test_train_batches_mix_row_groups(numbered):
     root, manifest, _ = numbered
     stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
     batches = epoch_batches(stream, 0)
-    # A batch draws from a buffer of 4 row groups, not from one group after another.
+    # A batch draws from each partition's buffer of row groups, not one group after another.
     assert len({group_of(i) for i in batches[0]}) >= 3
     assert min(len({group_of(i) for i in b}) for b in batches[:-1]) >= 2
 
@@ -232,7 +220,7 @@ def test_val_counts_every_row_exactly_once_over_the_ranks(numbered, world, worke
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_an_epoch_reads_about_the_split_once(numbered, tmp_path, world, workers):
     # All ranks and DataLoader processes together read each row group about once: only groups
-    # straddling two readers' runs, and the padding's, are read twice.
+    # that two readers' partitions share, and the padding's, are read twice.
     root, manifest, _ = numbered
     counter = ByteCounter(pafs.LocalFileSystem(), tmp_path / "reads")
     counted = counter.location(root)
@@ -388,12 +376,11 @@ def test_a_consumer_that_stops_early_leaves_no_thread_behind(numbered):
 
 @pytest.mark.parametrize("processes", [2, 3])
 def test_the_ring_hands_a_slow_consumer_every_batch_intact(numbered, processes):
-    # 61 batches: the processes yield unequal counts, so near the end the DataLoader asks the
-    # ones left for more batches ahead than they have slots.
+    # 61 batches, each joined of a part from every process, which run ahead as far as their
+    # slots let them.
     root, manifest, _ = numbered
     stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
-    plain = DataLoader(stream, batch_size=None, num_workers=processes)
-    expected = [row_ids(images) for images, _ in plain]
+    expected = [row_ids(images) for images, _ in RingLoader(stream, processes=0)]
     assert len(expected) == 61
     got = []
     for images, labels in RingLoader(stream, processes=processes):
@@ -408,7 +395,7 @@ def test_the_ring_hands_a_slow_consumer_every_batch_intact(numbered, processes):
 def test_the_ring_hands_pinned_batches_to_a_gpu_worker(numbered):
     root, manifest, _ = numbered
     stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
-    plain = DataLoader(stream, batch_size=None, num_workers=2)
+    plain = RingLoader(stream, processes=0)
     for (images, labels), (expected, _) in zip(
         RingLoader(stream, processes=2, pin_memory=True), plain, strict=True
     ):
@@ -461,7 +448,7 @@ def test_a_consumer_that_stops_the_ring_early_leaves_no_process_waiting(numbered
     # The next epoch's processes write into the same memory, which nothing else writes to now.
     assert loader.spare is not None
     stream.set_epoch(1)
-    plain = DataLoader(stream, batch_size=None, num_workers=2)
+    plain = RingLoader(stream, processes=0)
     assert [row_ids(x) for x, _ in loader] == [row_ids(x) for x, _ in plain]
 
 
@@ -595,7 +582,7 @@ def test_jpeg_header_reads_the_frame_without_decoding():
 def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset, workers):
     root, manifest = dataset
     assert manifest.image_format == "jpeg"
-    kwargs, size = dict(batch_size=16, shuffle=True, drop_last=True, seed=3), manifest.image_size
+    kwargs, size = dict(batch_size=16, shuffle=True, seed=3), manifest.image_size
     ours = RowGroupStream(
         root,
         manifest,
@@ -605,7 +592,7 @@ def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset
     )
     theirs = PillowStream(root, manifest, "train", transform=torchvisions_crop(size), **kwargs)
     ours = list(RingLoader(ours, processes=workers))
-    theirs = list(DataLoader(theirs, batch_size=None, num_workers=workers))
+    theirs = list(RingLoader(theirs, processes=workers))
     assert len(ours) == len(theirs) > 3
     for (x, y), (px, py) in zip(ours, theirs, strict=True):
         assert torch.equal(x, px) and torch.equal(y, py)
@@ -636,32 +623,6 @@ def test_the_random_resized_crop_draws_and_crops_as_torchvisions_crop():
 # --- augmentation and Ray Data's block order: different per rank, process and epoch ----------
 
 
-def drawn(image: torch.Tensor) -> torch.Tensor:
-    """Stands in for an augmentation: the image filled with the number it draws."""
-    return torch.full_like(image, int(torch.randint(0, 256, ())))
-
-
-def draws(stream: RowGroupStream, workers: int) -> list[list[int]]:
-    """The numbers each batch's augmentation drew, on a rank seeded as training seeds them."""
-    torch.manual_seed(0)  # as every rank does, for the model's initial weights
-    loader = RingLoader(stream, processes=workers)
-    return [images[:, 0, 0, 0].tolist() for images, _ in loader]
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_augmentation_differs_per_rank_process_and_epoch_and_repeats(numbered, workers):
-    root, manifest, _ = numbered
-    kwargs = dict(batch_size=8, shuffle=True, drop_last=True, transform=drawn)
-    first, second = streams(root, manifest, "train", 2, **kwargs)
-    epoch_0 = draws(first, workers)
-    assert epoch_0 != draws(second, workers)
-    if workers == 2:  # the loader takes batches from its processes in turn
-        assert epoch_0[0] != epoch_0[1]
-    assert draws(first, workers) == epoch_0
-    first.set_epoch(1)
-    assert draws(first, workers) != epoch_0
-
-
 def tagged(image: torch.Tensor) -> torch.Tensor:
     """Stands in for an augmentation: the image, with the number it draws in its blue corner."""
     out = image.clone()
@@ -669,97 +630,65 @@ def tagged(image: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("workers", [0, 1, 2, 3])
-def test_an_epoch_resumed_at_a_batch_yields_the_rest_of_the_uninterrupted_one(numbered, workers):
+# (workers, DataLoader processes each): layouts of the same run, global batch 24, 6 partitions.
+LAYOUTS = [(1, 0), (1, 2), (2, 0), (2, 1), (2, 3), (3, 2), (3, 3)]
+
+
+def global_steps(numbered, layout, *, epoch=1, start=0, partitions=6) -> list[list[tuple]]:
+    """Epoch `epoch` of a run at global batch 24 in `layout`, from step `start`: each global
+    step's (row id, augmentation draw) pairs, the ranks' batches end to end."""
     root, manifest, _ = numbered
-    stream, _ = streams(
-        root, manifest, "train", 2, batch_size=8, shuffle=True, drop_last=True, transform=tagged
-    )
-    stream.set_epoch(1)
-
-    def batches() -> list[tuple[list[int], list[int]]]:
-        torch.manual_seed(0)  # as every rank does, for the model's initial weights
-        loader = RingLoader(stream, processes=workers)
-        return [(row_ids(images), images[:, 2, 0, 0].tolist()) for images, _ in loader]
-
-    whole = batches()
-    n = len(whole)
-    assert n == len(stream) > 6
-    for start in sorted({1, 2, 3, n // 2, n - 2, n - 1, n}):
-        stream.set_epoch(1, start_batch=start)
-        assert batches() == whole[start:], start  # the same rows, order and draws
-
-
-# (workers, images per worker batch, DataLoader processes): the layouts an epoch is resized
-# between, at a global batch of 24 (a resubmit may change it too: the last pair).
-RESIZES = [
-    ((2, 12, 2), (1, 24, 0)),
-    ((1, 24, 0), (3, 8, 2)),
-    ((3, 8, 1), (2, 12, 3)),
-    ((2, 12, 2), (2, 16, 2)),
-]
-
-
-def resized_epoch(root, manifest, layout, segments=(), steps=None) -> list[list[list[int]]]:
-    """Each rank's batches (row ids) of epoch 1 in `layout`, after `segments`; only the first
-    `steps` of each rank's, if given."""
-    workers, batch, processes = layout
+    workers, processes = layout
     ranks = []
     for stream in streams(
-        root, manifest, "train", workers, batch_size=batch, shuffle=True, drop_last=True
+        root,
+        manifest,
+        "train",
+        workers,
+        batch_size=24 // workers,
+        shuffle=True,
+        transform=tagged,
+        partitions=partitions,
     ):
-        stream.set_epoch(1, 0, segments)
-        batches = epoch_batches(stream, processes)
-        assert len(batches) == len(stream)
-        ranks.append(batches[:steps])
+        stream.set_epoch(epoch, start)
+        torch.manual_seed(0)  # as every rank does, for the model's initial weights
+        loader = RingLoader(stream, processes=processes)
+        ranks.append(
+            [list(zip(row_ids(x), x[:, 2, 0, 0].tolist(), strict=True)) for x, _ in loader]
+        )
     assert len({len(r) for r in ranks}) == 1  # DDP steps in lockstep
-    return ranks
+    return [[row for rank in step for row in rank] for step in zip(*ranks, strict=True)]
 
 
-def rows_trained(*parts) -> collections.Counter:
-    return collections.Counter(i for ranks in parts for batches in ranks for i in flat(batches))
+def test_a_global_step_trains_the_same_rows_with_the_same_draws_whatever_the_layout(numbered):
+    whole = global_steps(numbered, LAYOUTS[0])
+    assert len(whole) == math.ceil(970 / 24)
+    for layout in LAYOUTS[1:]:
+        assert global_steps(numbered, layout) == whole, layout
+    draws = [d for step in whole for _, d in step]
+    assert len(set(draws)) > 200  # a draw per row, not one per batch or process
+    # Another epoch, another order and other draws; the same epoch again, the same.
+    other = global_steps(numbered, LAYOUTS[3], epoch=2)
+    rows = [{r for step in epoch for r, _ in step} for epoch in (whole, other)]
+    assert other != whole and rows[0] == rows[1] == set(numbered[2]["train"])
+    assert global_steps(numbered, LAYOUTS[3]) == whole
 
 
-@pytest.mark.parametrize(("before", "after"), RESIZES)
-def test_an_epoch_resized_inside_trains_each_row_as_often_as_one_never_resized(
+@pytest.mark.parametrize(("before", "after"), [(LAYOUTS[4], LAYOUTS[0]), (LAYOUTS[2], LAYOUTS[5])])
+def test_an_epoch_resumed_at_a_step_on_another_layout_yields_the_rest_of_the_uninterrupted_one(
     numbered, before, after
 ):
-    root, manifest, _ = numbered
-    whole = rows_trained(resized_epoch(root, manifest, before))
-    steps = 13
-    first = resized_epoch(root, manifest, before, steps=steps)
-    seg = Segment(before[0], before[1], max(1, before[2]), steps)
-    rest = resized_epoch(root, manifest, after, [seg])
-    assert rows_trained(first, rest) == whole
-    # Resized again inside the rest: still every row as often.
-    second = resized_epoch(root, manifest, after, [seg], steps=5)
-    again = Segment(after[0], after[1], max(1, after[2]), 5)
-    last = resized_epoch(root, manifest, before, [seg, again])
-    assert rows_trained(first, second, last) == whole
-    # Batches within a row or so of the worker's share; the rest is in the epoch's order of
-    # row groups, through the shuffle buffer: batches mix several groups.
-    assert {len(b) for ranks in rest for b in ranks} <= {after[1] - 1, after[1]}
-    mixed = [len({group_of(i) for i in b}) for ranks in rest for b in ranks]
-    assert sum(mixed) / len(mixed) > 2
-
-
-def test_the_rest_of_a_resized_epoch_resumes_at_a_batch_as_the_epoch_does(numbered):
-    root, manifest, _ = numbered
-    segments = [Segment(2, 12, 2, 13)]
-    stream = RowGroupStream(
-        root, manifest, "train", batch_size=24, shuffle=True, drop_last=True, transform=tagged
-    )
-
-    def batches(start: int) -> list[tuple[list[int], list[int]]]:
-        stream.set_epoch(1, start, segments)
-        loader = RingLoader(stream, processes=2)
-        return [(row_ids(images), images[:, 2, 0, 0].tolist()) for images, _ in loader]
-
-    whole = batches(0)
+    whole = global_steps(numbered, before)
     n = len(whole)
-    assert n == len(stream) > 6
-    for start in (1, n // 2, n - 1, n):
-        assert batches(start) == whole[start:], start  # the same rows, order and draws
+    for start in (1, 13, n - 1, n):
+        assert global_steps(numbered, after, start=start) == whole[start:], start
+
+
+def test_the_partitions_order_the_epoch_and_must_split_the_global_batch(numbered):
+    assert global_steps(numbered, (2, 0), partitions=3) != global_steps(numbered, (2, 0))
+    root, manifest, _ = numbered
+    with pytest.raises(ValueError, match="5 partitions do not split a global batch of 24"):
+        RowGroupStream(root, manifest, "train", batch_size=24, shuffle=True, partitions=5)
 
 
 def block_order(split) -> list[int]:

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from pipeline.core.config import AbsolutePathOrURI, Strict, TrackingConfig
 from pipeline.model.config import ModelConfig
+from pipeline.train.order import default_partitions
 
 
 class TrainTrackingConfig(TrackingConfig):
@@ -228,6 +229,16 @@ class TrainConfig(Strict):
             "count."
         ),
     )
+    partitions: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Parts each epoch's shuffled order is cut into, each giving global_batch_size / "
+            "partitions images a step (docs/train.md). Fixed when the run starts; none: the "
+            "largest divisor of global_batch_size that every worker count divides, up to 2 a "
+            "loader process."
+        ),
+    )
     ingest: Literal["torch", "ray_data"] = Field(
         "torch",
         description=(
@@ -358,6 +369,11 @@ class TrainConfig(Strict):
                 f"global_batch_size={self.global_batch_size} gives a worker fewer than 2 images "
                 f"per step with {s.max_workers} workers: use at least {2 * s.max_workers}"
             )
+        if self.partitions is not None and self.global_batch_size % self.partitions:
+            raise ValueError(
+                f"partitions={self.partitions} does not divide global_batch_size="
+                f"{self.global_batch_size}: use a divisor of it, or leave it out"
+            )
         return self
 
     @model_validator(mode="after")
@@ -458,6 +474,14 @@ class TrainConfig(Strict):
     def decode_setting(self) -> str:
         """`decode`, where auto goes to the CPU for the user's own augment."""
         return "cpu" if self.decode == "auto" and is_hook(self.augment) else self.decode
+
+    def partitions_at_start(self) -> int:
+        """The partition count a new run starts with (order.EpochOrder)."""
+        if self.partitions is not None:
+            return self.partitions
+        s = self.scaling
+        counts = range(s.min_workers, s.max_workers + 1)
+        return default_partitions(self.global_batch_size, counts, s.loader_workers)
 
     def batch_size_per_worker(self, workers: int) -> int:
         """Each worker's share of the global batch, with `workers` workers running."""

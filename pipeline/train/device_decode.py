@@ -1,12 +1,12 @@
 """`decode=gpu`: the train worker decodes each batch's JPEGs on its device and augments them there.
 
 The DataLoader processes then only read rows (`RowGroupStream(encoded=True)`): a batch leaves
-them as its encoded images and the key of its augmentation draws (`EncodedBatch`).
+them as its encoded images and the seeds of their augmentation draws (`EncodedBatch`).
 `DeviceDecoded` decodes it with torchvision's `decode_jpeg` on the worker's device (nvJPEG on
 CUDA; on a CPU device the same call decodes with libjpeg-turbo, in the training process) and
-applies the CPU path's transform image by image, with the same `Augment` draws: torchvision's
-transforms draw their parameters from the CPU generator, which `Augment` seeds per batch key,
-and apply them to the image where it lies. So the same key gives the same crops, flips and
+applies the CPU path's transform image by image, with the same draws: torchvision's
+transforms draw their parameters from the CPU generator, which `augmented` seeds per row,
+and apply them to the image where it lies. So the same seeds give the same crops, flips and
 policy ops on either path; on a CPU device the pixels are equal too (PIL decodes with the same
 libjpeg-turbo), on CUDA nvJPEG's decode may differ from it by a few levels.
 """
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from pipeline.train.torch_input import Augment, EncodedBatch, RowGroupStream
+from pipeline.train.torch_input import EncodedBatch, RowGroupStream, augmented
 
 
 def pick_decode(decode: str, device: torch.device, image_format: str) -> str:
@@ -31,9 +31,9 @@ def pick_decode(decode: str, device: torch.device, image_format: str) -> str:
 
 def decode_batch(batch: EncodedBatch, device: torch.device, transform=None) -> torch.Tensor:
     """uint8 (B, 3, S, S) on `device`: the batch decoded there, then `transform` on each image
-    with the batch's own draws."""
+    with its own draws."""
     images = decode_jpeg(batch.tensors(), mode=ImageReadMode.RGB, device=device)
-    return torch.stack(Augment(transform, batch.key)(images))
+    return torch.stack(augmented(transform, images, batch.seeds))
 
 
 class DeviceDecoded:

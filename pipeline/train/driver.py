@@ -98,6 +98,21 @@ def newest_meta(run_dir: Location, meta: CheckpointMeta | None) -> CheckpointMet
     return read_meta(inside) if inside is not None else meta
 
 
+def with_partitions(cfg: TrainConfig, newest: CheckpointMeta | None) -> TrainConfig:
+    """`cfg` with the partitions the run started with (its newest checkpoint's), or, for a new
+    run, those it starts with: an epoch's order is a function of them (order.EpochOrder)."""
+    recorded = newest.config.get("partitions") if newest is not None else None
+    if recorded and cfg.global_batch_size % recorded == 0:
+        if cfg.partitions not in (None, recorded):
+            log.info(
+                "partitions stays %d, the run's (partitions=%d applies to a new run)",
+                recorded,
+                cfg.partitions,
+            )
+        return cfg.model_copy(update={"partitions": recorded})
+    return cfg.model_copy(update={"partitions": cfg.partitions_at_start()})
+
+
 def check_dataset(cfg: TrainConfig, dataset: Location, version: str) -> Manifest:
     """The manifest of `version`, if that version is complete and usable for this config."""
     manifest = read_manifest(dataset, version)
@@ -215,6 +230,7 @@ def train(
     meta = read_meta(latest) if latest is not None else None
     if meta is not None:
         cfg = recorded_mode(cfg, meta.config)  # a resume keeps the run's: resume_changes checks
+    cfg = with_partitions(cfg, newest_meta(run_dir, meta))
     changes = resume_changes(meta.config, cfg) if meta is not None else []
     if meta is not None:
         for change in changes:

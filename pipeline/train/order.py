@@ -1,50 +1,159 @@
-"""Pure functions of an epoch's order, shared by the training loader (torch_input) and the
-layout of an epoch's rest (rest): batches, the shuffle buffer, the DataLoader's round robin."""
+"""An epoch's order: which rows each global step trains, and with which augmentation draws.
+
+The order belongs to the data, not to the layout that trains it. It is a pure function of the
+seed, the epoch, the split's row groups (its dataset version), the global batch and a partition
+count fixed when the run starts (`EpochOrder`):
+
+1. The split's row groups, in an order shuffled by seed + epoch, lay their rows end to end. The
+   sequence is padded to whole global batches by repeating its first rows (as DistributedSampler
+   pads), so every row is trained once an epoch and a few twice.
+2. The padded sequence is cut into `partitions` contiguous stretches of equal length. Each one
+   passes through a shuffle buffer of its own, seeded by seed + epoch + partition.
+3. Global step `s` trains, from each partition in turn, its next `global_batch / partitions`
+   rows. Each row's augmentation is drawn from a seed of its slot in the epoch (`row_seed`).
+
+A layout only decides who reads and decodes what (`share`, `cut`). Rank `r` of `R` takes the
+`r`-th of `R` equal slices of each global batch: whole partitions where `R` divides the
+partition count, each read by one rank alone. A rank's DataLoader processes split its slice the
+same way, each reading its own partitions, so every process reads its row groups once. The
+number of ranks, loader processes or their batches never changes which rows step `s` trains, in
+which order, with which draws; a resume at step `s` on any layout is a position, not a replay.
+"""
 
 from __future__ import annotations
 
-import itertools
+import bisect
+import math
 import random
+from dataclasses import dataclass
+from functools import cached_property
+
+MASK = (1 << 64) - 1
 
 
-def batched(rows, size: int):
-    """Lists of `size` rows, the last one shorter (itertools.batched, from Python 3.12 on)."""
-    rows = iter(rows)
-    while batch := list(itertools.islice(rows, size)):
-        yield batch
+def row_seed(seed: int, epoch: int, slot: int) -> int:
+    """The seed of the augmentation draws for slot `slot` of an epoch (splitmix64 of the three):
+    the same in whichever process, rank or layout decodes the row."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xD1B54A32D192ED03 + slot + 1) & MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return (x ^ (x >> 31)) >> 1  # 63 bits: what torch's manual_seed takes
 
 
-def shuffled(rows, capacity: int, rng: random.Random):
-    """`rows` through a shuffle buffer of `capacity`: each row out is a random pick of the
-    buffer, replaced by the next row in."""
-    buffer = []
-    for row in rows:
+def shuffled(items: list[int], capacity: int, rng: random.Random) -> list[int]:
+    """`items` through a shuffle buffer of `capacity`: each item out is a random pick of the
+    buffer, replaced by the next item in."""
+    out, buffer = [], []
+    for item in items:
         if len(buffer) < capacity:
-            buffer.append(row)
+            buffer.append(item)
             continue
         i = rng.randrange(capacity)
-        yield buffer[i]
-        buffer[i] = row
+        out.append(buffer[i])
+        buffer[i] = item
     rng.shuffle(buffer)
-    yield from buffer
+    return out + buffer
 
 
-def taken(counts: list[int], steps: int) -> tuple[list[int], int]:
-    """After a DataLoader yielded `steps` batches of processes that yield `counts` batches,
-    taking one from each process in turn and passing over those that are done: how many of
-    each process's batches it had taken, and the process it takes the next one from."""
-    done, process = [0] * len(counts), 0
-    for _ in range(steps):
-        while done[process] == counts[process]:
-            process = (process + 1) % len(counts)
-        done[process] += 1
-        process = (process + 1) % len(counts)
-    return done, process
+def default_partitions(global_batch: int, worker_counts: range, loader_workers: int) -> int:
+    """The partition count a run starts with: a divisor of the global batch that every worker
+    count the run may go through divides (their lcm does: the config checks the batch splits
+    evenly), as large as 2 partitions for every loader process of the largest layout, so that
+    each process reads partitions of its own."""
+    lcm = math.lcm(*worker_counts)
+    cap = max(lcm, 2 * worker_counts[-1] * max(1, loader_workers))
+    return max(d for d in range(lcm, min(cap, global_batch) + 1, lcm) if global_batch % d == 0)
 
 
-def process_key(seed: int, epoch: int, rank: int, process: int, segment: int = 0) -> str:
-    """The key of a DataLoader process's draws in an epoch: its shuffle buffer's, and with
-    `/<batch>` added, each batch's augmentation. `segment`: the layout of the epoch's rest
-    after a resize inside it (rest.py); 0, the epoch's own."""
-    rest = f"rest{segment}/" if segment else ""
-    return f"{seed}/{epoch}/{rest}{rank}/{process}"
+@dataclass(frozen=True)
+class EpochOrder:
+    """The train split's order in every epoch of a run (module docstring)."""
+
+    group_rows: tuple[int, ...]  # rows of each of the split's row groups, in manifest order
+    global_batch: int
+    partitions: int
+    seed: int
+    shuffle_rows: int  # the shuffle buffers' capacity, over all partitions
+
+    def __post_init__(self):
+        if self.global_batch % self.partitions:
+            raise ValueError(
+                f"{self.partitions} partitions do not split a global batch of "
+                f"{self.global_batch} evenly"
+            )
+
+    @cached_property
+    def rows(self) -> int:
+        return sum(self.group_rows)
+
+    @property
+    def steps(self) -> int:
+        """Global steps an epoch: every row once, the last step filled with the first rows."""
+        return math.ceil(self.rows / self.global_batch)
+
+    @property
+    def chunk(self) -> int:
+        """Rows each partition gives each step."""
+        return self.global_batch // self.partitions
+
+    @property
+    def length(self) -> int:
+        """Rows of each partition."""
+        return self.steps * self.chunk
+
+    def groups(self, epoch: int) -> list[int]:
+        """The row groups (indices into `group_rows`) in the order the epoch lays them out."""
+        order = list(range(len(self.group_rows)))
+        random.Random(f"groups/{self.seed}/{epoch}").shuffle(order)
+        return order
+
+    def partition(self, epoch: int, p: int) -> list[int]:
+        """Partition `p`'s rows in the order it gives them: positions in the epoch's row
+        sequence (`places` says where each is stored)."""
+        begin = p * self.length
+        stretch = [(begin + k) % self.rows for k in range(self.length)]
+        capacity = max(1, math.ceil(self.shuffle_rows / self.partitions))
+        return shuffled(stretch, capacity, random.Random(f"rows/{self.seed}/{epoch}/{p}"))
+
+    def places(self, epoch: int, positions: list[int]) -> list[tuple[int, int]]:
+        """(row group, row in it) of each position in the epoch's row sequence."""
+        starts, group_of = [], []
+        at = 0
+        for g in self.groups(epoch):
+            starts.append(at)
+            group_of.append(g)
+            at += self.group_rows[g]
+        out = []
+        for position in positions:
+            i = bisect.bisect_right(starts, position) - 1
+            out.append((group_of[i], position - starts[i]))
+        return out
+
+
+def share(global_batch: int, chunk: int, part: int, parts: int) -> list[tuple[int, int, int]]:
+    """Part `part` of `parts` equal slices of a global batch laid out partition by partition
+    (`chunk` rows each): (partition, first, end) of its rows within each partition's chunk."""
+    begin, end = part * global_batch // parts, (part + 1) * global_batch // parts
+    out = []
+    for p in range(begin // chunk, math.ceil(end / chunk)):
+        lo, hi = max(begin, p * chunk) - p * chunk, min(end, (p + 1) * chunk) - p * chunk
+        out.append((p, lo, hi))
+    return out
+
+
+def cut(ranges: list[tuple[int, int, int]], part: int, parts: int) -> list[tuple[int, int, int]]:
+    """Part `part` of `parts` slices of `ranges` (share's): whole ranges, as many to each
+    part, so that each partition is read by one process; cut by rows only where there are
+    fewer ranges than parts."""
+    n = len(ranges)
+    if n >= parts:
+        return ranges[part * n // parts : (part + 1) * n // parts]
+    rows = sum(hi - lo for _, lo, hi in ranges)
+    begin, end = part * rows // parts, (part + 1) * rows // parts
+    out, at = [], 0
+    for p, lo, hi in ranges:
+        a, b = max(begin, at), min(end, at + hi - lo)
+        if a < b:
+            out.append((p, lo + a - at, lo + b - at))
+        at += hi - lo
+    return out

@@ -124,8 +124,8 @@ class ShardBatches:
         self.batch_size, self.shuffle_seed, self.epoch = batch_size, shuffle_seed, 0
         self.batches = max(rows // world // batch_size, 1) if shuffle_seed is not None else 0
 
-    def set_epoch(self, epoch: int, start_batch: int = 0, segments=()) -> None:
-        assert start_batch == 0 and not segments, "Ray Data resumes no iteration inside an epoch"
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        assert start_step == 0, "Ray Data resumes no iteration inside an epoch"
         self.epoch = epoch
 
     def __len__(self) -> int:

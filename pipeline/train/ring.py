@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
-from pipeline.train.torch_input import Failed, RowGroupStream
+from pipeline.train.torch_input import EncodedBatch, Failed, RowGroupStream
 
 PREFETCH = 2  # batches each process decodes ahead: the DataLoader's default prefetch_factor
 _rings: weakref.WeakValueDictionary[int, BatchRing] = weakref.WeakValueDictionary()
@@ -38,11 +38,7 @@ class Slot(NamedTuple):
     labels: list[int]
 
     def take(self, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rings[self.ring].take(self, pin)
-
-    def pin_memory(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The DataLoader's pinning thread calls this: the batch copied into pinned memory."""
-        return self.take(pin=True)
+        return _rings[self.ring].take([self], pin)
 
 
 class BatchRing:
@@ -97,22 +93,27 @@ class BatchRing:
             for _ in range(self.slots):
                 free.release()
 
-    def take(self, handed: Slot, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """In the trainer's process: the batch in `handed`'s slot, copied out; the slot freed."""
-        batch = self.memory[handed.process, handed.slot, : handed.images]
-        out = torch.empty(batch.shape, dtype=torch.uint8, pin_memory=pin)
-        out.copy_(batch)
-        self.free[handed.process].release()
-        labels = torch.tensor(handed.labels, dtype=torch.int64)
+    def take(self, parts: list[Slot], pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """In the trainer's process: the batch in the slots of `parts` (one from each process
+        that yielded a part of it, in order), copied out; the slots freed."""
+        images = sum(part.images for part in parts)
+        out = torch.empty((images, *self.memory.shape[3:]), dtype=torch.uint8, pin_memory=pin)
+        at = 0
+        for part in parts:
+            out[at : at + part.images].copy_(self.memory[part.process, part.slot, : part.images])
+            at += part.images
+            self.free[part.process].release()
+        labels = torch.tensor([label for part in parts for label in part.labels])
         return out.permute(0, 3, 1, 2), labels.pin_memory() if pin else labels
 
 
 class RingLoader:
     """`stream`'s batches decoded in `processes` DataLoader processes (in this one with 0),
     handed over through a `BatchRing`; uint8 (B, 3, S, S) channels-last and int64 labels, pinned
-    with `pin_memory`. Batches of encoded images (`decode=gpu`) are small and go as they are.
-    An InputError in a process (a damaged row, a missing shard) is raised here as it was raised
-    there, one line, where a DataLoader's own would carry the process's traceback instead."""
+    with `pin_memory`. A train batch comes as one part from each process, joined here in process
+    order (RowGroupStream). Batches of encoded images (`decode=gpu`) are small and go as they
+    are. An InputError in a process (a damaged row, a missing shard) is raised here as it was
+    raised there, one line, where a DataLoader's own would carry the process's traceback."""
 
     def __init__(self, stream: RowGroupStream, *, processes: int, pin_memory: bool = False):
         self.stream, self.processes, self.pin_memory = stream, processes, pin_memory
@@ -123,31 +124,36 @@ class RingLoader:
 
     def __iter__(self):
         ring = None
-        if self.processes:
+        processes = self.stream.processes(self.processes)
+        if processes:
             batch = 0 if self.stream.encoded else self.stream.batch_size
             size = self.stream.image_size
-            ring = BatchRing(self.processes, batch=batch, size=size, memory=self.spare)
+            ring = BatchRing(processes, batch=batch, size=size, memory=self.spare)
             self.spare = None
         loader = DataLoader(
             self.stream,
-            batch_size=None,  # the stream yields whole batches
-            num_workers=self.processes,
+            batch_size=None,  # the stream yields whole batches, or parts of them
+            num_workers=processes,
             # Fresh processes each epoch, forked with the epoch set_epoch gave the stream:
             # persistent ones would keep the copy of the stream (and its epoch) they started with.
             persistent_workers=False,
-            pin_memory=self.pin_memory,
-            prefetch_factor=PREFETCH if self.processes else None,
+            # Parts from processes are copied out of the ring (into pinned memory) as joined.
+            pin_memory=self.pin_memory and not processes,
+            prefetch_factor=PREFETCH if processes else None,
             worker_init_fn=ring.attach if ring else None,
             # The stream seeds its own draws; a DataLoader otherwise takes a seed from the global
             # generator at each iteration, which a resume inside an epoch takes at another step.
             generator=torch.Generator(),
         )
+        parts = processes if self.stream.order is not None and processes > 1 else 1
         batches = iter(loader)
         try:
-            for batch in batches:
-                if isinstance(batch, Failed):
-                    raise batch.error
-                yield batch.take() if isinstance(batch, Slot) else batch
+            for first in batches:
+                batch = [first, *itertools.islice(batches, parts - 1)]
+                for part in batch:
+                    if isinstance(part, Failed):
+                        raise part.error
+                yield self.joined(batch)
         finally:  # also when the consumer stopped early: no process left waiting for a slot
             if ring is not None:
                 ring.release_all()
@@ -156,3 +162,13 @@ class RingLoader:
                 # each fault in and zero again, in them and in this process.
                 batches._shutdown_workers()
                 self.spare = ring.memory
+
+    def joined(self, parts: list):
+        """The batch of the parts the processes yielded: copied out of the ring's slots
+        (into pinned memory for a GPU), or encoded ones put end to end."""
+        if isinstance(parts[0], Slot):
+            return _rings[parts[0].ring].take(parts, self.pin_memory)
+        if isinstance(parts[0][0], EncodedBatch):
+            return EncodedBatch.joined(parts)
+        (batch,) = parts  # decoded in this process: whole, in its own memory
+        return batch

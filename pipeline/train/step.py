@@ -248,10 +248,12 @@ def train_data(
     rank: int,
     world: int,
     device: torch.device,
+    partitions: int | None = None,
 ) -> EpochLoader:
     """This worker's training batches (decode + augment in `loader_workers` processes, or on
-    `device` by `decode`), with `set_epoch` to reshuffle. Ray Train needs no wrapping of it:
-    the benchmark's plain loop uses it as it is."""
+    `device` by `decode`), with `set_epoch` to reshuffle; `partitions`: the run's (else the
+    config's count at the start). Ray Train needs no wrapping of it: the benchmark's plain loop
+    uses it as it is."""
     transform = train_transform(**transform_options(cfg), image_size=manifest.image_size)
     on_device = pick_decode(cfg.decode_setting(), device, manifest.image_format) == "gpu"
     stream = RowGroupStream(
@@ -263,10 +265,9 @@ def train_data(
         world=world,
         shuffle=True,
         seed=cfg.seed,
-        # A last batch of a few images would be a noisy step, and BatchNorm fails on one image.
-        drop_last=True,
         transform=None if on_device else transform,
         encoded=on_device,
+        partitions=partitions or cfg.partitions_at_start(),
     )
     batches = loader(stream, cfg, device)
     if on_device:
@@ -292,17 +293,62 @@ def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, w
 
 
 class EpochLoader:
-    """A loader (decoding on the device, or not) and the stream whose `set_epoch`
-    reshuffles it."""
+    """A loader (decoding on the device, or not) and the stream whose `set_epoch` reshuffles it.
+    Its position (`state_dict`) is a few numbers: the epoch, the steps of it trained, and what
+    the epoch's order is a function of (order.EpochOrder)."""
 
     def __init__(self, loader: RingLoader | DeviceDecoded, stream: RowGroupStream):
         self.loader, self.stream = loader, stream
+        self.step = 0  # of the epoch, once the batch handed out last is trained
+        self._resume: dict | None = None
 
-    def set_epoch(self, epoch: int, start_batch: int = 0, segments=()) -> None:
-        self.stream.set_epoch(epoch, start_batch, segments)
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """The epoch the next iteration yields, from `start_step` on; from the position
+        `load_state_dict` gave, if that is inside this epoch."""
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            start_step = self._resume["step"]
+        self._resume = None
+        self.stream.set_epoch(epoch, start_step)
+        self.step = start_step
+
+    @property
+    def start_step(self) -> int:
+        return self.stream.start_step
+
+    def state_dict(self) -> dict:
+        o = self.stream.order
+        return {
+            "epoch": self.stream.epoch,
+            "step": self.step,
+            "partitions": o.partitions,
+            "global_batch": o.global_batch,
+            "seed": o.seed,
+            "dataset_version": self.stream.version,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resumes at `state`'s position: on any worker count or loader processes, the next
+        step is the one after it. A position of another dataset version, global batch or
+        seed does not fit this epoch's order: that epoch starts over."""
+        o, was = self.stream.order, dict(state)
+        now = {"global_batch": o.global_batch, "seed": o.seed}
+        now["dataset_version"] = self.stream.version
+        changed = [f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v]
+        if o.global_batch % was["partitions"] == 0:
+            self.stream.set_partitions(was["partitions"])  # the run's, whatever the layout
+        if changed:
+            if was["step"]:
+                log.info(
+                    "epoch %d starts over: its order changed (%s) since its step %d",
+                    *(was["epoch"], ", ".join(changed), was["step"]),
+                )
+            return
+        self._resume = {"epoch": was["epoch"], "step": was["step"]}
 
     def __iter__(self):
-        return iter(self.loader)
+        for batch in self.loader:
+            self.step += 1
+            yield batch
 
     def __len__(self) -> int:
         return len(self.loader)

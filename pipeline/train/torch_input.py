@@ -1,27 +1,26 @@
 """The training and validation loader: a preprocessed Parquet split streamed a row group at a time.
 
-`RowGroupStream` is a torch `IterableDataset` that yields whole batches. Each epoch it lays the
-split's row groups end to end (train: in an order shuffled by seed + epoch; val: manifest
-order), gives each rank a contiguous slice of that row sequence, and each DataLoader process one
-contiguous run of the rank's batches. So a process reads every row group it needs once, in a
-background thread while it decodes the rows before, and holds only a few groups: memory does not
-grow with the dataset, and the bytes read per epoch stay close to the split's size (only a group
-that straddles two processes' runs is read by both). Train rows then pass through a shuffle
-buffer of a few groups, so each batch mixes rows of several groups; preprocessing writes shards
-in hash order, so every group already mixes the classes. Augmentation draws differ per rank,
-DataLoader process, epoch and batch, and repeat for the same seed (`Augment`).
+`RowGroupStream` is a torch `IterableDataset` that yields whole batches.
 
-An epoch can start at any batch (`set_epoch(epoch, start_batch)`, a resume from a checkpoint
-taken inside the epoch) and yield exactly the batches the uninterrupted epoch would have yielded
-from there: each process skips the batches of its run already trained on (reading their rows,
-which the shuffle buffer needs, without decoding them), and the DataLoader's round robin starts
-at the process whose batch came next.
+- **train** follows the epoch's order (order.py): global step `s` trains the same rows with the
+  same augmentation draws whatever the number of ranks, loader processes or their batches. Each
+  rank takes its slice of every global batch, and each of its DataLoader processes a part of
+  that slice (`order.cut`); a DataLoader takes one part from each process in turn, and the ring
+  joins them into the rank's batch (ring.RingLoader). An epoch can start at any step
+  (`set_epoch(epoch, start_step)`): the rows before it are neither read nor decoded.
+- **val** is read in manifest order, each rank a contiguous slice (unpadded: over all ranks
+  each row counts once), each process a contiguous run of the rank's batches.
+
+A process computes which rows it needs before it reads any, reads each row group it needs once,
+in a background thread, in the order it first needs them, while it decodes the rows before, and
+holds a group only until its last row is decoded: memory does not grow with the dataset, and the
+bytes read per epoch stay close to the split's size (only a group that two partitions share is
+read by both where two processes own them).
 """
 
 from __future__ import annotations
 
-import bisect
-import copy
+import logging
 import math
 import queue
 import random
@@ -45,8 +44,9 @@ from pipeline.data.dataset import (
     read_row_group,
 )
 from pipeline.data.images import BadImageError, decode_image, jpeg_header
-from pipeline.train.order import batched, process_key, shuffled, taken
-from pipeline.train.rest import Segment, cut, not_trained, rest_run, steps_of
+from pipeline.train.order import EpochOrder, cut, default_partitions, row_seed, share
+
+log = logging.getLogger(__name__)
 
 COLUMNS = ["image", "label"]
 Place = tuple[int, int]  # (index into RowGroupStream.groups, row in that group)
@@ -60,19 +60,28 @@ class RowGroup:
     rows: int
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A batch (or a process's part of one) before anything is read: where its rows are stored,
+    and the seeds of their augmentation draws (train)."""
+
+    places: list[Place]
+    seeds: list[int] | None
+
+
 class RowGroupStream(IterableDataset):
     """Rank `rank`'s batches of one split for one epoch: (uint8 (B, 3, S, S), int64 (B,)); the
     images channels-last in memory where decoding and augmentation leave them so (`stacked`).
 
-    train (`shuffle=True`): the row sequence is padded to a multiple of `world` by repeating
-    its first rows, as DistributedSampler does, so every rank gets the same rows and batches
-    (DDP steps in lockstep); with `drop_last`, a rank's last partial batch is dropped when it
-    has more than one batch. val (`shuffle=False`): no padding, so over all ranks each row
-    counts exactly once; ranks may then differ by a batch.
+    train (`shuffle=True`): `batch_size` rows of each global batch of `batch_size * world`, in
+    the epoch's order (order.EpochOrder, over `partitions`: by default `default_partitions` of
+    this layout); every rank the same number of full batches (DDP steps in lockstep). val: no
+    padding, so over all ranks each row counts exactly once; ranks may then differ by a batch.
 
-    Use with `DataLoader(stream, batch_size=None, persistent_workers=False)`: each epoch's
-    iteration forks fresh processes that copy the epoch `set_epoch` gave this object; persistent
-    ones would keep the copy of the epoch they were forked with.
+    Use with `DataLoader(stream, batch_size=None, persistent_workers=False)` (ring.RingLoader):
+    each epoch's iteration forks fresh processes that copy the epoch `set_epoch` gave this
+    object. With more than one process, a train batch comes as one part from each
+    (`processes`), in process order.
 
     With `encoded`, batches are (EncodedBatch, int64 (B,)) instead: the rows as read, for
     `device_decode.DeviceDecoded` to decode and augment with the same draws."""
@@ -88,31 +97,22 @@ class RowGroupStream(IterableDataset):
         world: int = 1,
         shuffle: bool = False,
         seed: int = 0,
-        drop_last: bool = False,
         transform=None,
         shuffle_groups: int = 4,
         prefetch_groups: int = 2,
         encoded: bool = False,
+        partitions: int | None = None,
     ):
         assert 0 <= rank < world and batch_size > 0
         self.root, self.batch_size, self.rank, self.world = root, batch_size, rank, world
-        self.shuffle, self.seed, self.drop_last, self.transform = (
-            shuffle,
-            seed,
-            drop_last,
-            transform,
-        )
+        self.shuffle, self.seed, self.transform = shuffle, seed, transform
         self.prefetch_groups = prefetch_groups
         self.encoded = encoded  # yield EncodedBatch, for the worker to decode (decode=gpu)
         self.ring = None  # in a DataLoader process of ring.RingLoader: where batches go
         self.image_size = manifest.image_size
+        self.version = manifest.version
         self.epoch = 0
-        self.start_batch = 0  # batches of the epoch trained on before a resume
-        # The epoch's rest after steps trained in other layouts (set_epoch's segments): the
-        # positions in its row sequence not trained yet; None: the epoch's own layout.
-        self.rest: list[int] | None = None
-        self.segments: list[Segment] = []
-        self._sequence = None
+        self.start_step = 0  # steps of the epoch trained before a resume
         self.files: list[ShardFooter] = []
         self.groups: list[RowGroup] = []
         self.classes = len(manifest.classes)
@@ -128,123 +128,90 @@ class RowGroupStream(IterableDataset):
                 f"split {split!r} of {root.uri} has {self.rows} rows on storage but the "
                 f"manifest says {manifest.splits[split].rows}; re-run preprocessing"
             )
-        largest = max((g.rows for g in self.groups), default=0)
-        self.shuffle_rows = shuffle_groups * largest if shuffle else 0
+        self.shuffle_rows = shuffle_groups * max((g.rows for g in self.groups), default=0)
+        self.order: EpochOrder | None = None
+        if shuffle:
+            global_batch = batch_size * world
+            if partitions is None:
+                partitions = default_partitions(global_batch, range(world, world + 1), 1)
+            self.set_partitions(partitions)
 
-    def set_epoch(self, epoch: int, start_batch: int = 0, segments=()) -> None:
-        """The epoch the next iteration yields, from its batch `start_batch` on; after
-        `segments` (rest.Segment), steps of it trained in other layouts, only its rest."""
-        self.epoch, self.segments = epoch, list(segments)
-        self.rest = not_trained(self, self.segments) if self.segments else None
-        assert 0 <= start_batch <= len(self)
-        self.start_batch = start_batch
-
-    def relaid(self, *, rank: int, world: int, batch_size: int) -> RowGroupStream:
-        """This stream's epoch in another layout (its own, not a rest)."""
-        other = copy.copy(self)
-        other.rank, other.world, other.batch_size = rank, world, batch_size
-        other.rest, other.segments = None, []
-        return other
-
-    # --- which rows, in which order: a pure function of (epoch, rank, process) --------------
-
-    def order(self, epoch: int) -> list[int]:
-        """Indices into `groups`, in the order the epoch lays their rows end to end."""
-        if not self.shuffle:
-            return list(range(len(self.groups)))
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.groups), generator=g).tolist()
-
-    def rank_rows(self) -> tuple[int, int]:
-        """[begin, end) of this rank's slice of the epoch's row sequence; train's may run past
-        its end, into the padding."""
-        per = math.ceil(self.rows / self.world)
-        begin, end = self.rank * per, (self.rank + 1) * per
-        if self.shuffle:
-            return begin, end
-        return min(self.rows, begin), min(self.rows, end)
-
-    def served_rows(self) -> int:
-        begin, end = self.rank_rows()
-        return min(end - begin, self.batches() * self.batch_size)
-
-    def __len__(self) -> int:
-        """Batches this rank yields this epoch (the same on every rank for train)."""
-        if self.rest is not None:
-            return steps_of(len(self.rest), self.layout())
-        return self.batches()
-
-    def layout(self, processes: int = 1) -> Segment:
-        """This stream's layout, as a segment of no steps yet."""
-        return Segment(self.world, self.batch_size, processes, 0)
-
-    def rest_run(self, process: int, processes: int):
-        """In the rest of the epoch, process `process`'s part (rest.rest_run)."""
-        index, seg = len(self.segments), self.layout(processes)
-        return rest_run(self, self.rest, index, seg, self.rank, process)
-
-    def batches(self) -> int:
-        """Batches this rank yields in the epoch's own layout."""
-        begin, end = self.rank_rows()
-        if self.drop_last and end - begin > self.batch_size:
-            return (end - begin) // self.batch_size
-        return math.ceil((end - begin) / self.batch_size)
-
-    def process_batches(self, process: int, processes: int) -> tuple[int, int]:
-        """[first, last) of this rank's n batches that DataLoader process `process` yields."""
-        n = len(self)
-        return process * n // processes, (process + 1) * n // processes
-
-    def resume_point(self, processes: int, start_batch: int) -> tuple[list[int], int]:
-        """After the DataLoader yielded `start_batch` batches: how many of each process's
-        batches it had taken, and the process it takes the next one from."""
-        if self.rest is not None:
-            counts = [len(self.rest_run(p, processes)[1]) for p in range(processes)]
-        else:
-            counts = [last - first for first, last in self.all_process_batches(processes)]
-        return taken(counts, start_batch)
-
-    def all_process_batches(self, processes: int) -> list[tuple[int, int]]:
-        return [self.process_batches(p, processes) for p in range(processes)]
-
-    def process_positions(self, process: int, processes: int) -> tuple[int, int]:
-        """[start, end) in the epoch's row sequence of what process `process` reads (past its
-        end: the padding, the sequence's first rows again)."""
-        first, last = self.process_batches(process, processes)
-        begin = self.rank_rows()[0]
-        return begin + first * self.batch_size, begin + min(
-            last * self.batch_size, self.served_rows()
+    def set_partitions(self, partitions: int) -> None:
+        """The train order over `partitions` (a run keeps the count it started with)."""
+        self.order = EpochOrder(
+            tuple(g.rows for g in self.groups),
+            self.batch_size * self.world,
+            partitions,
+            self.seed,
+            self.shuffle_rows,
         )
 
-    def runs(self, epoch: int, process: int = 0, processes: int = 1) -> list[tuple[int, int, int]]:
-        """(group, first row, end row) runs of what DataLoader process `process` reads: batches
-        [process * n // processes, (process + 1) * n // processes) of this rank's n."""
-        start, end = self.process_positions(process, processes)
-        order = self.sequence(epoch)[0]
-        out, pos = [], start
-        while pos < end:
-            i, lo = self.place(pos % self.rows, epoch)
-            g = order[i]
-            take = min(self.groups[g].rows - lo, end - pos)
-            out.append((g, lo, lo + take))
-            pos += take
-        return out
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """The epoch the next iteration yields, from its step `start_step` on."""
+        assert 0 <= start_step <= len(self)
+        self.epoch, self.start_step = epoch, start_step
 
-    def place(self, position: int, epoch: int) -> tuple[int, int]:
-        """(index into the epoch's group order, row in that group) of a position in the
-        epoch's row sequence."""
-        starts = self.sequence(epoch)[1]
-        i = bisect.bisect_right(starts, position) - 1
-        return i, position - starts[i]
+    def __len__(self) -> int:
+        """Steps (batches of this rank) in the epoch: the same on every rank for train."""
+        if self.order is not None:
+            return self.order.steps
+        begin, end = self.rank_rows()
+        return math.ceil((end - begin) / self.batch_size)
 
-    def sequence(self, epoch: int) -> tuple[list[int], list[int]]:
-        """The epoch's group order, and where each of its groups starts in the row sequence."""
-        if self._sequence is None or self._sequence[0] != epoch:
-            order, starts = self.order(epoch), [0]
-            for g in order:
-                starts.append(starts[-1] + self.groups[g].rows)
-            self._sequence = (epoch, order, starts)
-        return self._sequence[1:]
+    def processes(self, loader_workers: int) -> int:
+        """DataLoader processes the stream is read by: `loader_workers`, but no more than a
+        train batch has rows (each process yields a part of every train batch)."""
+        if self.order is None:
+            return loader_workers
+        return min(loader_workers, self.batch_size)
+
+    def rank_rows(self) -> tuple[int, int]:
+        """val: [begin, end) of this rank's slice of the split's rows."""
+        per = math.ceil(self.rows / self.world)
+        return min(self.rows, self.rank * per), min(self.rows, (self.rank + 1) * per)
+
+    # --- which rows: a pure function of the epoch and the layout -------------------------
+
+    def plan(self, process: int = 0, processes: int = 1) -> list[Planned]:
+        """What DataLoader process `process` of `processes` yields this epoch, in order."""
+        if self.order is None:
+            return self._val_plan(process, processes)
+        o = self.order
+        ranges = share(o.global_batch, o.chunk, self.rank, self.world)
+        ranges = cut(ranges, process, processes) if processes > 1 else ranges
+        parts = {p: o.partition(self.epoch, p) for p, _, _ in ranges}
+        steps = range(self.start_step, o.steps)
+        slots = [
+            p * o.length + s * o.chunk + j
+            for s in steps
+            for p, lo, hi in ranges
+            for j in range(lo, hi)
+        ]
+        positions = [parts[slot // o.length][slot % o.length] for slot in slots]
+        places = [(g, row) for g, row in o.places(self.epoch, positions)]
+        n = len(slots) // len(steps) if steps else 0
+        return [
+            Planned(
+                places[i * n : (i + 1) * n],
+                [row_seed(self.seed, self.epoch, slot) for slot in slots[i * n : (i + 1) * n]],
+            )
+            for i in range(len(steps))
+        ]
+
+    def _val_plan(self, process: int, processes: int) -> list[Planned]:
+        begin, end = self.rank_rows()
+        n = len(self)
+        first, last = process * n // processes, (process + 1) * n // processes
+        lo, hi = begin + first * self.batch_size, min(end, begin + last * self.batch_size)
+        places, at = [], 0
+        for g, group in enumerate(self.groups):
+            a, b = max(lo, at), min(hi, at + group.rows)
+            places += [(g, row - at) for row in range(a, b)]
+            at += group.rows
+        return [
+            Planned(places[i : i + self.batch_size], None)
+            for i in range(0, len(places), self.batch_size)
+        ]
 
     # --- reading and decoding -------------------------------------------------------------
 
@@ -260,46 +227,30 @@ class RowGroupStream(IterableDataset):
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
-        worker, processes = (info.id, info.num_workers) if info else (0, 1)
-        # The DataLoader takes its first batch from worker 0: worker 0 plays the process whose
-        # batch the uninterrupted epoch took next, and the others follow it in turn.
-        done, first = self.resume_point(processes, self.start_batch)
-        process = (first + worker) % processes
-        skip = done[process]
-        key = process_key(self.seed, self.epoch, self.rank, process)
-        if self.rest is not None:
-            reads, sizes, rng = self.rest_run(process, processes)
-            fetched = self._fetched(self.pieces(reads), self.read_rows)
-            batches = cut(shuffled(fetched, self.shuffle_rows, rng), sizes)
-            key = process_key(self.seed, self.epoch, self.rank, process, len(self.segments))
-        else:
-            fetched = rows = self._fetched(self.runs(self.epoch, process, processes), self.read)
-            if self.shuffle:
-                rows = shuffled(rows, self.shuffle_rows, random.Random(key))
-            batches = batched(rows, self.batch_size)
+        process, processes = (info.id, info.num_workers) if info else (0, 1)
+        plan = self.plan(process, processes)
+        rows = self._rows([b.places for b in plan])
         try:
-            for b, batch in enumerate(batches):
-                if b < skip:
-                    continue  # trained on before the resume: its rows read, not decoded
+            for planned, batch in zip(plan, rows, strict=True):
                 if self.encoded:  # decoded and augmented by the worker, on its device
-                    yield EncodedBatch.of(batch, f"{key}/{b}")
+                    yield EncodedBatch.of(batch, planned.seeds)
                 elif self.ring is not None:  # stacked into memory the trainer's process maps
                     slot, out = self.ring.claim(len(batch))
-                    self.decoded(batch, f"{key}/{b}", out)
+                    self.decoded(batch, planned.seeds, out)
                     yield self.ring.handed(slot, [label for _, label, _ in batch])
                 else:
-                    yield self.decoded(batch, f"{key}/{b}")
+                    yield self.decoded(batch, planned.seeds)
         finally:  # its reading thread ends now, not once an error's traceback is dropped
-            fetched.close()
+            rows.close()
 
     def decoded(
-        self, rows: list[Row], key: str, out: torch.Tensor | None = None
+        self, rows: list[Row], seeds: list[int] | None, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch: its rows decoded, augmented with the draws of `key`, stacked (into
-        `out`, if given)."""
+        """One batch: its rows decoded, each augmented with the draws of its seed, stacked
+        (into `out`, if given)."""
         images = [self.image(data, place) for data, _, place in rows]
         labels = torch.tensor([label for _, label, _ in rows], dtype=torch.int64)
-        return stacked(Augment(self.transform, key)(images), out), labels
+        return stacked(augmented(self.transform, images, seeds), out), labels
 
     def image(self, data: bytes, place: Place) -> torch.Tensor:
         """The image stored at `place`, decoded; an InputError naming it if it is not the image
@@ -320,34 +271,23 @@ class RowGroupStream(IterableDataset):
         g = self.groups[group]
         return str(damaged(self.root, self.files[g.file].uri, what, group=g.index, row=row))
 
-    def read(self, group: int, lo: int, hi: int) -> tuple[list[bytes], list[int], list[Place]]:
-        """Rows [lo, hi) of one row group: encoded images, labels, and where each is stored."""
+    def read(self, group: int) -> tuple[list[bytes], list[int]]:
+        """One row group's encoded images and labels."""
         g = self.groups[group]
         table = read_row_group(self.files[g.file], g.index, COLUMNS, classes=self.classes)
-        table = table.slice(lo, hi - lo)
-        places = [(group, row) for row in range(lo, hi)]
-        return table.column("image").to_pylist(), table.column("label").to_pylist(), places
+        return table.column("image").to_pylist(), table.column("label").to_pylist()
 
-    def pieces(self, positions: list[int]) -> list[tuple[int, list[int]]]:
-        """(group, its rows) of positions of the epoch's row sequence, in sequence order."""
-        order, out = self.sequence(self.epoch)[0], []
-        for position in positions:
-            i, row = self.place(position, self.epoch)
-            if out and out[-1][0] == order[i]:
-                out[-1][1].append(row)
-            else:
-                out.append((order[i], [row]))
-        return out
-
-    def read_rows(self, group: int, rows: list[int]) -> tuple[list, list, list]:
-        """Rows `rows` (ascending) of one row group, as `read` gives them."""
-        columns = self.read(group, rows[0], rows[-1] + 1)
-        return tuple([column[r - rows[0]] for r in rows] for column in columns)
-
-    def _fetched(self, runs: list[tuple], read) -> Iterator[Row]:
-        """The rows of `runs`, each `read(*run)`, read `prefetch_groups` ahead by a thread while
-        the caller decodes. Started here, in the process that iterates: threads do not survive
-        a fork."""
+    def _rows(self, batches: list[list[Place]]) -> Iterator[list[Row]]:
+        """The rows of each batch of places. Each row group is read once, `prefetch_groups`
+        ahead by a thread in the order the batches first need them, and dropped after the
+        last batch that needs it. Started here, in the process that iterates: threads do not
+        survive a fork."""
+        first_needed, last_use = [], {}
+        for i, places in enumerate(batches):
+            for g, _ in places:
+                if g not in last_use:
+                    first_needed.append(g)
+                last_use[g] = i
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch_groups)
         stop = threading.Event()
 
@@ -363,21 +303,26 @@ class RowGroupStream(IterableDataset):
 
         def fetch() -> None:
             try:
-                for run in runs:
-                    if not put(read(*run)):
+                for g in first_needed:
+                    if not put((g, self.read(g))):
                         return
             except BaseException as e:  # handed to the consumer, which raises it
                 put(Failed(e))
-                return
-            put(DONE)
 
         thread = threading.Thread(target=fetch, name="row-group-prefetch", daemon=True)
         thread.start()
+        held: dict[int, tuple[list[bytes], list[int]]] = {}
         try:
-            while (item := ready.get()) is not DONE:
-                if isinstance(item, Failed):
-                    raise item.error
-                yield from zip(*item, strict=True)
+            for i, places in enumerate(batches):
+                for g, _ in places:
+                    while g not in held:
+                        item = ready.get()
+                        if isinstance(item, Failed):
+                            raise item.error
+                        held[item[0]] = item[1]
+                yield [(held[g][0][row], held[g][1][row], (g, row)) for g, row in places]
+                for g in {g for g, _ in places if last_use[g] == i}:
+                    del held[g]
         finally:
             stop.set()
 
@@ -391,17 +336,29 @@ class EncodedBatch(NamedTuple):
 
     data: torch.Tensor  # uint8 (total bytes,)
     sizes: list[int]  # bytes of each image, in order
-    key: str  # its augmentation's key: the draws `Augment` makes for the decoded batch
+    seeds: list[int] | None  # each image's augmentation draws (`augmented`)
     places: list[Place]  # where each image is stored, to name one that does not decode
 
     @classmethod
-    def of(cls, rows: list[Row], key: str) -> tuple[EncodedBatch, torch.Tensor]:
+    def of(cls, rows: list[Row], seeds: list[int] | None) -> tuple[EncodedBatch, torch.Tensor]:
         """(EncodedBatch, labels) of rows."""
         data = bytearray(b"".join(image for image, _, _ in rows))
         labels = torch.tensor([label for _, label, _ in rows], dtype=torch.int64)
         sizes = [len(image) for image, _, _ in rows]
         places = [place for _, _, place in rows]
-        return cls(torch.frombuffer(data, dtype=torch.uint8), sizes, key, places), labels
+        return cls(torch.frombuffer(data, dtype=torch.uint8), sizes, seeds, places), labels
+
+    @classmethod
+    def joined(cls, parts: list[tuple[EncodedBatch, torch.Tensor]]):
+        """One batch of the parts of it that DataLoader processes yielded, in order."""
+        batches, labels = zip(*parts, strict=True)
+        seeds = None if batches[0].seeds is None else [s for b in batches for s in b.seeds]
+        return cls(
+            torch.cat([b.data for b in batches]),
+            [n for b in batches for n in b.sizes],
+            seeds,
+            [p for b in batches for p in b.places],
+        ), torch.cat(labels)
 
     def tensors(self) -> list[torch.Tensor]:
         """One uint8 (bytes,) view per image, as `decode_jpeg` takes a batch."""
@@ -451,14 +408,28 @@ class Failed:
     error: BaseException
 
 
+def augmented(transform, images: list[torch.Tensor], seeds: list[int] | None):
+    """`transform` (or none) on each image, its random draws from its own seed (order.row_seed),
+    without moving the global generator that training draws from: the same crops and flips
+    for a row whichever process, rank or layout decodes it."""
+    if transform is None:
+        return images
+    out = []
+    with torch.random.fork_rng(devices=[]):
+        for image, seed in zip(images, seeds, strict=True):
+            torch.default_generator.manual_seed(seed)
+            out.append(transform(image))
+    return out
+
+
 class Augment:
-    """`transform` (or none) on a list of images, with random draws of its own, from `key`.
+    """`transform` on a whole batch, with random draws of its own, from `key` (MixUp, CutMix).
 
     torchvision's transforms draw from torch's global generator. Every rank seeds that alike,
-    for the model's initial weights that DDP needs equal, and a DataLoader seeds its processes
-    from it: each rank would crop and flip its images as every other rank does. A generator
-    state per (seed, epoch, rank, process) makes the draws differ between them, and repeat for
-    the same run, without moving the global generator that training draws from."""
+    for the model's initial weights that DDP needs equal: each rank would mix its batch as every
+    other rank does. A generator state per key (the worker's: seed, epoch, rank and step) makes
+    the draws differ between them, and repeat for the same run, without moving the global
+    generator that training draws from."""
 
     def __init__(self, transform, key: str):
         self.transform = transform

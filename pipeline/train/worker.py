@@ -47,7 +47,6 @@ from pipeline.train.device_decode import pick_decode
 from pipeline.train.ema import ModelEMA
 from pipeline.train.hooks import build_loss, build_metrics
 from pipeline.train.optim import build_optimizer, restore_optimizer
-from pipeline.train.rest import Segment
 from pipeline.train.saving import Snapshot, publish_checkpoint
 from pipeline.train.step import (
     Progress,
@@ -82,10 +81,7 @@ class Worker:
     rank: int
     world: int
     start_epoch: int = 0
-    start_step: int = 0  # batches of start_epoch trained on: a resume inside the epoch
-    # Steps of start_epoch trained in other layouts (an elastic resize inside it): this
-    # attempt trains the epoch's rest (pipeline.train.rest).
-    segments: list[Segment] = field(default_factory=list)
+    start_step: int = 0  # steps of start_epoch trained on: a resume inside the epoch
     # What those batches added up to over all ranks: loss_sum, images and seconds.
     carried: dict = field(default_factory=lambda: dict(NOTHING_CARRIED))
     history: list[dict] = field(default_factory=list)
@@ -182,17 +178,9 @@ def train_loop_per_worker(config: dict) -> None:
         set_rng_state(train_state["rng"], device)  # as it was after that step: dropout's draws
     for epoch in range(w.start_epoch, cfg.epochs):
         start = w.start_step if epoch == w.start_epoch else 0
-        segments = w.segments if epoch == w.start_epoch else []
         carried = w.carried if start else NOTHING_CARRIED
-        # Steps are numbered through the epoch, over its layouts; the loader counts its own.
-        before = sum(seg.steps for seg in segments)
-        train_loader.set_epoch(epoch, start - before, segments)
-        batches = before + len(train_loader)
-        if segments and rank == 0:
-            log.info(
-                "epoch %d: %d rows not trained yet after step %d, on %d workers: %d steps",
-                *(epoch, len(train_loader.stream.rest), start, world, len(train_loader)),
-            )
+        train_loader.set_epoch(epoch, start)
+        batches = len(train_loader)
         began = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
         progress = Progress(epoch, cfg.epochs, batches, every_s=cfg.log_every_s)
@@ -215,13 +203,11 @@ def train_loop_per_worker(config: dict) -> None:
             carried=carried,
             began=began,
             batches=batches,
-            segments=segments,
         ) -> None:
             steps.after_step(
                 epoch,
                 step,
                 batches,
-                segments=segments,
                 so_far=lambda: epoch_so_far(totals(), carried, began, device),
                 state=lambda: (
                     unwrap(model).state_dict(),
@@ -359,9 +345,7 @@ class StepCheckpoints:
         self.writer = StepWriter(w.run_dir) if w.rank == 0 else None
         self.noticed = False
 
-    def after_step(
-        self, epoch: int, step: int, batches: int, *, segments: list[Segment], so_far, state
-    ) -> None:
+    def after_step(self, epoch: int, step: int, batches: int, *, so_far, state) -> None:
         # Every rank asks after every step, the same number of times: Ray's call is a barrier.
         notice = ray.train.get_preemption_info()
         first_notice = notice is not None and not self.noticed
@@ -375,7 +359,7 @@ class StepCheckpoints:
         weights, train_state, ema_weights = state()
         train_state |= {"epoch_so_far": totals, "rng": rng_state(self.device)}
         metrics = {"epoch": epoch, "step": step, "workers": self.w.world}
-        meta = checkpoint_meta(self.w, metrics, step=step, segments=segments)
+        meta = checkpoint_meta(self.w, metrics, step=step)
         self.writer.save(
             epoch,
             step,
@@ -398,9 +382,9 @@ class StepCheckpoints:
 def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
     """Load the run's newest checkpoint inside an epoch into `model` and `w`, if it is newer
     than the checkpoint `restore` loaded; return its train state. Taken in another layout (an
-    elastic resize; a resubmit with other loader_workers or global_batch_size), the steps it
-    trained are a segment of the epoch, and this attempt trains the rest (pipeline.train.rest).
-    With another seed the epoch starts over from that checkpoint: its order is another."""
+    elastic resize; a resubmit with other loader_workers), the next step is the same: the
+    epoch's order is the data's (pipeline.train.order). With another seed or global batch the
+    epoch starts over from that checkpoint: its order is another."""
     # Of start_epoch only: older ones are from before the epoch checkpoint already loaded;
     # newer ones (the next epoch's, taken while this epoch's checkpoint was being uploaded,
     # which did not get into Ray's record) continue from an epoch that has no checkpoint.
@@ -408,14 +392,17 @@ def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
     if found is None:
         return None
     meta = read_meta(found)
-    if meta.config["seed"] != w.cfg.seed:
-        if w.rank == 0:
-            log.warning(
-                "the checkpoint of epoch %d step %d was taken with seed=%s, this attempt has "
-                "seed=%s: epoch %d starts over from its start (the seed orders its rows)",
-                *(meta.epoch, meta.step, meta.config["seed"], w.cfg.seed, meta.epoch),
-            )
-        return None
+    for key in ("seed", "global_batch_size"):
+        if meta.config[key] != getattr(w.cfg, key):
+            if w.rank == 0:
+                log.warning(
+                    "the checkpoint of epoch %d step %d was taken with %s=%s, this attempt has "
+                    "%s=%s: epoch %d starts over from its start (the %s orders its rows)",
+                    *(meta.epoch, meta.step, key, meta.config[key], key),
+                    getattr(w.cfg, key),
+                    *(meta.epoch, key),
+                )
+            return None
     if meta.dataset_version != w.manifest.version:
         if w.rank == 0:
             log.warning(
@@ -430,12 +417,8 @@ def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
     train_state = load_train_state(found)
     w.ema_weights = load_weights(found, meta, EMA) if meta.ema_weights else None
     w.start_step, w.carried, w.history = meta.step, train_state["epoch_so_far"], meta.history
-    w.segments = [Segment(**seg) for seg in meta.segments]
     was = epoch_layout(meta.config, meta.metrics["workers"])
     now = epoch_layout(w.cfg.model_dump(mode="json"), w.world)
-    if was != now:
-        steps = meta.step - sum(seg.steps for seg in w.segments)
-        w.segments.append(Segment(**was, steps=steps))
     if w.rank == 0:
         log.info(
             "resumed from checkpoint %s: epoch %d, continuing after its step %d%s",
@@ -446,8 +429,8 @@ def restore_step(w: Worker, model: torch.nn.Module) -> dict | None:
 
 
 def epoch_layout(config: dict, workers: int) -> dict:
-    """The layout of an epoch's steps (pipeline.train.rest.Segment, less its steps) from a
-    train config as a checkpoint records it, with `workers` workers."""
+    """The layout of an epoch's steps from a train config as a checkpoint records it, with
+    `workers` workers: it reads and decodes them, and changes none of them."""
     return {
         "workers": workers,
         "batch": config["global_batch_size"] // workers,
@@ -589,11 +572,9 @@ def restore(w: Worker, model: torch.nn.Module) -> dict | None:
     return train_state
 
 
-def checkpoint_meta(
-    w: Worker, metrics: dict, *, step: int | None = None, segments: list[Segment] = ()
-) -> CheckpointMeta:
+def checkpoint_meta(w: Worker, metrics: dict, *, step: int | None = None) -> CheckpointMeta:
     """metadata.json of a checkpoint at the end of epoch `metrics["epoch"]`, or inside it at
-    `step`, after `segments` in earlier layouts."""
+    `step`."""
     return CheckpointMeta(
         model=ModelSpec(
             name=w.cfg.model.name,
@@ -603,7 +584,6 @@ def checkpoint_meta(
         ),
         epoch=metrics["epoch"],
         step=step,
-        segments=[seg.record() for seg in segments],
         classes=w.manifest.classes,
         image_size=w.manifest.image_size,
         input_size=w.inputs.image_size,
