@@ -27,6 +27,7 @@ from corpus import (
     resized_header,
     rewrite_shard,
 )
+from helpers import small_run_config
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -55,7 +56,9 @@ from pipeline.data.images import (
 from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
+from pipeline.train.optim import build_optimizer
 from pipeline.train.ring import BatchRing, RingLoader
+from pipeline.train.step import train_data, train_one_epoch
 from pipeline.train.torch_input import RowGroupStream, decode
 
 CLASSES = ["a", "b", "c", "d"]
@@ -450,6 +453,34 @@ def test_a_consumer_that_stops_the_ring_early_leaves_no_process_waiting(numbered
     stream.set_epoch(1)
     plain = RingLoader(stream, processes=0)
     assert [row_ids(x) for x, _ in loader] == [row_ids(x) for x, _ in plain]
+
+
+def test_the_same_seed_trains_the_same_weights_with_0_1_or_2_loader_processes(dataset, tmp_path):
+    root, manifest = dataset
+    cpu = torch.device("cpu")
+    weights = []
+    for processes in (0, 1, 2):
+        # The run's partitions: fixed when it starts, whatever loader_workers it goes on with.
+        overrides = [f"scaling.loader_workers={processes}", "partitions=4"]
+        cfg = small_run_config(Path(root.path), tmp_path, *overrides)
+        torch.manual_seed(cfg.seed)
+        model = torch.nn.Sequential(  # small, and with BatchNorm: a batch's rows all count
+            torch.nn.Conv2d(3, 8, 3),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, len(manifest.classes)),
+        )
+        optimizer, _ = build_optimizer(model, cfg)
+        loader = train_data(cfg, root, manifest, rank=0, world=1, device=cpu)
+        loader.set_epoch(0)
+        policy = DevicePolicy(cpu, "fp32", manifest.mean, manifest.std)
+        t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), policy=policy)
+        assert t["images"] == 8 * len(loader) >= 480
+        weights.append(model.state_dict())
+    for other in weights[1:]:
+        assert all(torch.equal(weights[0][k], other[k]) for k in other)
 
 
 # --- the tiny dataset of the other tests: real preprocessed images ----------------------------
