@@ -21,7 +21,6 @@ from pipeline.data.dataset import read_manifest
 from pipeline.model.checkpoint import EMA_WEIGHTS, METADATA, WEIGHTS, ModelInput, save_checkpoint
 from pipeline.model.networks import build_model
 from pipeline.train.config import TrainConfig
-from pipeline.train.rest import Segment
 from pipeline.train.saving import Snapshot, publish_checkpoint
 from pipeline.train.steps import (
     STEPS,
@@ -172,7 +171,7 @@ def worker(tiny_dataset, run_dir: Location, world: int, overrides=("scaling.load
     return Worker(cfg, root, run_dir, manifest, inputs, rank=0, world=world)
 
 
-def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_trains_the_rest_in_a_new_layout(
+def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_goes_on_at_its_step_in_any_layout(
     tiny_dataset, tmp_path
 ):
     run_dir = Location.parse(str(tmp_path / "r"))
@@ -192,23 +191,17 @@ def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_trains_the_rest_in_
     assert (w.start_step, w.carried) == (8, so_far)
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
-    assert w.segments == []
-    # Another layout (workers, worker batch, loader processes): the steps taken are a segment
-    # of the epoch, and the attempt trains its rest (test_loader counts its rows).
-    taken_in = Segment(workers=2, batch=taken.cfg.global_batch_size // 2, processes=1, steps=8)
-    for world, change in (
-        (1, ()),
-        (2, ("scaling.loader_workers=3",)),
-        (2, ("global_batch_size=64",)),
-    ):
+    # Another layout (workers, loader processes) trains the same next step: the epoch's order
+    # is the data's (test_loader counts its rows).
+    for world, change in ((1, ()), (2, ("scaling.loader_workers=3",))):
         other = worker(tiny_dataset, run_dir, world=world, overrides=change)
         other.start_epoch = 1
         assert restore_step(other, fresh)["epoch_so_far"] == so_far, change
-        assert (other.start_step, other.segments) == (8, [taken_in]), change
-    # loader_workers 0 and 1 lay an epoch out alike: one process each.
-    alike = worker(tiny_dataset, run_dir, world=2, overrides=("scaling.loader_workers=1",))
-    alike.start_epoch = 1
-    assert restore_step(alike, fresh) is not None and alike.segments == []
+        assert other.start_step == 8, change
+    # Another global batch orders the epoch's steps otherwise: it starts over.
+    rebatched = worker(tiny_dataset, run_dir, world=2, overrides=("global_batch_size=64",))
+    rebatched.start_epoch = 1
+    assert restore_step(rebatched, fresh) is None and rebatched.start_step == 0
     # Another seed orders the epoch's rows otherwise: it starts over.
     reseeded = worker(tiny_dataset, run_dir, world=2, overrides=("seed=1",))
     reseeded.start_epoch = 1
