@@ -7,7 +7,7 @@ Target: the loader (--loader-workers DataLoader processes) delivers at least 0.8
 
 - Per-core limit: one process, one torch thread, no loader: the train split's stored rows (read
   into memory first), decoded and augmented as the training job does (random resized crop of
-  scale 0.25-1 + flip, drawn per batch as `Augment` draws), batch by batch. Decoders side by
+  scale 0.25-1 + flip, drawn per row as the loader draws), batch by batch. Decoders side by
   side: Pillow (`decode_image` + `pil_to_tensor`, the previous path), torchvision's
   `decode_jpeg`, the stream's `decode` (decode_jpeg behind its header check), and TorchCodec's
   `decode_jpeg` where it imports; each also without the augmentation. `--pillow DIR` adds
@@ -57,7 +57,7 @@ from pipeline.data.dataset import read_manifest
 from pipeline.data.images import decode_image
 from pipeline.train.augment import train_transform
 from pipeline.train.ring import RingLoader
-from pipeline.train.torch_input import Augment, RowGroupStream, decode
+from pipeline.train.torch_input import RowGroupStream, augmented, decode
 
 DECODERS = {
     "pillow": lambda data, size: v2.functional.pil_to_tensor(decode_image(data)),
@@ -79,8 +79,8 @@ def per_core(rows: list[bytes], *, decoder: str, transform, size: int, batch: in
     fn = DECODERS[decoder]
     started, cpu = time.perf_counter(), time.process_time()
     for b in range(0, len(rows), batch):
-        augment = Augment(transform, f"bench/{b}")
-        augment([fn(data, size) for data in rows[b : b + batch]])
+        images = [fn(data, size) for data in rows[b : b + batch]]
+        augmented(transform, images, list(range(b, b + len(images))))  # a seed a row, as trained
     seconds = time.perf_counter() - started
     return {"images_per_s": len(rows) / seconds, "cpu_s_per_image": cpu_per(cpu, len(rows))}
 
@@ -165,7 +165,6 @@ def loader_run(root: Location, *, stream_class, args, transform, ring: bool) -> 
         "train",
         batch_size=args.batch,
         shuffle=True,
-        drop_last=True,
         transform=transform,
     )
     # The training job's loader, one for the run as the job makes it: its batches are already
@@ -220,11 +219,11 @@ def one_round(root: Location, rows: list[bytes], args, *, baseline_first: bool) 
     transform = train_transform("random_resized_crop", image_size=size)
     out = {"load_before": loadavg()}
     for decoder in DECODERS:
-        for augmented in (False, True):
-            out[f"{decoder}{'+augment' if augmented else ''}"] = per_core(
+        for augments in (False, True):
+            out[f"{decoder}{'+augment' if augments else ''}"] = per_core(
                 rows,
                 decoder=decoder,
-                transform=transform if augmented else None,
+                transform=transform if augments else None,
                 size=size,
                 batch=args.batch,
             )
