@@ -65,7 +65,7 @@ def test_elastic_run_shrinks_on_a_lost_node_and_grows_back(
     rows = history(run)
     assert [(r["epoch"], r["workers"]) for r in rows] == [(0, 1), (1, 1)]
     # Every row of epoch 0 once, in whole global batches of 32 (the last step filled with the
-    # epoch's first rows), as two workers would have trained them.
+    # epoch's last rows again), as two workers would have trained them.
     train = read_manifest(Location.parse(str(tiny_dataset))).splits["train"].rows
     assert int(rows[0]["train_images"]) == math.ceil(train / 32) * 32
     # Exact on any count: every val image once, with one worker as with two.

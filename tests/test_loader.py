@@ -178,7 +178,7 @@ def test_train_ranks_get_every_row_once_in_full_batches(numbered, world, workers
     assert all(len(b) == 16 for r in ranks for b in r)
     served = collections.Counter(i for r in ranks for i in flat(r))
     assert sorted(served) == sorted(ids["train"])
-    # The last step is filled with rows from the epoch's start, as DistributedSampler pads.
+    # The last step is filled with rows trained already (the sequence's last ones).
     assert sum(c - 1 for c in served.values()) == steps * 16 * world - n
 
 
@@ -190,7 +190,7 @@ def test_train_order_changes_per_epoch_and_repeats_for_the_same_epoch(numbered, 
     first = epoch_batches(stream, workers)
     stream.set_epoch(1)
     second = epoch_batches(stream, workers)
-    assert second != first and sorted(flat(second)) == sorted(flat(first))
+    assert second != first and set(flat(second)) == set(flat(first))
     stream.set_epoch(0)
     assert epoch_batches(stream, workers) == first  # same epoch, same order: a resume repeats it
     other_seed = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True, seed=4)

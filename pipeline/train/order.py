@@ -5,8 +5,8 @@ seed, the epoch, the split's row groups (its dataset version), the global batch 
 count fixed when the run starts (`EpochOrder`):
 
 1. The split's row groups, in an order shuffled by seed + epoch, lay their rows end to end. The
-   sequence is padded to whole global batches by repeating its first rows (as DistributedSampler
-   pads), so every row is trained once an epoch and a few twice.
+   sequence is padded to whole global batches by repeating its last rows (DistributedSampler
+   repeats its first), so every row is trained once an epoch and a few twice.
 2. The padded sequence is cut into `partitions` contiguous stretches of equal length. Each one
    passes through a shuffle buffer of its own, seeded by seed + epoch + partition.
 3. Global step `s` trains, from each partition in turn, its next `global_batch / partitions`
@@ -88,7 +88,7 @@ class EpochOrder:
 
     @property
     def steps(self) -> int:
-        """Global steps an epoch: every row once, the last step filled with the first rows."""
+        """Global steps an epoch: every row once, the last step filled with repeated rows."""
         return math.ceil(self.rows / self.global_batch)
 
     @property
@@ -110,8 +110,11 @@ class EpochOrder:
     def partition(self, epoch: int, p: int) -> list[int]:
         """Partition `p`'s rows in the order it gives them: positions in the epoch's row
         sequence (`places` says where each is stored)."""
-        begin = p * self.length
-        stretch = [(begin + k) % self.rows for k in range(self.length)]
+        begin, pad = p * self.length, self.steps * self.global_batch - self.rows
+        # The padding repeats the sequence's last rows: read already by the last partition.
+        stretch = [
+            i if i < self.rows else (i - pad) % self.rows for i in range(begin, begin + self.length)
+        ]
         capacity = max(1, math.ceil(self.shuffle_rows / self.partitions))
         return shuffled(stretch, capacity, random.Random(f"rows/{self.seed}/{epoch}/{p}"))
 
