@@ -73,7 +73,7 @@ class EpochOrder:
     global_batch: int
     partitions: int
     seed: int
-    shuffle_rows: int  # the shuffle buffers' capacity, over all partitions
+    shuffle_rows: int  # the shuffle buffers' capacity over all partitions, a group each at least
 
     def __post_init__(self):
         if self.global_batch % self.partitions:
@@ -115,7 +115,8 @@ class EpochOrder:
         stretch = [
             i if i < self.rows else (i - pad) % self.rows for i in range(begin, begin + self.length)
         ]
-        capacity = max(1, math.ceil(self.shuffle_rows / self.partitions))
+        # At least a row group's worth each: no two rows of a group keep their order.
+        capacity = max(max(self.group_rows), math.ceil(self.shuffle_rows / self.partitions))
         return shuffled(stretch, capacity, random.Random(f"rows/{self.seed}/{epoch}/{p}"))
 
     def places(self, epoch: int, positions: list[int]) -> list[tuple[int, int]]:
