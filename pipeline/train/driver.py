@@ -51,8 +51,8 @@ from pipeline.model.runs import (
     resume_changes,
     write_reports,
 )
+from pipeline.train.checkpointer import latest_step_checkpoint
 from pipeline.train.config import TrainConfig, is_hook
-from pipeline.train.steps import latest_step_checkpoint
 
 log = logging.getLogger(__name__)
 

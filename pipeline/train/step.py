@@ -26,6 +26,8 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.ema import ModelEMA
 from pipeline.train.hooks import epoch_values
+from pipeline.train.optim import grad_scaler
+from pipeline.train.rest import Segment
 from pipeline.train.ring import RingLoader
 from pipeline.train.torch_input import RowGroupStream
 
@@ -72,6 +74,7 @@ def train_one_epoch(
     criterion,
     *,
     policy: DevicePolicy,
+    scaler: torch.amp.GradScaler | None = None,
     progress=None,
     recipe: StepRecipe | None = None,
     start: int = 0,
@@ -82,8 +85,10 @@ def train_one_epoch(
     seconds waited for input of the batches it trained on. `progress(batches_done,
     images_done)` is called after each batch, `after_step(step, totals)` after each step,
     `totals()` giving the loss and images summed so far. With a mix, the loss is against the
-    mixed (soft) labels."""
+    mixed (soft) labels. `scaler`: the run's grad scaler (None: a new one for `policy`'s
+    precision)."""
     recipe = recipe or StepRecipe()
+    scaler = scaler if scaler is not None else grad_scaler(policy.device, policy.precision)
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
     images = 0
@@ -94,12 +99,14 @@ def train_one_epoch(
         if recipe.mix is not None:
             x, y = recipe.mix(x, y, i)
         optimizer.zero_grad(set_to_none=True)
-        loss = backward(model, x, y, criterion, policy=policy, micro_batch=recipe.micro_batch)
+        loss = backward(
+            model, x, y, criterion, policy=policy, scaler=scaler, micro_batch=recipe.micro_batch
+        )
         if recipe.clip_grad_norm is not None:
-            policy.scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
+            scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
-        policy.scaler.step(optimizer)
-        policy.scaler.update()
+        scaler.step(optimizer)
+        scaler.update()
         if recipe.ema is not None:
             recipe.ema.step(unwrap(model))
         loss_sum += loss.double() * len(y)
@@ -136,7 +143,16 @@ class WaitTimed:
             yield batch
 
 
-def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int | None = None):
+def backward(
+    model,
+    x,
+    y,
+    criterion,
+    *,
+    policy: DevicePolicy,
+    scaler: torch.amp.GradScaler,
+    micro_batch: int | None = None,
+):
     """Gradients of the mean loss over the batch `x`, `y`, in micro-batches of `micro_batch`
     images (all at once without): each micro-batch's mean loss is weighted by its share of the
     batch, so the summed gradient is the whole batch's. Under DDP only the last micro-batch's
@@ -152,7 +168,7 @@ def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int |
         with sync:
             with policy.autocast():
                 loss = criterion(model(xc), yc) * (len(yc) / len(y))
-            policy.scaler.scale(loss).backward()
+            scaler.scale(loss).backward()
         total += loss.detach().float()
     return total
 
@@ -271,7 +287,7 @@ def train_data(
     batches = loader(stream, cfg, device)
     if on_device:
         batches = DeviceDecoded(batches, device, transform, rows=stream)
-    return EpochLoader(batches, stream)
+    return EpochLoader(batches, stream, layout=epoch_layout(cfg, world), logs=rank == 0)
 
 
 def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
@@ -292,17 +308,76 @@ def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, w
 
 
 class EpochLoader:
-    """A loader (decoding on the device, or not) and the stream whose `set_epoch`
-    reshuffles it."""
+    """A loader (decoding on the device, or not) and the stream whose `set_epoch` reshuffles it,
+    with its position: the epoch, and the steps of it yielded so far (`state_dict()`).
 
-    def __init__(self, loader: RingLoader | DeviceDecoded, stream: RowGroupStream):
-        self.loader, self.stream = loader, stream
+    Steps are numbered through the epoch, over the layouts it went through: a position taken in
+    another layout (workers, worker batch, loader processes; `layout`) becomes a segment of the
+    epoch, and the stream yields its rest (pipeline.train.rest)."""
+
+    def __init__(self, loader, stream, *, layout: dict, logs: bool = False):
+        self.loader, self.stream, self.layout = loader, stream, layout
+        self.logs = logs  # rank 0's: says where an epoch of several layouts goes on
+        self.epoch, self.step = 0, 0
+        self.segments: list[Segment] = []  # steps of `epoch` trained in other layouts
+        self.resume_epoch: int | None = None  # load_state_dict's, until set_epoch takes it
 
     def set_epoch(self, epoch: int, start_batch: int = 0, segments=()) -> None:
-        self.stream.set_epoch(epoch, start_batch, segments)
+        """Epoch `epoch` from its start, or after this layout's first `start_batch` batches,
+        after `segments`; or from the position `load_state_dict` gave, if it is in `epoch`."""
+        if self.resume_epoch != epoch:
+            self.segments = list(segments)
+            self.step = sum(seg.steps for seg in self.segments) + start_batch
+        self.epoch, self.resume_epoch = epoch, None
+        before = sum(seg.steps for seg in self.segments)
+        self.stream.set_epoch(epoch, self.step - before, self.segments)
+        if self.segments and self.logs:
+            taken = (f"{seg.steps} taken with {layout_text(seg.record())}" for seg in self.segments)
+            log.info(
+                "epoch %d: %d rows not trained yet after step %d, on %d workers: %d steps "
+                "(%s; now %s)",
+                *(epoch, len(self.stream.rest), self.step, self.layout["workers"]),
+                len(self.loader),
+                "; ".join(taken),
+                layout_text(self.layout),
+            )
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "segments": [seg.record() for seg in self.segments],
+            "layout": dict(self.layout),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at `state`'s position at the next `set_epoch` of its epoch."""
+        self.segments = [Segment(**seg) for seg in state["segments"]]
+        if state["layout"] != self.layout:
+            trained = state["step"] - sum(seg.steps for seg in self.segments)
+            self.segments.append(Segment(**state["layout"], steps=trained))
+        self.epoch, self.step, self.resume_epoch = state["epoch"], state["step"], state["epoch"]
 
     def __iter__(self):
-        return iter(self.loader)
+        for batch in self.loader:
+            self.step += 1
+            yield batch
 
     def __len__(self) -> int:
-        return len(self.loader)
+        """The epoch's steps, those of earlier layouts' segments included."""
+        return sum(seg.steps for seg in self.segments) + len(self.loader)
+
+
+def layout_text(layout: dict) -> str:
+    workers, batch, processes = layout["workers"], layout["batch"], layout["processes"]
+    return f"{workers} workers of {batch} images, {processes} loader processes each"
+
+
+def epoch_layout(cfg: TrainConfig, world: int) -> dict:
+    """How `world` workers lay an epoch's steps out (pipeline.train.rest.Segment, less its
+    steps)."""
+    return {
+        "workers": world,
+        "batch": cfg.global_batch_size // world,
+        "processes": max(1, cfg.scaling.loader_workers),  # 0: decoding in-process
+    }
