@@ -550,8 +550,8 @@ def test_inference_takes_the_best_checkpoint_by_the_runs_metric(
     result = ray.train.Result(*checkpoints[-1][::-1], None, run.path, best_checkpoints=record)
     monkeypatch.setattr(source, "load_result", lambda _: result)
     run.child(SNAPSHOT).write_bytes(b"{}")
-    recorded = {"checkpoint_metric": metric} if metric else {}  # summary.json says how it ranks
-    run.child(RUN_SUMMARY).write_bytes(json.dumps({"status": "finished", **recorded}).encode())
+    recorded = {"status": "finished", "checkpoint_metric": metric}  # says how it ranks
+    run.child(RUN_SUMMARY).write_bytes(json.dumps(recorded).encode())
     caplog.set_level(logging.INFO, logger="pipeline.model.runs")
     assert resolve_checkpoint(run).path == str(tmp_path / checkpoint_dir_name(epoch))
     assert f": best checkpoint epoch {epoch} by {why}; last epoch 5: " in caplog.text

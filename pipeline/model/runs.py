@@ -35,7 +35,6 @@ from pipeline.core.ray_internals import (
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
 from pipeline.model.checkpoint import (
-    RECORDED_BEFORE_SCORES,
     CheckpointMeta,
     Score,
     best_of,
@@ -118,11 +117,8 @@ class DivergedRun(InputError):
 
 
 def summary_score(summary: dict) -> Score:
-    """The score a finished run ranked its checkpoints by, as its summary records it (runs
-    from before checkpoint.metric: val accuracy, which they were ranked by)."""
-    return score_of(
-        summary.get("checkpoint_metric", RECORDED_BEFORE_SCORES), summary.get("checkpoint_mode")
-    )
+    """The score a finished run ranked its checkpoints by, as its summary records it."""
+    return score_of(summary["checkpoint_metric"], summary.get("checkpoint_mode"))
 
 
 def latest_checkpoint(run_dir: Location) -> Location | None:
@@ -387,17 +383,14 @@ MODEL_FIXED = "the run's weights belong to its network and its input"
 # ...but for how fast its BatchNorm statistics follow the batches: a run stuck at chance by them
 # goes on with another momentum.
 MODEL_CHANGES_ON_RESUME = ("bn_momentum",)
-# What a run recorded before the model section trained: ResNet-18 (its `pretrained` aside).
-RECORDED_BEFORE_MODELS = {"name": "resnet18", "kwargs": {}}
 
 
 def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     """The settings `cfg` changes against the run's recorded config, as 'key: old -> new'.
     Raises ConfigError for what a resume cannot change."""
     now = cfg.model_dump(mode="json")
-    was_model, now_model = recorded.get("model", RECORDED_BEFORE_MODELS), now.pop("model")
+    was_model, now_model = recorded["model"], now.pop("model")
     old = flatten_config({k: v for k, v in recorded.items() if k != "model"})
-    old.setdefault("checkpoint.metric", RECORDED_BEFORE_SCORES)
     new = flatten_config(now)
     changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
     changed |= {

@@ -323,21 +323,6 @@ class TrainConfig(Strict):
     )
     tracking: TrainTrackingConfig = TrainTrackingConfig()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _keys_moved(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "pretrained" in data:
-            raise ValueError(
-                "pretrained: this key is now model.weights (e.g. model.weights=IMAGENET1K_V1, "
-                "or the path of a state_dict file), beside model.name"
-            )
-        if isinstance(data, dict) and "num_to_keep" in data:
-            raise ValueError(
-                "num_to_keep: this key is now checkpoint.num_to_keep (e.g. "
-                "checkpoint.num_to_keep=2), beside checkpoint.metric, what it keeps the best by"
-            )
-        return data
-
     @model_validator(mode="after")
     def _batch_splits_evenly(self) -> TrainConfig:
         # Every worker count the run may go through, so that a resize never changes the batch.
