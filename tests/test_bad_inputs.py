@@ -371,6 +371,13 @@ def newer_checkpoint(tmp_path, _):
     read_meta(resolve_checkpoint(Location.parse(str(tmp_path))))
 
 
+def older_checkpoint(tmp_path, _):
+    save_checkpoint(tmp_path, {}, checkpoint_meta(), {})
+    meta = json.loads((tmp_path / METADATA).read_text()) | {"format": CHECKPOINT_FORMAT - 1}
+    (tmp_path / METADATA).write_text(json.dumps(meta))
+    read_meta(resolve_checkpoint(Location.parse(str(tmp_path))))
+
+
 def newer_run(tmp_path, _):
     (tmp_path / SNAPSHOT).write_bytes(b"{}")
     summary = {"format": RUN_FORMAT + 1, "status": "finished", "checkpoint_metric": "val_loss"}
@@ -984,6 +991,12 @@ CASES = [
         1,
         "<path> is a checkpoint of format <n>, newer than this code reads",
         newer_checkpoint,
+    ),
+    Case(
+        "a checkpoint of an older format, written by an earlier bundle",
+        1,
+        "<path> holds a <name> checkpoint of format <n>; this code reads format <n>",
+        older_checkpoint,
     ),
     Case(
         "a run of a newer run format than this code reads",
