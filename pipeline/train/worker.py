@@ -113,6 +113,7 @@ def train_loop_per_worker(config: dict) -> None:
     mix = batch_mix(
         mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, num_classes=len(classes)
     )
+    scores = (lambda: build_metrics(cfg, len(classes))) if cfg.metrics else None
     log_start(w, state.loop.epoch)
     for epoch in range(state.loop.epoch, cfg.epochs):
         state.start_epoch(epoch)
@@ -123,9 +124,7 @@ def train_loop_per_worker(config: dict) -> None:
             criterion,
             policy=w.policy,
             scaler=optim.scaler,
-            progress=Progress(epoch, cfg.epochs, len(train_loader), every_s=cfg.log_every_s)
-            if w.rank == 0
-            else None,
+            progress=progress(w, epoch, len(train_loader)),
             recipe=step_recipe(w, mix, optim, epoch),
             start=state.loop.step,
             after_step=checkpointer.after_step,
@@ -139,7 +138,7 @@ def train_loop_per_worker(config: dict) -> None:
             policy=w.policy,
             num_classes=len(classes),
             ema=optim.ema.module if optim.ema is not None else None,
-            metrics=(lambda: build_metrics(cfg, len(classes))) if cfg.metrics else None,
+            metrics=scores,
             classes=classes,
         )
         metrics = epoch_metrics(w, state, t, v)
@@ -165,6 +164,13 @@ def build(w: Worker, *, weights: str | None) -> torch.nn.Module:
         # Around DDP, as PyTorch advises; checkpoints hold the bare model's state_dict (unwrap).
         model = torch.compile(model)
     return model
+
+
+def progress(w: Worker, epoch: int, batches: int) -> Progress | None:
+    """Rank 0's lines within epoch `epoch` of `batches` steps."""
+    if w.rank != 0:
+        return None
+    return Progress(epoch, w.cfg.epochs, batches, every_s=w.cfg.log_every_s)
 
 
 def step_recipe(w: Worker, mix: Callable | None, optim: OptimState, epoch: int) -> StepRecipe:
