@@ -1,6 +1,7 @@
 """A training run on storage, `<storage_path>/<name>`, and what it records.
 
 epoch_0007/                       a checkpoint (pipeline.model.checkpoint)
+steps/epoch_0008_step_000200/     a checkpoint inside an epoch, until its epoch's own is in
 checkpoint_manager_snapshot.json  Ray Train's record of the run's checkpoints and their metrics
 summary.json                      written last: a run with it has finished, unless it says
                                   "training" (a train job trains it again: TrainingMark); it
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import socket
 import threading
 import time
@@ -35,6 +37,7 @@ from pipeline.core.ray_internals import (
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
 from pipeline.model.checkpoint import (
+    METADATA,
     CheckpointMeta,
     Score,
     best_of,
@@ -65,6 +68,33 @@ CURVES_PNG = "curves.png"
 
 def checkpoint_dir_name(epoch: int) -> str:
     return f"epoch_{epoch:04d}"
+
+
+# Checkpoints inside an epoch (pipeline.train.checkpointer), beside the epochs'.
+STEPS = "steps"
+NAME = re.compile(r"epoch_(\d{4,})_step_(\d{6,})")
+
+
+def step_dir_name(epoch: int, step: int) -> str:
+    return f"epoch_{epoch:04d}_step_{step:06d}"
+
+
+def step_checkpoints(run_dir: Location) -> list[tuple[int, int, Location]]:
+    """(epoch, step, directory) of the run's whole checkpoints inside an epoch, oldest first."""
+    found = []
+    for info in run_dir.child(STEPS).list_dirs():
+        if match := NAME.fullmatch(info.base_name):
+            found.append((int(match[1]), int(match[2]), run_dir.child(STEPS, info.base_name)))
+    return sorted(found, key=lambda f: f[:2])
+
+
+def latest_step_checkpoint(run_dir: Location, epoch: int | None = None) -> Location | None:
+    """The newest checkpoint inside an epoch (inside `epoch`, if given) that is whole (its
+    metadata, written last, is there), if any."""
+    for found, _, directory in reversed(step_checkpoints(run_dir)):
+        if epoch in (None, found) and directory.child(METADATA).exists():
+            return directory
+    return None
 
 
 def load_result(run_dir: Location) -> ray.train.Result:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import tempfile
 import threading
 from collections.abc import Callable
@@ -32,7 +31,6 @@ from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import (
     EMA,
-    METADATA,
     CheckpointMeta,
     ModelSpec,
     load_train_state,
@@ -41,7 +39,14 @@ from pipeline.model.checkpoint import (
     save_checkpoint,
 )
 from pipeline.model.networks import unwrap
-from pipeline.model.runs import check_resumable, checkpoint_dir_name
+from pipeline.model.runs import (
+    STEPS,
+    check_resumable,
+    checkpoint_dir_name,
+    latest_step_checkpoint,
+    step_checkpoints,
+    step_dir_name,
+)
 from pipeline.train.optim import OptimState
 from pipeline.train.progress import LoopState
 from pipeline.train.saving import Background, Snapshot, publish_checkpoint
@@ -52,31 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STEPS = "steps"
-KEEP = 2  # per epoch: the newest, and one more should the newest be unreadable
-NAME = re.compile(r"epoch_(\d{4,})_step_(\d{6,})")
-
-
-def step_dir_name(epoch: int, step: int) -> str:
-    return f"epoch_{epoch:04d}_step_{step:06d}"
-
-
-def step_checkpoints(run_dir: Location) -> list[tuple[int, int, Location]]:
-    """(epoch, step, directory) of the run's whole checkpoints inside an epoch, oldest first."""
-    found = []
-    for info in run_dir.child(STEPS).list_dirs():
-        if match := NAME.fullmatch(info.base_name):
-            found.append((int(match[1]), int(match[2]), run_dir.child(STEPS, info.base_name)))
-    return sorted(found, key=lambda f: f[:2])
-
-
-def latest_step_checkpoint(run_dir: Location, epoch: int | None = None) -> Location | None:
-    """The newest checkpoint inside an epoch (inside `epoch`, if given) that is whole (its
-    metadata, written last, is there), if any."""
-    for found, _, directory in reversed(step_checkpoints(run_dir)):
-        if epoch in (None, found) and directory.child(METADATA).exists():
-            return directory
-    return None
+KEEP = 2  # step checkpoints per epoch: the newest, and one more should the newest be unreadable
 
 
 class StepWriter:

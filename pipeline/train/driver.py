@@ -47,11 +47,11 @@ from pipeline.model.runs import (
     DivergedRun,
     check_resumable,
     latest_checkpoint,
+    latest_step_checkpoint,
     mark_training,
     resume_changes,
     write_reports,
 )
-from pipeline.train.checkpointer import latest_step_checkpoint
 from pipeline.train.config import TrainConfig, is_hook
 
 log = logging.getLogger(__name__)
