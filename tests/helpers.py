@@ -265,7 +265,7 @@ def checkpoint_meta(**changes) -> CheckpointMeta:
         dataset_version="20260101T000000000000Z-00000000",
         metrics={"epoch": 4},
         history=[{"epoch": 4, "val_accuracy": 0.5}],
-        config={"epochs": 5},
+        config={"epochs": 5, "checkpoint": {"metric": "val_accuracy"}},
     )
     return CheckpointMeta(**(fields | changes))
 

@@ -320,9 +320,7 @@ def changed_optimizer(tmp_path, dataset):
 
 
 def changed_metric(tmp_path, dataset):
-    # A run recorded before checkpoint.metric existed was ranked by val accuracy.
-    old = train_config(tmp_path, dataset).model_dump(mode="json")
-    del old["checkpoint"]
+    old = train_config(tmp_path, dataset, "checkpoint.metric=val_accuracy").model_dump(mode="json")
     resume_changes(old, train_config(tmp_path, dataset, "checkpoint.metric=val_loss"))
 
 
@@ -370,6 +368,13 @@ def newer_checkpoint(tmp_path, _):
     save_checkpoint(tmp_path, {}, checkpoint_meta(), {})
     meta = json.loads((tmp_path / METADATA).read_text()) | {"format": CHECKPOINT_FORMAT + 1}
     (tmp_path / METADATA).write_text(json.dumps(meta | {"calibration": {"temperature": 1.3}}))
+    read_meta(resolve_checkpoint(Location.parse(str(tmp_path))))
+
+
+def older_checkpoint(tmp_path, _):
+    save_checkpoint(tmp_path, {}, checkpoint_meta(), {})
+    meta = json.loads((tmp_path / METADATA).read_text()) | {"format": CHECKPOINT_FORMAT - 1}
+    (tmp_path / METADATA).write_text(json.dumps(meta))
     read_meta(resolve_checkpoint(Location.parse(str(tmp_path))))
 
 
@@ -596,7 +601,7 @@ CASES = [
         changed_optimizer,
     ),
     Case(
-        "a resume with another `checkpoint.metric` (a run from before it: `val_accuracy`)",
+        "a resume with another `checkpoint.metric`",
         2,
         "this run cannot resume with these changes:\n  checkpoint.metric: val_accuracy -> "
         "val_loss (the checkpoints kept so far were chosen by the run's metric",
@@ -615,18 +620,6 @@ CASES = [
         "run <path> has been trained again since <time> by a train job it does not name; that "
         "job has ended without finishing it",
         run_left_training,
-    ),
-    Case(
-        "the `pretrained` key of before `model`",
-        2,
-        "invalid config (<where>): pretrained: this key is now model.weights",
-        lambda t, d: train_config(t, d, "pretrained=IMAGENET1K_V1"),
-    ),
-    Case(
-        "the top-level `num_to_keep` of before `checkpoint`",
-        2,
-        "invalid config (<where>): num_to_keep: this key is now checkpoint.num_to_keep",
-        lambda t, d: train_config(t, d, "num_to_keep=3"),
     ),
     Case(
         "a `checkpoint.metric` the bundle does not rank by: none of val_loss, val_accuracy, last "
@@ -998,6 +991,12 @@ CASES = [
         1,
         "<path> is a checkpoint of format <n>, newer than this code reads",
         newer_checkpoint,
+    ),
+    Case(
+        "a checkpoint of an older format, written by an earlier bundle",
+        1,
+        "<path> holds a <name> checkpoint of format <n>; this code reads format <n>",
+        older_checkpoint,
     ),
     Case(
         "a run of a newer run format than this code reads",

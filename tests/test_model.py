@@ -15,11 +15,10 @@ from pipeline.core.storage import Location
 from pipeline.infer.batch import Predictor, classes_unknown, log_weights, summarize
 from pipeline.infer.predictions import Tally
 from pipeline.model.checkpoint import (
+    CHECKPOINT_FORMAT,
     EMA,
     EMA_WEIGHTS,
     METADATA,
-    ModelInput,
-    ModelSpec,
     load_train_state,
     load_weights,
     read_meta,
@@ -29,6 +28,7 @@ from pipeline.model.checkpoint import (
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import build_model, load_model, unwrap
 from pipeline.train.config import TrainConfig
+from pipeline.train.optim import OptimState
 
 CLASSES = ["a", "b", "c"]
 
@@ -68,31 +68,21 @@ def test_metadata_problems_are_clear_errors(tmp_path):
     (tmp_path / METADATA).write_text('{"epoch": 1}')
     with pytest.raises(InputError, match=r"not valid checkpoint metadata"):
         read_meta(checkpoint)
-    # Format 1 held ResNet-18 alone; a newer format than this code knows is refused as such.
-    (tmp_path / METADATA).write_text(checkpoint_meta(format=1, model="vit_b_16").model_dump_json())
-    with pytest.raises(InputError, match=r"holds a vit_b_16 checkpoint of format 1; this"):
+    # An older format than this code reads, and a newer one, are refused as such.
+    for older in ({"format": 1, "model": "vit_b_16"}, {"format": CHECKPOINT_FORMAT - 1}):
+        meta = json.loads(checkpoint_meta().model_dump_json()) | older
+        (tmp_path / METADATA).write_text(json.dumps(meta))
+        name = "vit_b_16" if older["format"] == 1 else "resnet18"
+        with pytest.raises(
+            InputError,
+            match=rf"^\S+ holds a {name} checkpoint of format {older['format']}; this code reads "
+            rf"format {CHECKPOINT_FORMAT}$",
+        ):
+            read_meta(checkpoint)
+    newer = CHECKPOINT_FORMAT + 1
+    (tmp_path / METADATA).write_text(checkpoint_meta(format=newer).model_dump_json())
+    with pytest.raises(InputError, match=rf"is a checkpoint of format {newer}, newer than this"):
         read_meta(checkpoint)
-    (tmp_path / METADATA).write_text(checkpoint_meta(format=3).model_dump_json())
-    with pytest.raises(InputError, match=r"is a checkpoint of format 3, newer than this code"):
-        read_meta(checkpoint)
-
-
-def test_a_checkpoint_from_before_models_by_name_still_loads(tmp_path):
-    # Format 1: `"model": "resnet18"`, no input size or interpolation (the stored images were
-    # fed as they were).
-    old = json.loads(checkpoint_meta().model_dump_json())
-    old |= {"format": 1, "model": "resnet18"}
-    del old["input_size"], old["interpolation"]
-    torch.manual_seed(0)
-    model = build_model(len(CLASSES)).eval()
-    save_checkpoint(tmp_path, model.state_dict(), checkpoint_meta(), {})
-    (tmp_path / METADATA).write_text(json.dumps(old))
-    loaded, meta = load_model(Location.parse(str(tmp_path)))
-    assert meta.model == ModelSpec(name="resnet18", kwargs={})
-    assert meta.model_input == ModelInput(32, "bilinear", (0.5,) * 3, (0.2,) * 3)
-    x = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        assert torch.equal(loaded(x), model(x))
 
 
 def test_pretrained_state_dict_file_sets_the_backbone_not_the_head(tmp_path):
@@ -124,32 +114,38 @@ def policy(precision: str) -> DevicePolicy:
     return DevicePolicy(torch.device("cpu"), precision, (0.5,) * 3, (0.2,) * 3)
 
 
+def optim_state(model: torch.nn.Module, precision: str, *overrides: str) -> OptimState:
+    cfg = load_config(TrainConfig, None, ["dataset=/d", "storage_path=/s", *overrides])
+    return OptimState(model, cfg, precision=precision, device=torch.device("cpu"))
+
+
 def test_a_resume_in_fp16_of_a_run_trained_without_it_starts_a_new_scaler(tmp_path):
     # Trained where precision=auto picked fp32 (a CPU) or bf16 (an A100): its scaler was off.
     model = build_model(len(CLASSES))
-    state = {"scaler": policy("bf16").scaler.state_dict()}
-    save_checkpoint(tmp_path, model.state_dict(), checkpoint_meta(), state)
+    trained = optim_state(model, "bf16")
+    save_checkpoint(tmp_path, model.state_dict(), checkpoint_meta(), trained.state_dict())
     # Resumed where auto picks fp16 (a GPU before Ampere); a CPU scaler stands in for its.
-    here = policy("fp16")
-    assert not here.load_scaler(load_train_state(Location.parse(str(tmp_path)))["scaler"])
+    here = optim_state(model, "fp16")
+    [note] = here.load_state_dict(load_train_state(Location.parse(str(tmp_path))))
+    assert note.endswith("fp16 here starts with a new grad scaler")
     assert here.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with here.autocast():
+    with policy("fp16").autocast():
         loss = model(torch.randn(2, 3, 32, 32)).float().sum()
     here.scaler.scale(loss).backward()
-    here.scaler.step(optimizer)
+    here.scaler.step(here.optimizer)
     here.scaler.update()
     # An fp16 checkpoint's scaler comes back as it was; a bf16 resume of it ignores it.
-    trained_fp16 = here.scaler.state_dict()
-    again = policy("fp16")
-    assert again.load_scaler(trained_fp16)
+    trained_fp16 = here.state_dict()
+    again = optim_state(model, "fp16")
+    assert again.load_state_dict(trained_fp16) == []
     assert again.scaler.get_scale() == here.scaler.get_scale()
-    assert policy("bf16").load_scaler(trained_fp16)
+    assert optim_state(model, "bf16").load_state_dict(trained_fp16) == []
 
 
-def ema_checkpoint(directory, raw, ema, metrics: dict, metric: str | None):
-    config = {"checkpoint": {"metric": metric}} if metric else {}  # None: a run from before it
-    meta = checkpoint_meta(metrics={"epoch": 4, **metrics}, config=config)
+def ema_checkpoint(directory, raw, ema, metrics: dict, metric: str):
+    meta = checkpoint_meta(
+        metrics={"epoch": 4, **metrics}, config={"checkpoint": {"metric": metric}}
+    )
     save_checkpoint(directory, raw.state_dict(), meta, {}, ema=ema.state_dict())
     return Location.parse(str(directory))
 
@@ -161,7 +157,12 @@ DISAGREE = {"val_accuracy": 0.75, "ema_val_accuracy": 0.5, "val_loss": 0.6, "ema
 @pytest.mark.parametrize(
     ("metric", "metrics", "served", "shown"),
     [
-        (None, {"val_accuracy": 0.5, "ema_val_accuracy": 0.75}, "ema", "val_accuracy (max)"),
+        (
+            "val_accuracy",
+            {"val_accuracy": 0.5, "ema_val_accuracy": 0.75},
+            "ema",
+            "val_accuracy (max)",
+        ),
         ("val_accuracy", DISAGREE, "raw", "val_accuracy (max)"),
         (
             "val_accuracy",
@@ -240,35 +241,25 @@ def test_a_checkpoint_without_an_ema_serves_its_weights(tmp_path):
 
 
 def test_a_resume_restores_the_ema(tmp_path):
-    from pipeline.train.ema import ModelEMA
-    from pipeline.train.worker import Worker, build_ema
-
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    ema = ModelEMA(model, decay=0.9, every_steps=2)
+    ema_on = ("ema.enabled=true", "ema.decay=0.9", "ema.every_steps=2")
+    saved = optim_state(model, "fp32", *ema_on)
+    ema = saved.ema
     for _ in range(5):
         model.weight.data.add_(0.1)
         ema.step(model)
-    save_checkpoint(
-        tmp_path,
-        model.state_dict(),
-        checkpoint_meta(),
-        {"ema": ema.state_dict()},
-        ema=ema.module.state_dict(),
-    )
-    # What the worker's restore reads from the checkpoint, into a fresh model and EMA.
+    weights, state = model.state_dict(), saved.state_dict()
+    save_checkpoint(tmp_path, weights, checkpoint_meta(), state, ema=saved.ema_weights())
+    # What the checkpointer's restore reads from the checkpoint, into a fresh model and EMA.
     checkpoint = Location.parse(str(tmp_path))
     meta, train_state = read_meta(checkpoint), load_train_state(checkpoint)
-    cfg = load_config(
-        TrainConfig,
-        None,
-        ["dataset=/d", "storage_path=/s", "ema.enabled=true", "ema.decay=0.9", "ema.every_steps=2"],
-    )
-    ema_weights = load_weights(checkpoint, meta, EMA)
-    w = Worker(cfg, None, None, None, meta.model_input, rank=0, world=1, ema_weights=ema_weights)
     resumed_model = torch.nn.Linear(4, 2)
     resumed_model.load_state_dict(load_weights(checkpoint))
-    resumed = build_ema(w, resumed_model, train_state)
+    restored = optim_state(resumed_model, "fp32", *ema_on)
+    notes = restored.load_state_dict(train_state, ema_weights=load_weights(checkpoint, meta, EMA))
+    assert notes == ["resumed the EMA of the weights (2 updates)"]
+    resumed = restored.ema
     assert (resumed.steps, resumed.updates) == (ema.steps, ema.updates) == (5, 2)
     assert torch.equal(resumed.module.weight, ema.module.weight)
     # It goes on as the one it was saved from: the next update averages, not copies.
@@ -278,11 +269,13 @@ def test_a_resume_restores_the_ema(tmp_path):
     assert torch.equal(resumed.module.weight, ema.module.weight)
     assert not torch.equal(resumed.module.weight, resumed_model.weight)
     # A checkpoint without one (EMA turned on at the resume): a new EMA, from these weights.
-    w.ema_weights = None
-    fresh = build_ema(w, resumed_model, {"optimizer": {}})
-    assert fresh.updates == 0
-    w.cfg = cfg.model_copy(update={"ema": cfg.ema.model_copy(update={"enabled": False})})
-    assert build_ema(w, resumed_model, train_state) is None
+    fresh = optim_state(torch.nn.Linear(4, 2), "fp32", *ema_on)
+    fresh.model.load_state_dict(resumed_model.state_dict())
+    [note] = fresh.load_state_dict(optim_state(resumed_model, "fp32").state_dict())
+    assert note.startswith("the checkpoint has no EMA of the weights")
+    assert fresh.ema.updates == 0
+    assert torch.equal(fresh.ema.module.weight, resumed_model.weight)
+    assert optim_state(resumed_model, "fp32").ema is None
 
 
 def test_a_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path):

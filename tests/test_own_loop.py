@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import ray.train
 import torch
-from helpers import checkpoint_meta, recorded_run
+from helpers import recorded_run
 from test_chain import TINY
 
 from harness.cluster import BUNDLE_ROOT
@@ -131,13 +131,6 @@ def test_a_newer_format_is_refused_in_one_line(tmp_path, monkeypatch):
     ) as e:
         read_meta(Location.parse(str(checkpoint)))
     assert "\n" not in str(e.value)
-
-
-def test_a_checkpoint_of_before_formats_reads_as_before(tmp_path):
-    save_checkpoint(tmp_path, {}, checkpoint_meta(), {})
-    meta = json.loads((tmp_path / METADATA).read_text())
-    (tmp_path / METADATA).write_text(json.dumps(meta | {"format": 1, "model": "resnet18"}))
-    assert read_meta(Location.parse(str(tmp_path))).model.name == "resnet18"
 
 
 # --- the example loop on the session's cluster, its run through the chain's steps ------------

@@ -22,7 +22,7 @@ from helpers import (
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import WEIGHTS
-from pipeline.train.steps import STEPS, step_checkpoints, step_dir_name
+from pipeline.train.checkpointer import STEPS, step_checkpoints, step_dir_name
 
 pytestmark = pytest.mark.slow
 

@@ -18,18 +18,32 @@ from pipeline.core import faults
 from pipeline.core.config import load_config
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
-from pipeline.model.checkpoint import EMA_WEIGHTS, METADATA, WEIGHTS, ModelInput, save_checkpoint
+from pipeline.model.checkpoint import (
+    EMA_WEIGHTS,
+    METADATA,
+    WEIGHTS,
+    ModelInput,
+    load_train_state,
+    load_weights,
+    save_checkpoint,
+)
 from pipeline.model.networks import build_model
-from pipeline.train.config import TrainConfig
-from pipeline.train.saving import Snapshot, publish_checkpoint
-from pipeline.train.steps import (
+from pipeline.train.checkpointer import (
     STEPS,
+    Checkpointer,
+    State,
     StepWriter,
+    checkpoint_meta,
     latest_step_checkpoint,
     step_checkpoints,
     step_dir_name,
 )
-from pipeline.train.worker import Worker, checkpoint_meta, restore_step
+from pipeline.train.config import TrainConfig
+from pipeline.train.optim import OptimState
+from pipeline.train.progress import LoopState
+from pipeline.train.saving import Snapshot, publish_checkpoint
+from pipeline.train.step import EpochLoader, epoch_layout
+from pipeline.train.worker import Worker
 
 EVERY = 4
 # Two workers of two loader processes each; MixUp and an EMA, whose draws and state a resume
@@ -171,54 +185,100 @@ def worker(tiny_dataset, run_dir: Location, world: int, overrides=("scaling.load
     return Worker(cfg, root, run_dir, manifest, inputs, rank=0, world=world)
 
 
+class Stream:
+    """Stands in for the loader's stream: what `set_epoch` asked of it."""
+
+    def set_epoch(self, epoch: int, start_step: int) -> None:
+        self.asked = (epoch, start_step)
+
+
+def resumed(w: Worker, found: Location) -> State:
+    """A fresh state of `w`'s, restored from the checkpoint `found`, at its epoch's start."""
+    model = build_model(len(w.manifest.classes))
+    optim = OptimState(model, w.cfg, precision="fp32", device=torch.device("cpu"))
+    loader = EpochLoader([], Stream(), layout=epoch_layout(w.cfg, w.world))
+    state = State(model, optim, LoopState(), loader)
+    notes = state.load_state_dict(
+        load_train_state(found), weights=load_weights(found), ema_weights=None
+    )
+    assert notes == []
+    state.start_epoch(state.loop.epoch)
+    return state
+
+
 def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_goes_on_at_its_step_in_any_layout(
     tiny_dataset, tmp_path
 ):
     run_dir = Location.parse(str(tmp_path / "r"))
     taken = worker(tiny_dataset, run_dir, world=2)
     model = build_model(len(taken.manifest.classes))
+    optim = OptimState(model, taken.cfg, precision="fp32", device=torch.device("cpu"))
     so_far = {"loss_sum": 12.5, "images": 128, "seconds": 3.0}
-    state = {"epoch_so_far": so_far, "rng": {"cpu": torch.get_rng_state()}}
-    meta = checkpoint_meta(taken, {"epoch": 1, "step": 8, "workers": 2}, step=8)
-    directory = tmp_path / "r" / STEPS / step_dir_name(1, 8)
-    directory.mkdir(parents=True)
-    save_checkpoint(directory, model.state_dict(), meta, state)
+    layout = epoch_layout(taken.cfg, 2)
+    state = {
+        "optim": optim.state_dict(),
+        "loop": {"epoch": 1, "step": 8, "history": [{"epoch": 0}], "totals": so_far},
+        "loader": {"epoch": 1, "step": 8, "layout": layout},
+    }
 
-    fresh = build_model(len(taken.manifest.classes))
+    def step_checkpoint(epoch: int, step: int) -> None:
+        metrics = {"epoch": epoch, "step": step, "workers": 2}
+        meta = checkpoint_meta(taken, metrics, history=[{"epoch": 0}], step=step)
+        directory = tmp_path / "r" / STEPS / step_dir_name(epoch, step)
+        directory.mkdir(parents=True)
+        save_checkpoint(directory, model.state_dict(), meta, state)
+
+    step_checkpoint(1, 8)
+    # Ray's latest checkpoint is epoch 0's: epoch 1 goes on after its step 8, whole.
     w = worker(tiny_dataset, run_dir, world=2)
-    w.start_epoch = 1  # Ray's latest checkpoint: epoch 0's
-    assert restore_step(w, fresh)["epoch_so_far"] == so_far
-    assert (w.start_step, w.carried) == (8, so_far)
-    for name, tensor in fresh.state_dict().items():
+    found, meta = Checkpointer(w).inside_epoch(1)
+    assert (meta.epoch, meta.step) == (1, 8)
+    state_now = resumed(w, found)
+    assert (state_now.loop.epoch, state_now.loop.step, state_now.loop.carried) == (1, 8, so_far)
+    assert state_now.loop.history == [{"epoch": 0}]
+    assert state_now.loader.stream.asked == (1, 8)
+    for name, tensor in state_now.model.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
-    # Another layout (workers, loader processes) trains the same next step: the epoch's order
-    # is the data's (test_loader counts its rows).
+    # Another layout (workers, loader processes) goes on at the same next step: the epoch's
+    # order is the data's (test_loader counts its rows).
     for world, change in ((1, ()), (2, ("scaling.loader_workers=3",))):
         other = worker(tiny_dataset, run_dir, world=world, overrides=change)
-        other.start_epoch = 1
-        assert restore_step(other, fresh)["epoch_so_far"] == so_far, change
-        assert other.start_step == 8, change
+        found, _ = Checkpointer(other).inside_epoch(1)
+        state_now = resumed(other, found)
+        assert state_now.loop.step == 8 and state_now.loop.carried == so_far, change
+        assert state_now.loader.stream.asked == (1, 8), change
     # Another global batch orders the epoch's steps otherwise: it starts over.
     rebatched = worker(tiny_dataset, run_dir, world=2, overrides=("global_batch_size=64",))
-    rebatched.start_epoch = 1
-    assert restore_step(rebatched, fresh) is None and rebatched.start_step == 0
+    assert Checkpointer(rebatched).inside_epoch(1) is None
     # Another seed orders the epoch's rows otherwise: it starts over.
     reseeded = worker(tiny_dataset, run_dir, world=2, overrides=("seed=1",))
-    reseeded.start_epoch = 1
-    assert restore_step(reseeded, fresh) is None and reseeded.start_step == 0
+    assert Checkpointer(reseeded).inside_epoch(1) is None
     # An epoch checkpoint after it (Ray's latest is epoch 1's): it is stale.
-    later = worker(tiny_dataset, run_dir, world=2)
-    later.start_epoch = 2
-    assert restore_step(later, fresh) is None and later.start_step == 0
+    assert Checkpointer(w).inside_epoch(2) is None
     # A step checkpoint of the next epoch, taken while epoch 1's own checkpoint was uploading,
     # which a kill kept out of Ray's record: epoch 1 resumes from its own step checkpoint.
-    meta = checkpoint_meta(taken, {"epoch": 2, "step": 4, "workers": 2}, step=4)
-    directory = tmp_path / "r" / STEPS / step_dir_name(2, 4)
-    directory.mkdir(parents=True)
-    save_checkpoint(directory, model.state_dict(), meta, state)
-    again = worker(tiny_dataset, run_dir, world=2)
-    again.start_epoch = 1
-    assert restore_step(again, fresh) is not None and again.start_step == 8
+    step_checkpoint(2, 4)
+    assert Checkpointer(w).inside_epoch(1)[1].step == 8
+
+
+def test_an_epoch_checkpoint_resumes_at_the_next_epochs_start(tiny_dataset, tmp_path):
+    w = worker(tiny_dataset, Location.parse(str(tmp_path / "r")), world=2)
+    model = build_model(len(w.manifest.classes))
+    optim = OptimState(model, w.cfg, precision="fp32", device=torch.device("cpu"))
+    loader = EpochLoader([], Stream(), layout=epoch_layout(w.cfg, 2))
+    state = State(model, optim, LoopState(), loader)
+    state.start_epoch(0)
+    loader.step = 12  # the epoch's steps, yielded
+    state.end_epoch({"epoch": 0, "val_loss": 1.0})
+    assert optim.scheduler.last_epoch == 1
+    meta = checkpoint_meta(w, {"epoch": 0}, history=state.loop.history)
+    weights, train_state, _ = state.files()
+    save_checkpoint(tmp_path, weights, meta, train_state)
+    state_now = resumed(w, Location.parse(str(tmp_path)))
+    assert (state_now.loop.epoch, state_now.loop.step) == (1, 0)
+    assert state_now.loop.history == [{"epoch": 0, "val_loss": 1.0}]
+    assert state_now.loader.stream.asked == (1, 0)
+    assert state_now.optim.scheduler.last_epoch == 1
 
 
 @pytest.fixture(scope="module")

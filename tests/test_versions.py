@@ -35,9 +35,9 @@ from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import parity_dataset
 from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.source import trained_version
+from pipeline.train.checkpointer import STEPS, step_dir_name
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import newest_meta, pick_dataset_version
-from pipeline.train.steps import STEPS, step_dir_name
 
 BUCKET = "versions-test"
 

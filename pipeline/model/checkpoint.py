@@ -3,7 +3,9 @@
 <checkpoint>/model.pt        state_dict of the bare model (never DDP-wrapped nor compiled)
 <checkpoint>/model_ema.pt    the same, of the exponential moving average of the weights, in a
                              run that keeps one (ema.enabled); metadata.json names it
-<checkpoint>/train_state.pt  optimizer, LR scheduler and grad scaler state, for resuming
+<checkpoint>/train_state.pt  for resuming: the optimisation state (optimizer, LR schedule, grad
+                             scaler, EMA, random generators), the loop's progress and the train
+                             loader's position (pipeline.train.checkpointer.State)
 <checkpoint>/metadata.json   the model (name and builder arguments), epoch, classes, the
                              stored image size and what the network takes (its input size,
                              interpolation, normalisation), metrics, history, and the resolved
@@ -20,18 +22,17 @@ import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, ConfigDict
 
 from pipeline.core.errors import InputError, first_line
 from pipeline.core.storage import Location, retry
 
-# Format 1 held ResNet-18 only, as `"model": "resnet18"`; format 2 names any model and what its
-# input is. This code reads both, and refuses a newer one (docs/own-loop.md).
-CHECKPOINT_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+# Format 3: train_state.pt holds the run's state by part (pipeline.train.checkpointer.State).
+# This code reads it alone, and refuses any other (docs/own-loop.md).
+CHECKPOINT_FORMAT = 3
 WEIGHTS, TRAIN_STATE, METADATA = "model.pt", "train_state.pt", "metadata.json"
 EMA_WEIGHTS = "model_ema.pt"
 RAW, EMA = "raw", "ema"  # the two sets of weights a checkpoint may hold
@@ -79,8 +80,6 @@ SCORES = {
     "val_accuracy": Score("val_accuracy", "val_accuracy", "max", "val_accuracy", "max"),
     "last": Score("last", "epoch", "max", "val_loss", "min"),
 }
-# What runs and checkpoints recorded before checkpoint.metric existed were ranked by.
-RECORDED_BEFORE_SCORES = "val_accuracy"
 
 
 def score_of(metric: str, mode: str | None = None) -> Score:
@@ -95,8 +94,7 @@ def score_of(metric: str, mode: str | None = None) -> Score:
 
 def config_score(config: dict) -> Score:
     """The Score of a resolved training config (a checkpoint's or a run's record)."""
-    checkpoint = config.get("checkpoint", {})
-    metric, mode = checkpoint.get("metric", RECORDED_BEFORE_SCORES), checkpoint.get("mode")
+    metric, mode = config["checkpoint"]["metric"], config["checkpoint"].get("mode")
     named = {f"val_{m}" for m in config.get("metrics", ()) if ":" not in m}
     if mode is None and metric in named:
         mode = "max"  # the built-in metrics (accuracies, F1): the highest is best
@@ -114,10 +112,6 @@ class ModelSpec(BaseModel):
     kwargs: dict[str, Any] = {}
     bn_momentum: float | None = None  # set on every BatchNorm layer; None: the builder's own
     bn_eps: float | None = None
-
-
-def _spec(value: Any) -> Any:
-    return {"name": value} if isinstance(value, str) else value  # format 1: the name alone
 
 
 @dataclass(frozen=True)
@@ -138,14 +132,12 @@ class CheckpointMeta(BaseModel):
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
     format: int = CHECKPOINT_FORMAT
-    model: Annotated[ModelSpec, BeforeValidator(_spec)] = ModelSpec()
+    model: ModelSpec = ModelSpec()
     epoch: int  # the last completed epoch, 0-based; with `step`, the epoch in progress
     step: int | None = None  # a checkpoint inside `epoch`: its batches trained on so far
-    # ...of which the earlier layouts trained these (pipeline.train.rest.Segment, as dicts)
-    segments: list[dict[str, int]] = []
     classes: list[str]
     image_size: int  # the side of the stored images: inference shapes its inputs to it first
-    # What the network takes (ModelInput): format 1 had no resize, and bilinear was its default.
+    # What the network takes (ModelInput); None: the stored size.
     input_size: int | None = None
     interpolation: Literal["bilinear", "bicubic"] = "bilinear"
     mean: tuple[float, float, float]
@@ -193,25 +185,28 @@ def read_meta(checkpoint: Location) -> CheckpointMeta:
         )
     data = path.read_bytes()
     try:
-        found = json.loads(data).get("format", 1)
+        raw = json.loads(data)
+        # Format 1 had no such field, and named its model alone: `"model": "resnet18"`.
+        found = raw.get("format", 1 if isinstance(raw.get("model"), str) else None)
     except (ValueError, AttributeError):
-        found = None  # not a JSON object: validation says what it is
+        raw, found = {}, None  # not a JSON object: validation says what it is
     if isinstance(found, int) and found > CHECKPOINT_FORMAT:
         # Before validating: a newer format may hold fields this code does not know.
         raise InputError(
             f"{checkpoint.uri} is a checkpoint of format {found}, newer than this code reads "
-            f"(formats {', '.join(map(str, READABLE_FORMATS))}): update the bundle where this "
-            "job runs"
+            f"(format {CHECKPOINT_FORMAT}): update the bundle where this job runs"
+        )
+    if isinstance(found, int) and found != CHECKPOINT_FORMAT:
+        model = raw.get("model")
+        name = model.get("name") if isinstance(model, dict) else model
+        raise InputError(
+            f"{checkpoint.uri} holds a {name} checkpoint of format {found}; this code reads "
+            f"format {CHECKPOINT_FORMAT}"
         )
     try:
         meta = CheckpointMeta.model_validate_json(data)
     except ValueError as e:
         raise InputError(f"{path.uri} is not valid checkpoint metadata: {e}") from None
-    if meta.format not in READABLE_FORMATS or (meta.format == 1 and meta.model.name != "resnet18"):
-        raise InputError(
-            f"{checkpoint.uri} holds a {meta.model.name} checkpoint of format {meta.format}; this "
-            f"code reads formats {', '.join(map(str, READABLE_FORMATS))}"
-        )
     return meta
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,13 +43,12 @@ def resize(images: torch.Tensor, *, size: int, interpolation: str) -> torch.Tens
 @dataclass
 class DevicePolicy:
     """A batch on this device: precision, normalisation, the network's input size, memory
-    layout, grad scaling."""
+    layout. (fp16's grad scaler is the optimisation state's: pipeline.train.optim.)"""
 
     device: torch.device
     precision: str
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    scaler: torch.amp.GradScaler = field(init=False)
     # The network's side, where the stored images are larger (None: as stored).
     input_size: int | None = None
     interpolation: str = "bilinear"
@@ -65,25 +64,6 @@ class DevicePolicy:
             input_size=inputs.image_size,
             interpolation=inputs.interpolation,
         )
-
-    def __post_init__(self):
-        # A disabled scaler passes losses and steps through: one code path for every precision.
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
-
-    def load_scaler(self, state: dict) -> bool:
-        """Restore the grad scaler from a checkpoint's `state`; False where that has none to
-        give and fp16 trains here with a new scaler.
-
-        `precision=auto` picks by hardware, so a run trained in bf16 or fp32 (an A100, a CPU)
-        resumes in fp16 on an older GPU, from a checkpoint whose scaler was disabled: its state
-        is empty. A new scaler is sound there, as at the start of every fp16 run: the weights
-        and the optimizer's state are fp32, and the scaler finds its scale in the first steps,
-        skipping those whose gradients overflow. A run trained in fp16 and resumed in another
-        precision has a disabled scaler here, which ignores the state."""
-        if self.scaler.is_enabled() and not state:
-            return False
-        self.scaler.load_state_dict(state)
-        return True
 
     @property
     def channels_last(self) -> bool:

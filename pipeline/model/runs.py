@@ -1,6 +1,7 @@
 """A training run on storage, `<storage_path>/<name>`, and what it records.
 
 epoch_0007/                       a checkpoint (pipeline.model.checkpoint)
+steps/epoch_0008_step_000200/     a checkpoint inside an epoch, until its epoch's own is in
 checkpoint_manager_snapshot.json  Ray Train's record of the run's checkpoints and their metrics
 summary.json                      written last: a run with it has finished, unless it says
                                   "training" (a train job trains it again: TrainingMark); it
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import socket
 import threading
 import time
@@ -35,7 +37,7 @@ from pipeline.core.ray_internals import (
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
 from pipeline.model.checkpoint import (
-    RECORDED_BEFORE_SCORES,
+    METADATA,
     CheckpointMeta,
     Score,
     best_of,
@@ -66,6 +68,33 @@ CURVES_PNG = "curves.png"
 
 def checkpoint_dir_name(epoch: int) -> str:
     return f"epoch_{epoch:04d}"
+
+
+# Checkpoints inside an epoch (pipeline.train.checkpointer), beside the epochs'.
+STEPS = "steps"
+NAME = re.compile(r"epoch_(\d{4,})_step_(\d{6,})")
+
+
+def step_dir_name(epoch: int, step: int) -> str:
+    return f"epoch_{epoch:04d}_step_{step:06d}"
+
+
+def step_checkpoints(run_dir: Location) -> list[tuple[int, int, Location]]:
+    """(epoch, step, directory) of the run's whole checkpoints inside an epoch, oldest first."""
+    found = []
+    for info in run_dir.child(STEPS).list_dirs():
+        if match := NAME.fullmatch(info.base_name):
+            found.append((int(match[1]), int(match[2]), run_dir.child(STEPS, info.base_name)))
+    return sorted(found, key=lambda f: f[:2])
+
+
+def latest_step_checkpoint(run_dir: Location, epoch: int | None = None) -> Location | None:
+    """The newest checkpoint inside an epoch (inside `epoch`, if given) that is whole (its
+    metadata, written last, is there), if any."""
+    for found, _, directory in reversed(step_checkpoints(run_dir)):
+        if epoch in (None, found) and directory.child(METADATA).exists():
+            return directory
+    return None
 
 
 def load_result(run_dir: Location) -> ray.train.Result:
@@ -118,11 +147,8 @@ class DivergedRun(InputError):
 
 
 def summary_score(summary: dict) -> Score:
-    """The score a finished run ranked its checkpoints by, as its summary records it (runs
-    from before checkpoint.metric: val accuracy, which they were ranked by)."""
-    return score_of(
-        summary.get("checkpoint_metric", RECORDED_BEFORE_SCORES), summary.get("checkpoint_mode")
-    )
+    """The score a finished run ranked its checkpoints by, as its summary records it."""
+    return score_of(summary["checkpoint_metric"], summary.get("checkpoint_mode"))
 
 
 def latest_checkpoint(run_dir: Location) -> Location | None:
@@ -387,17 +413,14 @@ MODEL_FIXED = "the run's weights belong to its network and its input"
 # ...but for how fast its BatchNorm statistics follow the batches: a run stuck at chance by them
 # goes on with another momentum.
 MODEL_CHANGES_ON_RESUME = ("bn_momentum",)
-# What a run recorded before the model section trained: ResNet-18 (its `pretrained` aside).
-RECORDED_BEFORE_MODELS = {"name": "resnet18", "kwargs": {}}
 
 
 def resume_changes(recorded: dict, cfg: TrainConfig) -> list[str]:
     """The settings `cfg` changes against the run's recorded config, as 'key: old -> new'.
     Raises ConfigError for what a resume cannot change."""
     now = cfg.model_dump(mode="json")
-    was_model, now_model = recorded.get("model", RECORDED_BEFORE_MODELS), now.pop("model")
+    was_model, now_model = recorded["model"], now.pop("model")
     old = flatten_config({k: v for k, v in recorded.items() if k != "model"})
-    old.setdefault("checkpoint.metric", RECORDED_BEFORE_SCORES)
     new = flatten_config(now)
     changed = {k: (old.get(k), v) for k, v in new.items() if k in old and old[k] != v}
     changed |= {

@@ -233,10 +233,8 @@ class TrainConfig(Strict):
         None,
         ge=1,
         description=(
-            "Parts each epoch's shuffled order is cut into, each giving global_batch_size / "
-            "partitions images a step (docs/train.md). Fixed when the run starts; none: the "
-            "largest divisor of global_batch_size that every worker count divides, up to 2 a "
-            "loader process."
+            "Parts each epoch's order is cut into (docs/train.md), fixed when the run starts; "
+            "none: picked from global_batch_size and scaling."
         ),
     )
     ingest: Literal["torch", "ray_data"] = Field(
@@ -333,21 +331,6 @@ class TrainConfig(Strict):
         30, gt=0, description="Seconds between progress lines within an epoch (rank 0)."
     )
     tracking: TrainTrackingConfig = TrainTrackingConfig()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _keys_moved(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "pretrained" in data:
-            raise ValueError(
-                "pretrained: this key is now model.weights (e.g. model.weights=IMAGENET1K_V1, "
-                "or the path of a state_dict file), beside model.name"
-            )
-        if isinstance(data, dict) and "num_to_keep" in data:
-            raise ValueError(
-                "num_to_keep: this key is now checkpoint.num_to_keep (e.g. "
-                "checkpoint.num_to_keep=2), beside checkpoint.metric, what it keeps the best by"
-            )
-        return data
 
     @model_validator(mode="after")
     def _batch_splits_evenly(self) -> TrainConfig:

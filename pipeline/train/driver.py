@@ -47,12 +47,12 @@ from pipeline.model.runs import (
     DivergedRun,
     check_resumable,
     latest_checkpoint,
+    latest_step_checkpoint,
     mark_training,
     resume_changes,
     write_reports,
 )
 from pipeline.train.config import TrainConfig, is_hook
-from pipeline.train.steps import latest_step_checkpoint
 
 log = logging.getLogger(__name__)
 

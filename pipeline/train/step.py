@@ -26,6 +26,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.ema import ModelEMA
 from pipeline.train.hooks import epoch_values
+from pipeline.train.optim import grad_scaler
 from pipeline.train.ring import RingLoader
 from pipeline.train.torch_input import RowGroupStream
 
@@ -72,6 +73,7 @@ def train_one_epoch(
     criterion,
     *,
     policy: DevicePolicy,
+    scaler: torch.amp.GradScaler | None = None,
     progress=None,
     recipe: StepRecipe | None = None,
     start: int = 0,
@@ -82,8 +84,10 @@ def train_one_epoch(
     seconds waited for input of the batches it trained on. `progress(batches_done,
     images_done)` is called after each batch, `after_step(step, totals)` after each step,
     `totals()` giving the loss and images summed so far. With a mix, the loss is against the
-    mixed (soft) labels."""
+    mixed (soft) labels. `scaler`: the run's grad scaler (None: a new one for `policy`'s
+    precision)."""
     recipe = recipe or StepRecipe()
+    scaler = scaler if scaler is not None else grad_scaler(policy.device, policy.precision)
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=policy.device)
     images = 0
@@ -94,12 +98,14 @@ def train_one_epoch(
         if recipe.mix is not None:
             x, y = recipe.mix(x, y, i)
         optimizer.zero_grad(set_to_none=True)
-        loss = backward(model, x, y, criterion, policy=policy, micro_batch=recipe.micro_batch)
+        loss = backward(
+            model, x, y, criterion, policy=policy, scaler=scaler, micro_batch=recipe.micro_batch
+        )
         if recipe.clip_grad_norm is not None:
-            policy.scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
+            scaler.unscale_(optimizer)  # clip the true gradients, not fp16's scaled ones
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_grad_norm)
-        policy.scaler.step(optimizer)
-        policy.scaler.update()
+        scaler.step(optimizer)
+        scaler.update()
         if recipe.ema is not None:
             recipe.ema.step(unwrap(model))
         loss_sum += loss.double() * len(y)
@@ -136,7 +142,16 @@ class WaitTimed:
             yield batch
 
 
-def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int | None = None):
+def backward(
+    model,
+    x,
+    y,
+    criterion,
+    *,
+    policy: DevicePolicy,
+    scaler: torch.amp.GradScaler,
+    micro_batch: int | None = None,
+):
     """Gradients of the mean loss over the batch `x`, `y`, in micro-batches of `micro_batch`
     images (all at once without): each micro-batch's mean loss is weighted by its share of the
     batch, so the summed gradient is the whole batch's. Under DDP only the last micro-batch's
@@ -152,7 +167,7 @@ def backward(model, x, y, criterion, *, policy: DevicePolicy, micro_batch: int |
         with sync:
             with policy.autocast():
                 loss = criterion(model(xc), yc) * (len(yc) / len(y))
-            policy.scaler.scale(loss).backward()
+            scaler.scale(loss).backward()
         total += loss.detach().float()
     return total
 
@@ -272,7 +287,7 @@ def train_data(
     batches = loader(stream, cfg, device)
     if on_device:
         batches = DeviceDecoded(batches, device, transform, rows=stream)
-    return EpochLoader(batches, stream)
+    return EpochLoader(batches, stream, layout=epoch_layout(cfg, world), logs=rank == 0)
 
 
 def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
@@ -293,57 +308,65 @@ def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, w
 
 
 class EpochLoader:
-    """A loader (decoding on the device, or not) and the stream whose `set_epoch` reshuffles it.
-    Its position (`state_dict`) is a few numbers: the epoch, the steps of it trained, and what
-    the epoch's order is a function of (order.EpochOrder)."""
+    """A worker's train loader (decoding on the device, or not; or Ray Data's) and the stream
+    whose `set_epoch` reshuffles it, with its position (`state_dict()`): the epoch, the steps
+    of it trained, and what the epoch's order is a function of (order.EpochOrder; none for
+    `ingest=ray_data`, which resumes no epoch inside). The layout is not among them: a
+    position goes on at its next step on any worker count or loader processes."""
 
-    def __init__(self, loader: RingLoader | DeviceDecoded, stream: RowGroupStream):
-        self.loader, self.stream = loader, stream
-        self.step = 0  # of the epoch, once the batch handed out last is trained
-        self._resume: dict | None = None
+    def __init__(self, loader, stream, *, layout: str, logs: bool = False):
+        self.loader, self.stream, self.layout = loader, stream, layout
+        self.logs = logs  # rank 0's: says where a resumed epoch goes on
+        self.epoch, self.step = 0, 0  # step: of the epoch, once the batch handed out is trained
+        self._resume: tuple[int, int] | None = None  # load_state_dict's, until set_epoch
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        """The epoch the next iteration yields, from `start_step` on; from the position
-        `load_state_dict` gave, if that is inside this epoch."""
-        if self._resume is not None and self._resume["epoch"] == epoch:
-            start_step = self._resume["step"]
+        """Epoch `epoch` from step `start_step`, or from the position `load_state_dict` gave,
+        if it is in `epoch`."""
+        if self._resume is not None and self._resume[0] == epoch:
+            start_step = self._resume[1]
         self._resume = None
         self.stream.set_epoch(epoch, start_step)
-        self.step = start_step
+        self.epoch, self.step = epoch, start_step
 
-    @property
-    def start_step(self) -> int:
-        return self.stream.start_step
-
-    def state_dict(self) -> dict:
-        o = self.stream.order
+    def order(self) -> dict:
+        """What the epoch's order is a function of, besides the epoch."""
+        o = getattr(self.stream, "order", None)
+        if o is None:
+            return {}
         return {
-            "epoch": self.stream.epoch,
-            "step": self.step,
             "partitions": o.partitions,
             "global_batch": o.global_batch,
             "seed": o.seed,
             "dataset_version": self.stream.version,
         }
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "layout": self.layout, **self.order()}
+
     def load_state_dict(self, state: dict) -> None:
-        """Resumes at `state`'s position: on any worker count or loader processes, the next
-        step is the one after it. A position of another dataset version, global batch or
-        seed does not fit this epoch's order: that epoch starts over."""
-        o, was = self.stream.order, dict(state)
-        now = {"global_batch": o.global_batch, "seed": o.seed}
-        now["dataset_version"] = self.stream.version
-        changed = [f"{k} {was.get(k)} -> {v}" for k, v in now.items() if was.get(k) != v]
-        if o.global_batch % was["partitions"] == 0:
-            self.stream.set_partitions(was["partitions"])  # the run's, whatever the layout
+        """Resume at `state`'s position at the next `set_epoch` of its epoch. A position in
+        another order (another seed, global batch or dataset version) fits no step of this
+        one: its epoch starts over."""
+        now = self.order()
+        run = state.get("partitions")
+        if now and run != now["partitions"] and now["global_batch"] % run == 0:
+            self.stream.set_partitions(run)  # the run's, on any layout
+            now = self.order()
+        changed = [f"{k} {state.get(k)} -> {v}" for k, v in now.items() if state.get(k) != v]
         if changed:
-            if was["step"]:
+            if self.logs and state["step"]:
                 log.info(
-                    "epoch %d starts over: its order changed (%s) since its step %d",
-                    *(was["epoch"], ", ".join(changed), was["step"]),
+                    "epoch %d starts over: its order changed since its step %d (%s)",
+                    *(state["epoch"], state["step"], ", ".join(changed)),
                 )
             return
-        self._resume = {"epoch": was["epoch"], "step": was["step"]}
+        self._resume = (state["epoch"], state["step"])
+        if self.logs and state["step"] and state["layout"] != self.layout:
+            log.info(
+                "epoch %d goes on after its step %d on %s (taken with %s)",
+                *(state["epoch"], state["step"], self.layout, state["layout"]),
+            )
 
     def __iter__(self):
         for batch in self.loader:
@@ -351,4 +374,11 @@ class EpochLoader:
             yield batch
 
     def __len__(self) -> int:
+        """The epoch's steps."""
         return len(self.loader)
+
+
+def epoch_layout(cfg: TrainConfig, world: int) -> str:
+    """How `world` workers read and decode an epoch, in words: it changes none of its steps."""
+    batch, processes = cfg.global_batch_size // world, cfg.scaling.loader_workers
+    return f"{world} workers of {batch} images, {processes} loader processes each"
