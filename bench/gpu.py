@@ -78,8 +78,9 @@ from pipeline.data.images import (
 from pipeline.data.sources import SyntheticSource, assign_split, render_synthetic
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.train.config import TrainConfig
+from pipeline.train.epoch import train_one_epoch
+from pipeline.train.loaders import train_data
 from pipeline.train.optim import build_optimizer
-from pipeline.train.step import train_data, train_one_epoch
 
 if TYPE_CHECKING:
     from pipeline.infer.batch import Classifier

@@ -24,9 +24,10 @@ from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.driver import check_dataset
+from pipeline.train.epoch import train_one_epoch
+from pipeline.train.loaders import EpochLoader, train_data, val_data
 from pipeline.train.optim import build_optimizer
 from pipeline.train.ring import RingLoader
-from pipeline.train.step import EpochLoader, train_data, train_one_epoch, val_data
 from pipeline.train.torch_input import EncodedBatch, RowGroupStream, augmented
 
 CPU = torch.device("cpu")

@@ -49,7 +49,7 @@ from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import pick_decode
 from pipeline.train.hooks import build_loss, class_weights
-from pipeline.train.step import train_data
+from pipeline.train.loaders import train_data
 from pipeline.train.torch_input import Augment
 from pipeline.tune import sweep
 from pipeline.tune.config import SweepConfig

@@ -56,9 +56,10 @@ from pipeline.data.images import (
 from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
+from pipeline.train.epoch import train_one_epoch
+from pipeline.train.loaders import train_data
 from pipeline.train.optim import build_optimizer
 from pipeline.train.ring import BatchRing, RingLoader
-from pipeline.train.step import train_data, train_one_epoch
 from pipeline.train.torch_input import RowGroupStream, decode
 
 CLASSES = ["a", "b", "c", "d"]

@@ -279,7 +279,7 @@ def test_a_resume_restores_the_ema(tmp_path):
 
 
 def test_a_checkpoint_of_a_compiled_model_loads_into_a_plain_one(tmp_path):
-    from pipeline.train.step import StepRecipe, train_one_epoch
+    from pipeline.train.epoch import StepRecipe, train_one_epoch
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 3))

@@ -56,8 +56,9 @@ from pipeline.train.driver import (
     startup_attempts,
 )
 from pipeline.train.ema import ModelEMA
+from pipeline.train.epoch import Progress, StepRecipe, evaluate, train_one_epoch
+from pipeline.train.loaders import train_data
 from pipeline.train.optim import build_optimizer, grad_scaler, restore_optimizer
-from pipeline.train.step import Progress, StepRecipe, evaluate, train_data, train_one_epoch
 from pipeline.train.torch_input import Augment, RowGroupStream
 
 
@@ -106,7 +107,7 @@ def test_progress_lines_within_an_epoch(caplog):
         progress=lambda *a: calls.append(a),
     )
     assert calls == [(1, 4), (2, 8), (3, 12), (4, 16), (5, 20)] and t["images"] == 20
-    caplog.set_level(logging.INFO, logger="pipeline.train.step")
+    caplog.set_level(logging.INFO, logger="pipeline.train.epoch")
     progress = Progress(epoch=2, epochs=10, batches=5, every_s=0)
     for batch in range(1, 6):
         progress(batch, 4 * batch)

@@ -45,7 +45,7 @@ from pipeline.model.runs import (
 from pipeline.model.source import resolve_checkpoint
 from pipeline.tracking import registered_checkpoint
 from pipeline.tracking.registry import model_spec
-from pipeline.train.step import evaluate
+from pipeline.train.epoch import evaluate
 from pipeline.train.torch_input import RowGroupStream
 
 pytestmark = pytest.mark.slow

@@ -47,10 +47,11 @@ from pipeline.model.runs import (
     step_checkpoints,
     step_dir_name,
 )
+from pipeline.train.epoch import all_reduce
+from pipeline.train.loaders import EpochLoader
 from pipeline.train.optim import OptimState
 from pipeline.train.progress import LoopState
 from pipeline.train.saving import Background, Snapshot, publish_checkpoint
-from pipeline.train.step import EpochLoader, all_reduce
 
 if TYPE_CHECKING:
     from pipeline.train.worker import Worker

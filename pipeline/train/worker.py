@@ -32,21 +32,18 @@ from pipeline.train.augment import batch_mix
 from pipeline.train.checkpointer import Checkpointer, State
 from pipeline.train.config import TrainConfig, is_hook
 from pipeline.train.device_decode import pick_decode
-from pipeline.train.hooks import build_loss, build_metrics
-from pipeline.train.optim import OptimState
-from pipeline.train.progress import LoopState
-from pipeline.train.step import (
-    EpochLoader,
+from pipeline.train.epoch import (
     Progress,
     StepRecipe,
     all_reduce,
     broadcast_buffers,
-    epoch_layout,
     evaluate,
-    train_data,
     train_one_epoch,
-    val_data,
 )
+from pipeline.train.hooks import build_loss, build_metrics
+from pipeline.train.loaders import EpochLoader, epoch_layout, train_data, val_data
+from pipeline.train.optim import OptimState
+from pipeline.train.progress import LoopState
 from pipeline.train.torch_input import Augment
 
 log = logging.getLogger(__name__)
