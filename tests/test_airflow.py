@@ -35,6 +35,8 @@ SETTINGS = [
     "preprocess.row_group_size=20",
     "train.name=airflow",
     "train.epochs=2",
+    # One worker: the DAG's tasks are the point here, not how a run spreads over workers.
+    "train.scaling.num_workers=1",
     "train.global_batch_size=16",
     "infer.batch_size=16",
 ]
@@ -200,8 +202,10 @@ def test_a_stopped_job_fails_its_task(chain, airflow, cluster_2cpu):
     wait_for(lambda: submitted() or run.done(), "the training job's submission", 600)
     assert not run.done(), run.result()[1][-5000:]
     job = submitted()
+    # By request: a `ray job status` process a poll would cost a second of CPU each.
     wait_for(
-        lambda: "RUNNING" in cluster_2cpu.ray("job", "status", job) or run.done(), "job running"
+        lambda: cluster_2cpu.get(f"/api/jobs/{job}")["status"] == "RUNNING" or run.done(),
+        "job running",
     )
     cluster_2cpu.stop_job(job)
     code, out, states = run.result(timeout=300)

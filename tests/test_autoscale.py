@@ -9,9 +9,10 @@ import urllib.error
 
 import pytest
 import torch
+import yaml
 from helpers import checkpoint_meta, in_background, make_image_folder, start_task, wait_for
 
-from harness.cluster import LocalCluster
+from harness.cluster import BUNDLE_ROOT, LocalCluster
 from jobs.submit import STEPS, step_command
 from pipeline.infer.predictions import SUMMARY
 from pipeline.model.checkpoint import save_checkpoint
@@ -43,12 +44,16 @@ def idle_cluster():
         yield c
 
 
-def infer(cluster, model_and_images, output, *overrides, submission_id: str, timeout_s=600):
+def infer(
+    cluster, model_and_images, output, *overrides, submission_id: str, timeout_s=600, **submit
+):
     checkpoint, images = model_and_images
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
     args += [f"model={checkpoint}", f"input={images}", f"output={output}"]
     args += ["cpus_per_actor=1", "num_actors=2", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=timeout_s, submission_id=submission_id)
+    return cluster.submit(
+        args, capture=True, timeout_s=timeout_s, submission_id=submission_id, **submit
+    )
 
 
 def test_inference_waits_for_a_node_to_join(idle_cluster, model_and_images, tmp_path):
@@ -196,19 +201,59 @@ def predictors(cluster) -> list[dict]:
     return [a for a in cluster.state("actors", "state=ALIVE") if "Predictor" in a["class_name"]]
 
 
-def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(idle_cluster, tmp_path):
+# A classifier that takes half a second an image and holds no CPU meanwhile: the job lasts while
+# nodes join, as a real model's would on a larger input, without the suite paying for it.
+SLOW_NETWORK = """
+import time
+
+import torch
+
+
+class Slow(torch.nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head = torch.nn.Linear(3, num_classes)
+
+    def forward(self, x):
+        time.sleep(0.5 * len(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def build(num_classes):
+    return Slow(num_classes)
+"""
+
+
+def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(
+    idle_cluster, tmp_path, monkeypatch
+):
     # The job starts on the one node there is; two more join while it runs: room for three
     # actors, and num_actors=2. The pool grows to two and no further.
+    package = tmp_path / "src" / "slownet"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(SLOW_NETWORK)
+    monkeypatch.syspath_prepend(str(package.parent))
+    from slownet import build
+
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
-    # At 224 px a CPU classifies a few dozen images a second: the job lasts while nodes join.
-    slow = checkpoint_meta(image_size=224)
-    save_checkpoint(checkpoint, build_model(len(slow.classes)).eval().state_dict(), slow, {})
+    slow = checkpoint_meta(model={"name": "slownet:build"})
+    save_checkpoint(checkpoint, build(len(slow.classes)).state_dict(), slow, {})
     images = tmp_path / "images"
-    make_image_folder(images, per_class=600, corrupt=False)
+    make_image_folder(images, per_class=100, corrupt=False)
+    # The job ships the network as a user's package: the runtime env's py_modules.
+    runtime_env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
+    runtime_env["py_modules"] = [str(package)]
+    (tmp_path / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
     idle_cluster.add_node(num_cpus=1)
     job = in_background(
-        infer, idle_cluster, (checkpoint, images), tmp_path / "out", submission_id="grow"
+        infer,
+        idle_cluster,
+        (checkpoint, images),
+        tmp_path / "out",
+        "batch_size=8",
+        submission_id="grow",
+        runtime_env=tmp_path / "runtime_env.yaml",
     )
     wait_for(lambda: predictors(idle_cluster) or job.done(), "the first predictor actor", 300)
     idle_cluster.add_node(num_cpus=1)
@@ -222,7 +267,8 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(idle_cluster
 
     wait_for(watch, "inference done", 900)
     proc = job.result()
+    print(f"predictor actors (seconds after the nodes joined, count): {sizes}")
     assert proc.returncode == 0, proc.stdout
     assert "1 to 2 predictor actors" in proc.stdout
     assert max(n for _, n in sizes) == 2, sizes
-    assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 1800
+    assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 300

@@ -42,7 +42,9 @@ def test_an_outage_mid_training_costs_no_training_and_a_resubmission_logs_the_re
 ):
     run = tmp_path / "outage"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    args = ("name=outage", "epochs=3", "checkpoint.num_to_keep=1", *tracked(server))
+    # One worker: the outage is rank 0's to live through, and the other would only cost CPU.
+    args = ("name=outage", "epochs=3", "checkpoint.num_to_keep=1", "scaling.num_workers=1")
+    args += tracked(server)
     job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
     held_worker(marker, job)  # rank 0 has reported epoch 0, and waits
     # Logged once its checkpoint is uploaded, in Ray's upload thread: before Ray records it.

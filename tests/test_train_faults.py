@@ -32,6 +32,9 @@ from pipeline.model.runs import (
 )
 
 pytestmark = pytest.mark.slow
+# One worker where what a test proves is not about several: each worker is a process that
+# imports torch and joins the group (a 2-epoch job costs about 31 CPU-s more with two).
+ONE_WORKER = "scaling.num_workers=1"
 # A preprocess job of other images (3 classes, 40 px) for an output given by the caller.
 PREPROCESS_OTHER = [
     "python",
@@ -51,7 +54,7 @@ def test_a_kill_between_upload_and_record_trains_the_epoch_again(
 ):
     run = tmp_path / "orphan"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
-    args = ("name=orphan", "epochs=2", "checkpoint.num_to_keep=2")  # keeps epoch_0000 to look at
+    args = ("name=orphan", "epochs=2", "checkpoint.num_to_keep=2", ONE_WORKER)  # keeps epoch_0000
     job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
     pid = held_worker(marker, job)
     # Held inside report: epoch 0's checkpoint is whole on storage, and Ray has no record of
@@ -82,7 +85,7 @@ def test_a_kill_between_upload_and_record_trains_the_epoch_again(
 def test_a_kill_with_max_failures_0_fails_the_job(cluster_2cpu, tiny_dataset, tmp_path):
     run = tmp_path / "fragile"
     env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    args = ("name=fragile", "epochs=2", "max_failures=0")
+    args = ("name=fragile", "epochs=2", "max_failures=0", ONE_WORKER)
     job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
     pid = held_worker(marker, job)
     # The point main_run kills at: epoch 0 in Ray's record, nothing later.
@@ -117,7 +120,7 @@ def test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row_gro
     shutil.copytree(tiny_dataset, copy)
     shard = sorted(copy.glob("data/*/train/*.parquet"))[0]
     damage_stored_image(shard, group=0, row=0)
-    proc = train_job(cluster_2cpu, copy, tmp_path, "name=damaged", "max_failures=3")
+    proc = train_job(cluster_2cpu, copy, tmp_path, "name=damaged", "max_failures=3", ONE_WORKER)
     assert "failed with exit code 1" in proc.stdout, proc.stdout  # the job's: bad input
     assert re.search(
         rf"error: dataset {copy}\S* is damaged: row group 0 of \S+/{shard.name}: it does not",
