@@ -359,7 +359,7 @@ class OneWorker:
 
 
 def small_run_config(dataset: Path, storage: Path, *overrides: str) -> TrainConfig:
-    """A one-worker run on `small_dataset`: one step of 8 images an epoch, plain SGD."""
+    """A one-worker run on `small_dataset`: steps of 8 images, plain SGD."""
     return load_config(
         TrainConfig,
         None,
