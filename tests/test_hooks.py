@@ -51,7 +51,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import pick_decode
 from pipeline.train.hooks import build_loss, class_weights
 from pipeline.train.loaders import train_data
-from pipeline.train.torch_input import Augment
+from pipeline.train.torch_input import augmented
 from pipeline.tune import sweep
 from pipeline.tune.config import SweepConfig
 
@@ -177,12 +177,12 @@ def test_own_augment_gives_the_same_batches_for_the_same_seed(small_dataset, tmp
     assert not all(torch.equal(a, b) for a, b in zip(first, batches(0, 1), strict=True))
 
 
-def test_own_augment_draws_repeat_for_the_same_key(user_hooks):
+def test_own_augment_draws_repeat_for_the_same_seeds(user_hooks):
     transform = train_transform("my_hooks:augment", image_size=32, auto_augment="none")
     images = [torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8) for _ in range(4)]
-    first = Augment(transform, "0/0/0/0")(images)
-    again = Augment(transform, "0/0/0/0")(images)
-    other = Augment(transform, "0/1/0/0")(images)
+    first = augmented(transform, images, [0, 1, 2, 3])
+    again = augmented(transform, images, [0, 1, 2, 3])
+    other = augmented(transform, images, [4, 5, 6, 7])
     assert all(torch.equal(x, y) for x, y in zip(first, again, strict=True))
     assert not all(torch.equal(x, y) for x, y in zip(first, other, strict=True))
     assert all(x.dtype == torch.uint8 and x.shape == (3, 32, 32) for x in first)

@@ -34,12 +34,11 @@ def train_data(
     rank: int,
     world: int,
     device: torch.device,
-    partitions: int | None = None,
 ) -> EpochLoader:
     """This worker's training batches (decode + augment in `loader_workers` processes, or on
-    `device` by `decode`), with `set_epoch` to reshuffle; `partitions`: the run's (else the
-    config's count at the start). Ray Train needs no wrapping of it: the benchmark's plain loop
-    uses it as it is."""
+    `device` by `decode`), with `set_epoch` to reshuffle, in the order of the config's
+    partitions (the run's, which the driver pins). Ray Train needs no wrapping of it: the
+    benchmark's plain loop uses it as it is."""
     transform = train_transform(**transform_options(cfg), image_size=manifest.image_size)
     on_device = pick_decode(cfg.decode_setting(), device, manifest.image_format) == "gpu"
     stream = RowGroupStream(
@@ -53,7 +52,7 @@ def train_data(
         seed=cfg.seed,
         transform=None if on_device else transform,
         encoded=on_device,
-        partitions=partitions or cfg.partitions_at_start(),
+        partitions=cfg.partitions_at_start(),
     )
     batches = loader(stream, cfg, device)
     if on_device:
@@ -117,13 +116,10 @@ class EpochLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state`'s position at the next `set_epoch` of its epoch. A position in
-        another order (another seed, global batch or dataset version) fits no step of this
-        one: its epoch starts over."""
+        another order (another seed, global batch, partition count or dataset version) fits
+        no step of this one: its epoch starts over. The driver pins the run's partitions, so
+        only a config changed since the checkpoint differs."""
         now = self.order()
-        run = state.get("partitions")
-        if now and run != now["partitions"] and now["global_batch"] % run == 0:
-            self.stream.set_partitions(run)  # the run's, on any layout
-            now = self.order()
         changed = [f"{k} {state.get(k)} -> {v}" for k, v in now.items() if state.get(k) != v]
         if changed:
             if self.logs and state["step"]:

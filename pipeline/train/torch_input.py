@@ -134,17 +134,8 @@ class RowGroupStream(IterableDataset):
             global_batch = batch_size * world
             if partitions is None:
                 partitions = default_partitions(global_batch, range(world, world + 1), 1)
-            self.set_partitions(partitions)
-
-    def set_partitions(self, partitions: int) -> None:
-        """The train order over `partitions` (a run keeps the count it started with)."""
-        self.order = EpochOrder(
-            tuple(g.rows for g in self.groups),
-            self.batch_size * self.world,
-            partitions,
-            self.seed,
-            self.shuffle_rows,
-        )
+            rows = tuple(g.rows for g in self.groups)
+            self.order = EpochOrder(rows, global_batch, partitions, seed, self.shuffle_rows)
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """The epoch the next iteration yields, from its step `start_step` on."""
@@ -188,7 +179,7 @@ class RowGroupStream(IterableDataset):
             for j in range(lo, hi)
         ]
         positions = [parts[slot // o.length][slot % o.length] for slot in slots]
-        places = [(g, row) for g, row in o.places(self.epoch, positions)]
+        places = o.places(self.epoch, positions)
         n = len(slots) // len(steps) if steps else 0
         return [
             Planned(
@@ -436,19 +427,11 @@ class Augment:
         seed = random.Random(f"augment/{key}").getrandbits(63)
         self.state = torch.Generator().manual_seed(seed).get_state()
 
-    def __call__(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.transform is None:
-            return images
-        return self._drawing(lambda: [self.transform(image) for image in images])
-
     def draw(self, *inputs):
         """`transform(*inputs)` once, on a whole batch (MixUp, CutMix: `images, labels`)."""
-        return self._drawing(lambda: self.transform(*inputs))
-
-    def _drawing(self, fn):
         # CPU draws only: MixUp's and CutMix's come from the CPU generator whatever the device.
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(self.state)
-            out = fn()
+            out = self.transform(*inputs)
             self.state = torch.get_rng_state()
         return out
