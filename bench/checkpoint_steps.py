@@ -61,7 +61,7 @@ def meta(size: int, step: int | None) -> CheckpointMeta:
         dataset_version="bench",
         metrics={"epoch": 0} if step is None else {"epoch": 0, "step": step},
         history=[],
-        config={},
+        config={"checkpoint": {"metric": "val_loss"}},
     )
 
 

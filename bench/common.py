@@ -54,7 +54,7 @@ def random_checkpoint(dataset: Path, out: Path) -> Path:
         dataset_version=m.version,
         metrics={},
         history=[],
-        config={},
+        config={"checkpoint": {"metric": "val_loss"}},
     )
     save_checkpoint(out, build_model(len(m.classes)).state_dict(), meta, {})
     return out

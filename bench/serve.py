@@ -67,7 +67,7 @@ def make_inputs(tmp: Path, size: int, count: int) -> tuple[list[bytes], Path]:
         dataset_version="bench",
         metrics={},
         history=[],
-        config={},
+        config={"checkpoint": {"metric": "val_loss"}},
     )
     torch.manual_seed(0)
     save_checkpoint(checkpoint, build_model(len(CLASSES)).eval().state_dict(), meta, {})

@@ -68,6 +68,16 @@ def test_metadata_problems_are_clear_errors(tmp_path):
     (tmp_path / METADATA).write_text('{"epoch": 1}')
     with pytest.raises(InputError, match=r"not valid checkpoint metadata"):
         read_meta(checkpoint)
+    # Which weights serve is ranked by the run's score: metadata without it is refused on read,
+    # not failed on in the infer job or a serve replica.
+    unranked = json.loads(checkpoint_meta().model_dump_json()) | {"config": {"epochs": 5}}
+    (tmp_path / METADATA).write_text(json.dumps(unranked))
+    with pytest.raises(
+        InputError,
+        match=r"^\S+ is not valid checkpoint metadata \(config: Value error, config holds no "
+        r"checkpoint.metric, .*\)$",
+    ):
+        read_meta(checkpoint)
     # An older format than this code reads, and a newer one, are refused as such.
     for older in ({"format": 1, "model": "vit_b_16"}, {"format": CHECKPOINT_FORMAT - 1}):
         meta = json.loads(checkpoint_meta().model_dump_json()) | older

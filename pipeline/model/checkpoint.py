@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from pipeline.core.errors import InputError, first_line
 from pipeline.core.storage import Location, retry
@@ -150,6 +150,18 @@ class CheckpointMeta(BaseModel):
     config: dict[str, Any]
     ema_weights: str | None = None  # the EMA weights' file, in a run that keeps an EMA
 
+    @field_validator("config")
+    @classmethod
+    def _ranked(cls, config: dict[str, Any]) -> dict[str, Any]:
+        # Which of raw and EMA weights serve is decided by the run's score (config_score).
+        ranked = config.get("checkpoint")
+        if not isinstance(ranked, dict) or not isinstance(ranked.get("metric"), str):
+            raise ValueError(
+                "config holds no checkpoint.metric, the score its run ranks checkpoints by "
+                "(the train job and ModelCard.meta record it)"
+            )
+        return config
+
     @property
     def model_input(self) -> ModelInput:
         size = self.input_size or self.image_size
@@ -205,8 +217,11 @@ def read_meta(checkpoint: Location) -> CheckpointMeta:
         )
     try:
         meta = CheckpointMeta.model_validate_json(data)
-    except ValueError as e:
-        raise InputError(f"{path.uri} is not valid checkpoint metadata: {e}") from None
+    except ValidationError as e:  # not JSON, fields missing or of the wrong type
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors()[:3]
+        )
+        raise InputError(f"{path.uri} is not valid checkpoint metadata ({problems})") from None
     return meta
 
 
