@@ -59,7 +59,7 @@ from pipeline.train.augment import train_transform
 from pipeline.train.epoch import train_one_epoch
 from pipeline.train.loaders import train_data
 from pipeline.train.optim import build_optimizer
-from pipeline.train.ring import BatchRing, RingLoader
+from pipeline.train.ring import BatchRing, Reused, RingLoader
 from pipeline.train.torch_input import RowGroupStream, decode
 
 CLASSES = ["a", "b", "c", "d"]
@@ -392,6 +392,20 @@ def test_the_ring_hands_a_slow_consumer_every_batch_intact(numbered, processes):
         got.append(row_ids(images))
         assert labels.tolist() == [i % len(CLASSES) for i in got[-1]]
     assert got == expected
+
+
+def test_a_batch_is_copied_out_into_memory_that_no_tensor_holds():
+    reused = Reused()
+    first = reused.empty((2, 3))
+    at = first.data_ptr()
+    second = reused.empty((2, 3))
+    assert second.data_ptr() != at  # the first batch is held
+    view = first[1:].float()[0]  # a tensor computed from it holds nothing of it...
+    kept = first.permute(1, 0)[1:]  # ...a view of it does
+    del first
+    assert reused.empty((2, 3)).data_ptr() not in (at, second.data_ptr())
+    del kept
+    assert reused.empty((1, 3)).data_ptr() == at and view.shape == (3,)
 
 
 @pytest.mark.gpu

@@ -6,18 +6,22 @@ trainer's process maps and faults in again as it reads it, about a sixth of the 
 time at 224 px. Here each process stacks its batches into a few slots of one shared buffer,
 mapped before the processes start (the same pages every epoch), and sends only the slot's
 number and the labels; the trainer's process copies the batch out (into pinned memory where the
-batches go to a GPU: the copy the DataLoader's pinning made anyway) and frees the slot. A
-process waits for a free slot, so a batch is never overwritten before it was copied.
+batches go to a GPU: the copy the DataLoader's pinning made anyway; else into memory of its
+own, used again once no tensor holds it) and frees the slot. A process waits for a free slot,
+so a batch is never overwritten before it was copied.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import multiprocessing
 import os
+import sys
 import weakref
 from typing import NamedTuple
 
+import numpy
 import torch
 from torch.utils.data import DataLoader
 
@@ -93,11 +97,18 @@ class BatchRing:
             for _ in range(self.slots):
                 free.release()
 
-    def take(self, parts: list[Slot], pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(
+        self, parts: list[Slot], pin: bool, memory: Reused | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """In the trainer's process: the batch in the slots of `parts` (one from each process
-        that yielded a part of it, in order), copied out; the slots freed."""
+        that yielded a part of it, in order), copied out (into `memory`'s, unless pinned); the
+        slots freed."""
         images = sum(part.images for part in parts)
-        out = torch.empty((images, *self.memory.shape[3:]), dtype=torch.uint8, pin_memory=pin)
+        shape = (images, *self.memory.shape[3:])
+        if pin or memory is None:
+            out = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+        else:
+            out = memory.empty(shape)
         at = 0
         for part in parts:
             out[at : at + part.images].copy_(self.memory[part.process, part.slot, : part.images])
@@ -105,6 +116,29 @@ class BatchRing:
             self.free[part.process].release()
         labels = torch.tensor([label for part in parts for label in part.labels])
         return out.permute(0, 3, 1, 2), labels.pin_memory() if pin else labels
+
+
+class Reused:
+    """Memory for the batches copied out of a ring, used again once no tensor holds it: a new
+    batch's own memory would have its pages faulted in and zeroed again, batch after batch.
+    (Pinned memory, for a GPU, is CUDA's caching allocator's to reuse.)"""
+
+    KEEP = 4  # batches' memory kept: a step holds one or two batches at once
+
+    def __init__(self):
+        self.buffers: list[numpy.ndarray] = []
+
+    def empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialised uint8 tensor of `shape`, in memory no tensor holds any more."""
+        size = math.prod(shape)
+        for buffer in self.buffers:
+            # Held only here (the list, the loop, the call): any tensor on it holds it too.
+            if buffer.size >= size and sys.getrefcount(buffer) == 3:
+                return torch.from_numpy(buffer[:size]).view(shape)
+        buffer = numpy.empty(size, dtype=numpy.uint8)
+        if len(self.buffers) < self.KEEP:
+            self.buffers.append(buffer)
+        return torch.from_numpy(buffer).view(shape)
 
 
 class RingLoader:
@@ -118,6 +152,7 @@ class RingLoader:
     def __init__(self, stream: RowGroupStream, *, processes: int, pin_memory: bool = False):
         self.stream, self.processes, self.pin_memory = stream, processes, pin_memory
         self.spare: torch.Tensor | None = None  # the last epoch's ring memory, once unused
+        self.reused = Reused()
 
     def __len__(self) -> int:
         return len(self.stream)
@@ -125,10 +160,16 @@ class RingLoader:
     def __iter__(self):
         ring = None
         processes = self.stream.processes(self.processes)
+        # A train batch comes as a part from each process: each runs as many batches ahead
+        # as a process making whole batches would, in parts.
+        parts = processes if self.stream.order is not None and processes > 1 else 1
+        prefetch = PREFETCH * parts
         if processes:
-            batch = 0 if self.stream.encoded else self.stream.batch_size
+            rows = 0 if self.stream.encoded else self.stream.part_rows(processes)
             size = self.stream.image_size
-            ring = BatchRing(processes, batch=batch, size=size, memory=self.spare)
+            ring = BatchRing(
+                processes, batch=rows, size=size, slots=prefetch + 1, memory=self.spare
+            )
             self.spare = None
         loader = DataLoader(
             self.stream,
@@ -139,13 +180,12 @@ class RingLoader:
             persistent_workers=False,
             # Parts from processes are copied out of the ring (into pinned memory) as joined.
             pin_memory=self.pin_memory and not processes,
-            prefetch_factor=PREFETCH if processes else None,
+            prefetch_factor=prefetch if processes else None,
             worker_init_fn=ring.attach if ring else None,
             # The stream seeds its own draws; a DataLoader otherwise takes a seed from the global
             # generator at each iteration, which a resume inside an epoch takes at another step.
             generator=torch.Generator(),
         )
-        parts = processes if self.stream.order is not None and processes > 1 else 1
         batches = iter(loader)
         try:
             for first in batches:
@@ -167,7 +207,7 @@ class RingLoader:
         """The batch of the parts the processes yielded: copied out of the ring's slots
         (into pinned memory for a GPU), or encoded ones put end to end."""
         if isinstance(parts[0], Slot):
-            return _rings[parts[0].ring].take(parts, self.pin_memory)
+            return _rings[parts[0].ring].take(parts, self.pin_memory, self.reused)
         if isinstance(parts[0][0], EncodedBatch):
             return EncodedBatch.joined(parts)
         (batch,) = parts  # decoded in this process: whole, in its own memory

@@ -156,6 +156,16 @@ class RowGroupStream(IterableDataset):
             return loader_workers
         return min(loader_workers, self.batch_size)
 
+    def part_rows(self, processes: int) -> int:
+        """The most rows a process of `processes` yields at once: a part of a train batch
+        (`plan`), or a whole batch."""
+        if self.order is None or processes == 1:
+            return self.batch_size
+        ranges = share(self.order.global_batch, self.order.chunk, self.rank, self.world)
+        return max(
+            sum(hi - lo for _, lo, hi in cut(ranges, k, processes)) for k in range(processes)
+        )
+
     def rank_rows(self) -> tuple[int, int]:
         """val: [begin, end) of this rank's slice of the split's rows."""
         per = math.ceil(self.rows / self.world)
