@@ -81,7 +81,7 @@ MINUTES = {
     "main_run": 25,
     "tests/test_train_faults.py": 17,
     "tests/test_airflow.py": 14,
-    "tests/test_steps.py": 8,
+    "tests/test_steps.py": 6,
     "tests/test_chain.py": 7,
     "tests/test_own_loop.py": 5,
     "tests/test_tune.py": 6,
