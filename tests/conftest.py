@@ -90,7 +90,7 @@ MINUTES = {
     "tests/test_elastic.py": 6,
     "tests/test_s3.py": 5,
     "tests/test_autoscale.py": 3,
-    "tests/test_preemption.py": 4,
+    "tests/test_preemption.py": 5,
     "tests/test_export.py": 12,
     "tests/test_models.py": 5,
     "tests/test_hooks.py": 1,
