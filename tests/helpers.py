@@ -156,11 +156,11 @@ def kill_worker(cluster, pid: int) -> float:
     return time.time()
 
 
-def armed_runtime_env(directory: Path, point: str) -> tuple[Path, Path]:
-    """runtime_env.yaml plus the variable that arms fault `point` for one job:
+def armed_runtime_env(directory: Path, point: str, **env_vars: str) -> tuple[Path, Path]:
+    """runtime_env.yaml plus the variable that arms fault `point` for one job (and `env_vars`):
     returns the file to submit the job with, and the marker the held worker will write."""
     env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
-    env["env_vars"] = {**env.get("env_vars", {}), **arm(point, directory)}
+    env["env_vars"] = {**env.get("env_vars", {}), **arm(point, directory), **env_vars}
     path = directory / "runtime_env.yaml"  # its working_dir "." is the submitter's cwd: the bundle
     path.write_text(yaml.safe_dump(env))
     return path, directory / point
