@@ -371,6 +371,13 @@ def newer_checkpoint(tmp_path, _):
     read_meta(resolve_checkpoint(Location.parse(str(tmp_path))))
 
 
+def unranked_checkpoint(tmp_path, _):
+    save_checkpoint(tmp_path, {}, checkpoint_meta(), {})
+    meta = json.loads((tmp_path / METADATA).read_text()) | {"config": {"epochs": 5}}
+    (tmp_path / METADATA).write_text(json.dumps(meta))
+    read_meta(resolve_checkpoint(Location.parse(str(tmp_path))))
+
+
 def older_checkpoint(tmp_path, _):
     save_checkpoint(tmp_path, {}, checkpoint_meta(), {})
     meta = json.loads((tmp_path / METADATA).read_text()) | {"format": CHECKPOINT_FORMAT - 1}
@@ -896,7 +903,10 @@ CASES = [
         "<key>=<path> is the dataset the checkpoint was trained on, but no longer holds "
         "version <v>",
         lambda t, d: trained_version(
-            checkpoint_meta(config={"dataset": str(d)}), Location.parse(str(d)), None, key="input"
+            checkpoint_meta(config={"dataset": str(d), "checkpoint": {"metric": "val_loss"}}),
+            Location.parse(str(d)),
+            None,
+            key="input",
         ),
     ),
     Case(
@@ -991,6 +1001,14 @@ CASES = [
         1,
         "<path> is a checkpoint of format <n>, newer than this code reads",
         newer_checkpoint,
+    ),
+    Case(
+        "a checkpoint whose metadata.json does not read: fields missing or of the wrong type, "
+        "or a `config` without `checkpoint.metric` (the score that picks raw or EMA weights; "
+        "`ModelCard.meta` records it)",
+        1,
+        "<path>/metadata.json is not valid checkpoint metadata (<field>: <problem>)",
+        unranked_checkpoint,
     ),
     Case(
         "a checkpoint of an older format, written by an earlier bundle",

@@ -240,7 +240,11 @@ def test_a_dataset_is_the_same_however_its_path_is_spelled(tmp_path, monkeypatch
 def test_the_runs_own_dataset_is_read_at_the_version_it_was_trained_on(root, tmp_path, caplog):
     for version in (OLDER, NEWER):  # NEWER: committed after the run trained on OLDER
         commit(root, written(root, version), "")
-    meta = checkpoint_meta(dataset_version=OLDER, image_size=32, config={"dataset": root.uri})
+    meta = checkpoint_meta(
+        dataset_version=OLDER,
+        image_size=32,
+        config={"dataset": root.uri, "checkpoint": {"metric": "val_accuracy"}},
+    )
     caplog.set_level(logging.INFO, logger="pipeline.model.source")
     assert trained_version(meta, root, None, key="input") == OLDER
     assert f"input={root.uri} is the dataset the checkpoint was trained on: reading version " in (
