@@ -89,3 +89,10 @@ def first_line(error: BaseException) -> str:
     """The error's message up to its first line break."""
     # Native libraries' messages run on (pyarrow's HDFS lists every path it tried).
     return str(error).strip().partition("\n")[0]
+
+
+def validation_problems(error) -> str:
+    """A pydantic ValidationError's first problems on one line: `field: message; ...`."""
+    return "; ".join(
+        f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in error.errors()[:3]
+    )

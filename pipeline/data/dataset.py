@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline.core import faults
-from pipeline.core.errors import InputError, first_line
+from pipeline.core.errors import InputError, first_line, validation_problems
 from pipeline.core.storage import (
     Location,
     foreign_entries,
@@ -350,11 +350,8 @@ def read_manifest(root: Location, version: str | None = None) -> Manifest | None
     try:
         manifest = Manifest.model_validate_json(path.read_bytes())
     except ValidationError as e:  # not JSON, fields missing or of the wrong type
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors()[:3]
-        )
         raise UnreadableManifest(
-            f"{path.uri} is not a manifest this code can read ({problems})"
+            f"{path.uri} is not a manifest this code can read ({validation_problems(e)})"
         ) from None
     if manifest.schema_version != SCHEMA_VERSION:
         raise UnreadableManifest(

@@ -27,7 +27,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from pipeline.core.errors import InputError, first_line
+from pipeline.core.errors import InputError, first_line, validation_problems
 from pipeline.core.storage import Location, retry
 
 # Format 3: train_state.pt holds the run's state by part (pipeline.train.checkpointer.State).
@@ -218,9 +218,7 @@ def read_meta(checkpoint: Location) -> CheckpointMeta:
     try:
         meta = CheckpointMeta.model_validate_json(data)
     except ValidationError as e:  # not JSON, fields missing or of the wrong type
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors()[:3]
-        )
+        problems = validation_problems(e)
         raise InputError(f"{path.uri} is not valid checkpoint metadata ({problems})") from None
     return meta
 

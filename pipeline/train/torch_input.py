@@ -161,9 +161,8 @@ class RowGroupStream(IterableDataset):
         (`plan`), or a whole batch."""
         if self.order is None or processes == 1:
             return self.batch_size
-        ranges = share(self.order.global_batch, self.order.chunk, self.rank, self.world)
         return max(
-            sum(hi - lo for _, lo, hi in cut(ranges, k, processes)) for k in range(processes)
+            sum(hi - lo for _, lo, hi in self._ranges(k, processes)) for k in range(processes)
         )
 
     def rank_rows(self) -> tuple[int, int]:
@@ -178,8 +177,7 @@ class RowGroupStream(IterableDataset):
         if self.order is None:
             return self._val_plan(process, processes)
         o = self.order
-        ranges = share(o.global_batch, o.chunk, self.rank, self.world)
-        ranges = cut(ranges, process, processes) if processes > 1 else ranges
+        ranges = self._ranges(process, processes)
         parts = {p: o.partition(self.epoch, p) for p, _, _ in ranges}
         steps = range(self.start_step, o.steps)
         slots = [
@@ -198,6 +196,13 @@ class RowGroupStream(IterableDataset):
             )
             for i in range(len(steps))
         ]
+
+    def _ranges(self, process: int, processes: int) -> list[tuple[int, int, int]]:
+        """train: (partition, first, end) of the rows of each global batch that process
+        `process` of `processes` yields: its share of this rank's slice (order.share, cut)."""
+        o = self.order
+        ranges = share(o.global_batch, o.chunk, self.rank, self.world)
+        return cut(ranges, process, processes) if processes > 1 else ranges
 
     def _val_plan(self, process: int, processes: int) -> list[Planned]:
         begin, end = self.rank_rows()
