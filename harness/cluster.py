@@ -48,9 +48,27 @@ AUTOSCALER_EMPTY_LISTS = (
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    [port] = free_ports(1)
+    return port
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now. All are held until all are chosen: ports
+    chosen one at a time can repeat, as the kernel may hand a just-released port out again."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+# What `ray start` prints when a port it was given is taken: another process bound it
+# between free_ports() and Ray's own bind.
+PORT_TAKEN = ("that is used by other components", "already in use", "port is taken")
+# What the job agent logs once it stops retrying its port (it retries for a few seconds).
+AGENT_GAVE_UP = "failed to bind after"
 
 
 def _ray_cli() -> str:
@@ -88,8 +106,7 @@ class LocalCluster:
         self.autoscale = autoscale
         self.idle_timeout_s = idle_timeout_s
         self.token = secrets.token_hex(32)
-        self.gcs_port = free_port()
-        self.dashboard_port = free_port()
+        self._choose_ports()
         self.temp_dir = ""
         self._proc: subprocess.Popen | None = None
         self.nodes: list[Node] = []
@@ -119,21 +136,33 @@ class LocalCluster:
             "RAY_USAGE_STATS_ENABLED": "0",
         }
 
-    def start(self, timeout_s: float = 90) -> LocalCluster:
-        args = [
-            "--head",
-            f"--port={self.gcs_port}",
-            f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={free_port()}",
-        ]
-        if self.autoscale is not None:
-            args.append(f"--autoscaling-config={self._autoscaling_config()}")
-        self.temp_dir, self._proc, self._log = _ray_start(args, self.num_cpus, self.env)
-        try:
-            self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+    def _choose_ports(self) -> None:
+        ports = free_ports(4)
+        self.gcs_port, self.dashboard_port, self._client_port, self._agent_port = ports
+
+    def start(self, timeout_s: float = 90, attempts: int = 3) -> LocalCluster:
+        """Start the head; ready once its job API answers. A port taken by another process
+        before Ray bound it (tests start clusters side by side) starts it again on others."""
+        for attempt in range(1, attempts + 1):
+            args = [
+                "--head",
+                f"--port={self.gcs_port}",
+                f"--dashboard-port={self.dashboard_port}",
+                f"--ray-client-server-port={self._client_port}",
+                f"--dashboard-agent-listen-port={self._agent_port}",
+            ]
+            if self.autoscale is not None:
+                args.append(f"--autoscaling-config={self._autoscaling_config()}")
+            self.temp_dir, self._proc, self._log = _ray_start(args, self.num_cpus, self.env)
+            try:
+                self._wait_ready(timeout_s)
+                break
+            except BaseException as e:
+                self.stop()
+                if attempt == attempts or not any(m in str(e) for m in PORT_TAKEN):
+                    raise
+                log.warning("a port of the head was taken (%s); starting it on others", e)
+                self._choose_ports()
         log.info("Ray cluster up: dashboard %s, %s CPUs", self.address, self.num_cpus or "all")
         return self
 
@@ -179,9 +208,13 @@ class LocalCluster:
         node is then started again, until `timeout_s`."""
         # A resource of its own, to tell this node from the others in the node list.
         tag = f"local_node_{len(self.nodes) + 1}"
-        args = [f"--address={self.gcs_address}", f"--resources={json.dumps({tag: 1})}"]
         deadline = time.monotonic() + timeout_s
         while True:
+            args = [
+                f"--address={self.gcs_address}",
+                f"--resources={json.dumps({tag: 1})}",
+                f"--dashboard-agent-listen-port={free_port()}",
+            ]
             node = Node(*_ray_start(args, num_cpus, self.env), tag=tag)
             code = node.wait_joined(self, deadline)
             if code is None:
@@ -226,10 +259,14 @@ class LocalCluster:
             time.sleep(0.5)
         return status
 
-    def request(self, path: str, method: str = "GET") -> urllib.request.Request:
-        """A request to the dashboard's `path`, with this cluster's token."""
+    def request(
+        self, path: str, method: str = "GET", port: int | None = None
+    ) -> urllib.request.Request:
+        """A request to the dashboard's `path` (or that of whatever listens on `port`), with
+        this cluster's token."""
+        address = self.address if port is None else f"http://127.0.0.1:{port}"
         return urllib.request.Request(
-            f"{self.address}{path}",
+            f"{address}{path}",
             method=method,
             headers={"Authorization": f"Bearer {self.token}"},
         )
@@ -240,20 +277,34 @@ class LocalCluster:
             return json.load(response)
 
     def _wait_ready(self, timeout_s: float) -> None:
-        # Ready when the job API answers an authenticated request.
-        request = self.request("/api/jobs/")
+        # Ready when the job API answers an authenticated request and the head's job agent,
+        # which runs submitted jobs and binds its port after the API is up, answers too.
+        checks = [
+            self.request("/api/jobs/"),
+            self.request("/api/local_raylet_healthz", port=self._agent_port),
+        ]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"`ray start` exited early:\n{self._log_tail()}")
+            if gave_up := [line for line in self._agent_log() if AGENT_GAVE_UP in line]:
+                raise RuntimeError(f"the job agent's port is taken: {gave_up[0]}")
             try:
-                with urllib.request.urlopen(request, timeout=5) as response:
-                    if response.status == 200:
-                        return
+                while checks:
+                    with urllib.request.urlopen(checks[0], timeout=2) as response:
+                        if response.status != 200:
+                            break
+                    checks.pop(0)
+                else:
+                    return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"Ray cluster not ready after {timeout_s:.0f}s:\n{self._log_tail()}")
+
+    def _agent_log(self) -> list[str]:
+        path = Path(self.temp_dir, "session_latest", "logs", "dashboard_agent.log")
+        return path.read_text(errors="replace").splitlines() if path.exists() else []
 
     def _log_tail(self) -> str:
         return _log_tail(self.temp_dir)
@@ -423,7 +474,6 @@ def _ray_start(args: list[str], num_cpus: int | None, env: dict[str, str]):
         *args,
         "--node-ip-address=127.0.0.1",
         "--dashboard-host=127.0.0.1",
-        f"--dashboard-agent-listen-port={free_port()}",
         f"--temp-dir={temp_dir}",
         "--disable-usage-stats",
         *([f"--num-cpus={num_cpus}"] if num_cpus is not None else []),
