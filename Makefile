@@ -35,7 +35,7 @@ demo: $(STAMP)
 ## The whole suite: unit tests and jobs on real local Ray clusters, three units at a time (the
 ## cluster tests mostly wait); a module runs whole in one process, with its fixtures made once.
 test: $(STAMP)
-	$(PY) -m pytest -n 3 --dist loadscope
+	CPU_REPORT=$${CPU_REPORT:-.pytest_cache/cpu-report.jsonl} $(PY) -m pytest -n 3 --dist loadscope
 
 ## Unit tests only (no `ray start` clusters).
 test-fast: $(STAMP)

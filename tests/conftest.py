@@ -39,12 +39,48 @@ from helpers import (
     wait_for,
 )
 
+from harness import cpu_cost
 from harness.cluster import LocalCluster
 from harness.mlflow_server import MLflowServer
 from harness.s3 import S3Server
 from pipeline.core import faults
 
 EXIT_STATUS = pytest.StashKey[int]()
+METER = pytest.StashKey["cpu_cost.Meter | None"]()
+# `CPU_REPORT=<file> make test`: each test's CPU-seconds, Ray's processes included
+# (harness/cpu_cost.py), and the costliest at the end.
+CPU_REPORT = os.environ.get("CPU_REPORT") and Path(os.environ["CPU_REPORT"]).resolve()
+
+
+def pytest_configure(config):
+    if not CPU_REPORT:
+        return
+    if not hasattr(config, "workerinput"):  # the run's own process, before any test process
+        CPU_REPORT.unlink(missing_ok=True)
+        CPU_REPORT.parent.mkdir(parents=True, exist_ok=True)
+    config.stash[METER] = cpu_cost.Meter.join(f"pytest-{os.getpid()}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    meter = item.config.stash.get(METER, None)
+    if meter is None:
+        yield
+        return
+    cpu, wall = meter.usage(), time.monotonic()
+    yield
+    cpu_cost.record(CPU_REPORT, item.nodeid, meter.usage() - cpu, time.monotonic() - wall)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not CPU_REPORT or hasattr(config, "workerinput"):
+        return
+    if config.stash.get(METER, None) is None:
+        terminalreporter.write_line(f"CPU_REPORT: no cgroup v1 cpuacct at {cpu_cost.CPUACCT}")
+    elif CPU_REPORT.exists():
+        terminalreporter.section("CPU-seconds (CPU_REPORT)")
+        for line in cpu_cost.summary(CPU_REPORT):
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(trylast=True)
@@ -58,6 +94,8 @@ def pytest_unconfigure(config):
     test, native threads of the libraries loaded here (the AWS SDK inside Arrow, Ray's core
     worker, torch's pools) can crash while Python finalises (apache/arrow#38352): a segfault
     that says nothing about the code under test, yet failed a CI run whose every test passed."""
+    if meter := config.stash.get(METER, None):
+        meter.leave()
     if EXIT_STATUS in config.stash:
         sys.stdout.flush()
         sys.stderr.flush()
