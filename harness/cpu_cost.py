@@ -49,8 +49,10 @@ class Meter:
             self.group.rmdir()
 
 
-def record(report: Path, nodeid: str, cpu_s: float, wall_s: float) -> None:
-    line = json.dumps({"test": nodeid, "cpu_s": round(cpu_s, 2), "wall_s": round(wall_s, 2)})
+def record(report: Path, nodeid: str, cpu_s: float, started: float, ended: float) -> None:
+    """One test's line: its CPU-seconds, and when it started and ended (`time.time()`)."""
+    test = {"test": nodeid, "cpu_s": round(cpu_s, 2), "wall_s": round(ended - started, 2)}
+    line = json.dumps(test | {"started": round(started, 2), "ended": round(ended, 2)})
     with open(report, "a") as f:  # one write per line: test processes append side by side
         f.write(line + "\n")
 
@@ -66,7 +68,13 @@ def summary(report: Path, top: int = 30) -> list[str]:
         module[0] += t["cpu_s"]
         module[1] += t["wall_s"]
     total = sum(t["cpu_s"] for t in tests)
-    lines = [f"{total:.0f} CPU-s in {len(tests)} tests; the costliest modules (CPU-s, wall s):"]
+    span = max(t["ended"] for t in tests) - min(t["started"] for t in tests)
+    cores = os.cpu_count() or 1
+    lines = [
+        f"{total:.0f} CPU-s in {len(tests)} tests, over {span:.0f} s on {cores} cores: "
+        f"{total / (span * cores):.0%} of what the cores could give",
+        "the costliest modules (CPU-s, wall s):",
+    ]
     for name, (cpu, wall) in sorted(modules.items(), key=lambda m: -m[1][0])[:top]:
         lines.append(f"{cpu:9.1f} {wall:8.1f}  {name}")
     lines.append("the costliest tests (CPU-s, wall s, setup included):")

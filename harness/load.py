@@ -2,7 +2,8 @@
 
 `concurrency` threads, each with one keep-alive connection, post the bodies in turn: each waits
 for its answer before the next request (a closed loop, so at most `concurrency` requests are in
-flight). Each stops at `stop()`, after `duration_s` or after `requests` in all, whichever comes
+flight), and waits `pause_s` after each answer before its next request (0: at once). Each stops at
+`stop()`, after `duration_s` or after `requests` in all, whichever comes
 first; every answer is recorded, a dropped connection as an answer without a status.
 """
 
@@ -113,6 +114,7 @@ class Load:
     duration_s: float = 60
     requests: int | None = None
     timeout_s: float = 60
+    pause_s: float = 0
     answers: list[Answer] = field(default_factory=list)
 
     def __post_init__(self):
@@ -135,6 +137,8 @@ class Load:
                 answer = client.post(next(bodies))
                 with self._lock:
                     self.answers.append(answer)
+                if self.pause_s:
+                    self._stop.wait(self.pause_s)
         finally:
             client.close()
 

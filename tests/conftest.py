@@ -67,9 +67,9 @@ def pytest_runtest_protocol(item, nextitem):
     if meter is None:
         yield
         return
-    cpu, wall = meter.usage(), time.monotonic()
+    cpu, started = meter.usage(), time.time()
     yield
-    cpu_cost.record(CPU_REPORT, item.nodeid, meter.usage() - cpu, time.monotonic() - wall)
+    cpu_cost.record(CPU_REPORT, item.nodeid, meter.usage() - cpu, started, time.time())
 
 
 def pytest_terminal_summary(terminalreporter, config):
