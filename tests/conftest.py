@@ -112,28 +112,28 @@ SHARED_FIXTURES = {"tests/test_train_jobs.py": "main_run", "tests/test_infer.py"
 PER_TEST = {"tests/test_autoscale.py", "tests/test_preemption.py"}
 
 # The longest units first, so that none is left running alone at the end of `make test`: the
-# minutes each took in a `--durations=0` run on 2 busy cores (docs/development.md). A test of a
-# PER_TEST module counts as its module's share; units not named take a few minutes or less and
+# wall minutes each took in a fresh clone's `make test` (its CPU report, 2026-11-27). A test of a
+# PER_TEST module counts as its module's share; units not named take two minutes or less and
 # fill in after these, in xdist's order.
 MINUTES = {
-    "main_run": 25,
-    "tests/test_train_faults.py": 17,
-    "tests/test_airflow.py": 14,
-    "tests/test_steps.py": 6,
-    "tests/test_chain.py": 7,
-    "tests/test_own_loop.py": 5,
-    "tests/test_tune.py": 6,
-    "tests/test_serve.py": 6,
-    "tests/test_deploy.py": 6,
-    "tests/test_elastic.py": 6,
-    "tests/test_s3.py": 5,
-    "tests/test_autoscale.py": 3,
-    "tests/test_preemption.py": 5,
-    "tests/test_export.py": 12,
-    "tests/test_models.py": 5,
-    "tests/test_hooks.py": 1,
-    "tests/test_platforms.py": 2,
-    "tests/test_publish.py": 4,
+    "main_run": 14.4,
+    "tests/test_tune.py": 7.5,
+    "tests/test_airflow.py": 6.7,
+    "tests/test_elastic.py": 6.6,
+    "tests/test_train_faults.py": 6.2,
+    "tests/test_s3.py": 6.0,
+    "tests/test_chain.py": 5.7,
+    "tests/test_preemption.py": 5.3,
+    "tests/test_deploy.py": 5.5,
+    "tests/test_publish.py": 3.9,
+    "tests/test_serve.py": 4.0,
+    "tests/test_steps.py": 4.0,
+    "tests/test_own_loop.py": 2.3,
+    "tests/test_export.py": 2.1,
+    "tests/test_multinode.py": 2.0,
+    "tests/test_tracking_jobs.py": 1.9,
+    "tests/test_loader.py": 1.8,
+    "tests/test_autoscale.py": 1.6,
 }
 
 
