@@ -66,9 +66,13 @@ def free_ports(count: int) -> list[int]:
 
 # What `ray start` prints when a port it was given is taken: another process bound it
 # between free_ports() and Ray's own bind.
-PORT_TAKEN = ("that is used by other components", "already in use", "port is taken")
+PORT_TAKEN = ("that is used by other components", "already in use")
 # What the job agent logs once it stops retrying its port (it retries for a few seconds).
 AGENT_GAVE_UP = "failed to bind after"
+
+
+class PortTaken(RuntimeError):
+    """A port given to the head was taken before Ray bound it: start it on others."""
 
 
 def _ray_cli() -> str:
@@ -141,8 +145,9 @@ class LocalCluster:
         self.gcs_port, self.dashboard_port, self._client_port, self._agent_port = ports
 
     def start(self, timeout_s: float = 90, attempts: int = 3) -> LocalCluster:
-        """Start the head; ready once its job API answers. A port taken by another process
-        before Ray bound it (tests start clusters side by side) starts it again on others."""
+        """Start the head; ready once its job API and its job agent answer. A port taken by
+        another process before Ray bound it (tests start clusters side by side) starts it
+        again on others."""
         for attempt in range(1, attempts + 1):
             args = [
                 "--head",
@@ -159,7 +164,7 @@ class LocalCluster:
                 break
             except BaseException as e:
                 self.stop()
-                if attempt == attempts or not any(m in str(e) for m in PORT_TAKEN):
+                if not isinstance(e, PortTaken) or attempt == attempts:
                     raise
                 log.warning("a port of the head was taken (%s); starting it on others", e)
                 self._choose_ports()
@@ -286,19 +291,15 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"`ray start` exited early:\n{self._log_tail()}")
+                tail = self._log_tail()
+                taken = any(marker in tail for marker in PORT_TAKEN)
+                raise (PortTaken if taken else RuntimeError)(f"`ray start` exited early:\n{tail}")
             if gave_up := [line for line in self._agent_log() if AGENT_GAVE_UP in line]:
-                raise RuntimeError(f"the job agent's port is taken: {gave_up[0]}")
-            try:
-                while checks:
-                    with urllib.request.urlopen(checks[0], timeout=2) as response:
-                        if response.status != 200:
-                            break
-                    checks.pop(0)
-                else:
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+                raise PortTaken(f"the job agent's port is taken: {gave_up[0]}")
+            while checks and _answers(checks[0]):
+                checks.pop(0)
+            if not checks:
+                return
             time.sleep(0.5)
         raise TimeoutError(f"Ray cluster not ready after {timeout_s:.0f}s:\n{self._log_tail()}")
 
@@ -461,6 +462,15 @@ class Node:
 
     def log_tail(self) -> str:
         return _log_tail(self.temp_dir)
+
+
+def _answers(request: urllib.request.Request) -> bool:
+    """Whether `request` gets a 200 within 2 s."""
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
 
 
 def _ray_start(args: list[str], num_cpus: int | None, env: dict[str, str]):
