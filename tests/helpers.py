@@ -72,7 +72,15 @@ def make_image_folder(root: Path, per_class: int = 20, corrupt: bool = True) -> 
     return bad
 
 
-TRAIN = ["python", "-m", "jobs.train", "--config", "configs/demo-train.yaml"]
+USER_MODEL = "examples.custom_model.tiny_cnn:build"
+# The train jobs of the fault, resume and scaling tests train the example's small network: what
+# they check holds for any network, and ResNet-18 (the demo's, which the chain tests train) costs
+# about 6 CPU-s more an epoch of the tiny dataset, and 135 MB a checkpoint. A run that must last
+# while a fault lands holds a worker at a fault point, or trains SLOW_CNN.
+TRAIN = [
+    *("python", "-m", "jobs.train", "--config", "configs/demo-train.yaml"),
+    f"model.name={USER_MODEL}",
+]
 # The shared training run's recipe (conftest.main_run). The demo config's global batch of 32 is
 # 16 images a worker: two micro-batches of 8.
 MAIN_RUN_RECIPE = ("ema.enabled=true", "ema.every_steps=2", "ema.decay=0.8", "micro_batch_size=8")
@@ -156,14 +164,48 @@ def kill_worker(cluster, pid: int) -> float:
     return time.time()
 
 
-def armed_runtime_env(directory: Path, point: str, **env_vars: str) -> tuple[Path, Path]:
-    """runtime_env.yaml plus the variable that arms fault `point` for one job (and `env_vars`):
-    returns the file to submit the job with, and the marker the held worker will write."""
+def job_runtime_env(directory: Path, *, py_modules=(), **env_vars: str) -> Path:
+    """runtime_env.yaml plus `env_vars` and the packages `py_modules` (code outside the bundle,
+    as a user ships theirs), written to `directory`: the file to submit a job with."""
     env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
-    env["env_vars"] = {**env.get("env_vars", {}), **arm(point, directory), **env_vars}
+    env["env_vars"] = {**env.get("env_vars", {}), **env_vars}
+    if py_modules:
+        env["py_modules"] = [str(p) for p in py_modules]
     path = directory / "runtime_env.yaml"  # its working_dir "." is the submitter's cwd: the bundle
     path.write_text(yaml.safe_dump(env))
-    return path, directory / point
+    return path
+
+
+def armed_runtime_env(
+    directory: Path, point: str, *, py_modules=(), **env_vars: str
+) -> tuple[Path, Path]:
+    """job_runtime_env plus the variable that arms fault `point` for one job: returns the file
+    to submit the job with, and the marker the held worker will write."""
+    env = job_runtime_env(directory, py_modules=py_modules, **arm(point, directory), **env_vars)
+    return env, directory / point
+
+
+# The example's small CNN, slowed: each forward pass sleeps, holding no CPU. A run lasts while a
+# fault lands, as a large network's would, without the suite paying for one.
+SLOW_CNN = """
+import time
+
+from examples.custom_model.tiny_cnn import build as tiny_cnn
+
+
+def build(num_classes, *, seconds=0.4, **kwargs):
+    net = tiny_cnn(num_classes, **kwargs)
+    net.register_forward_pre_hook(lambda module, args: time.sleep(seconds))
+    return net
+"""
+
+
+def slow_cnn(directory: Path) -> tuple[Path, str]:
+    """The package of SLOW_CNN, written under `directory`, and its model.name."""
+    package = directory / "slowcnn"
+    package.mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text(SLOW_CNN)
+    return package, "slowcnn:build"
 
 
 def held_worker(marker: Path, job: Future) -> int:
@@ -284,7 +326,6 @@ def errors_table(section: str) -> list[tuple[str, int, str]]:
 
 # --- each kind of model, trained in this process (test_models, test_export) -------------------
 
-USER_MODEL = "examples.custom_model.tiny_cnn:build"
 # The model.* settings of each architecture the bundle is tested with.
 ARCHITECTURES = {
     "resnet18": ["model.name=resnet18"],

@@ -54,16 +54,21 @@ def test_node_lost_mid_training(head_and_two_nodes, tiny_dataset, tmp_path):
     assert [r["epoch"] for r in history(run)] == [0, 1]
     print(f"node lost -> next checkpoint: {recovered_s:.0f} s")  # for the record (-s)
 
-    # 2. The same run trained on (epochs=3); a node dies and no capacity comes back: the job
-    # fails after max_failures + 1 attempts of startup_timeout_s, clearly, instead of Ray
-    # Train's endless retry (even when the node is lost while the workers start). Its
-    # checkpoints stay, for a resubmit once the cluster has room.
-    args = ("name=multi", "scaling.startup_timeout_s=5", "max_failures=2", "epochs=3")
-    job = in_background(train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args)
-    wait_for(
-        lambda: len(training_worker_nodes(head_and_two_nodes)) == 2 or job.done(),
-        "training workers",
+    # 2. The same run trained on (epochs=4), held once rank 0 has reported epoch 2, while the
+    # other worker goes on into epoch 3; that worker's node dies and no capacity comes back: the
+    # job fails after max_failures + 1 attempts of startup_timeout_s, clearly, instead of Ray
+    # Train's endless retry. Its checkpoints stay, for a resubmit once the cluster has room.
+    fault = tmp_path / "again"
+    fault.mkdir()
+    env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
+    args = ("name=multi", "scaling.startup_timeout_s=5", "max_failures=2", "epochs=4")
+    job = in_background(
+        train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
     )
+    held_worker(marker, job)
+    wait_for(lambda: latest_recorded(run) == "epoch_0002", "epoch 2 in Ray's record", 60)
+    workers = training_worker_nodes(head_and_two_nodes)
+    assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
     head_and_two_nodes.nodes[-1].kill()
     killed_at = time.monotonic()
     proc = job.result()
@@ -74,5 +79,5 @@ def test_node_lost_mid_training(head_and_two_nodes, tiny_dataset, tmp_path):
     left = re.findall(r"it has \{.*?\} in total", proc.stdout)
     assert "it has {'CPU': 1.0} in total" in left, left  # what is left: one node
     assert waited < 90, f"the job took {waited:.0f} s to give up"
-    assert (run / "epoch_0001" / "model.pt").exists()
+    assert (run / "epoch_0002" / "model.pt").exists()
     print(f"node lost, no capacity -> job failed after {waited:.0f} s")

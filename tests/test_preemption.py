@@ -13,7 +13,9 @@ from helpers import (
     held_worker,
     history,
     in_background,
+    job_runtime_env,
     latest_recorded,
+    slow_cnn,
     train_job,
     training_worker_nodes,
     wait_for,
@@ -94,7 +96,8 @@ def test_a_preempted_node_costs_no_failure(head_and_two_nodes, tiny_dataset, tmp
 
 
 # Checkpoints inside an epoch: a notice saves one at once; the restart resumes at its step. Three
-# epochs of 16 steps: the notice, sent after step 4, must land before the last.
+# epochs of 16 steps of a network slowed to 0.4 s a forward pass: the notice, sent after step 4,
+# must land before the last.
 STEPS_RUN = ("epochs=3", "checkpoint.every_steps=4", "scaling.num_workers=2", "max_failures=0")
 
 
@@ -108,13 +111,20 @@ def test_a_preemption_notice_mid_epoch_saves_a_checkpoint_that_the_restart_resum
     head_and_two_nodes, tiny_dataset, tmp_path
 ):
     two_worker_nodes(head_and_two_nodes)
-    proc = train_job(head_and_two_nodes, tiny_dataset, tmp_path, "name=calm", *STEPS_RUN)
+    package, network = slow_cnn(tmp_path)
+    steps_run = (*STEPS_RUN, f"model.name={network}")
+    (tmp_path / "unarmed").mkdir()
+    calm_env = job_runtime_env(tmp_path / "unarmed", py_modules=[package])
+    proc = train_job(
+        head_and_two_nodes, tiny_dataset, tmp_path, "name=calm", *steps_run, runtime_env=calm_env
+    )
     assert proc.returncode == 0, proc.stdout
 
     # Ray Train's controller looks for drains every second, not 5: the notice lands within a few
     # steps of the drain, well before the run's 48 steps are done.
     poll = {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}
-    env, marker = armed_runtime_env(tmp_path, faults.PREEMPTION_CHECKPOINTED, **poll)
+    point = faults.PREEMPTION_CHECKPOINTED
+    env, marker = armed_runtime_env(tmp_path, point, py_modules=[package], **poll)
     run = tmp_path / "spot"
     job = in_background(
         train_job,
@@ -122,7 +132,7 @@ def test_a_preemption_notice_mid_epoch_saves_a_checkpoint_that_the_restart_resum
         tiny_dataset,
         tmp_path,
         "name=spot",
-        *STEPS_RUN,
+        *steps_run,
         runtime_env=env,
     )
     # Training is under way (its first checkpoint inside epoch 0 is in): the cloud gives notice.
