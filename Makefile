@@ -32,10 +32,12 @@ platforms: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m scripts.demo
 
-## The whole suite: unit tests and jobs on real local Ray clusters, three units at a time (the
-## cluster tests mostly wait); a module runs whole in one process, with its fixtures made once.
+## The whole suite: unit tests and jobs on real local Ray clusters, UNITS at a time (a test alone
+## keeps about one core busy: one unit a core); a module runs whole in one process, with its
+## fixtures made once. More cores: `make test UNITS=<cores>`.
+UNITS ?= 2
 test: $(STAMP)
-	CPU_REPORT=$${CPU_REPORT:-.pytest_cache/cpu-report.jsonl} $(PY) -m pytest -n 3 --dist loadscope
+	CPU_REPORT=$${CPU_REPORT:-.pytest_cache/cpu-report.jsonl} $(PY) -m pytest -n $(UNITS) --dist loadscope
 
 ## Unit tests only (no `ray start` clusters).
 test-fast: $(STAMP)
