@@ -14,10 +14,10 @@ from pathlib import Path
 # home. Ray reads it once, when first imported: so here, before anything imports ray.
 os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 # One OpenMP thread for torch in each test process and what it starts, unless set: `make test`
-# runs three units on two busy cores, where torch's second thread mostly spins, waiting for the
-# first to be scheduled again; the in-process model tests took twice the CPU with it
-# (docs/development.md). Where it counts, the bundle sets torch's threads itself (an inference
-# actor's cpus_per_actor), and Ray gives a worker of one CPU one thread anyway.
+# keeps both cores busy, where torch's second thread mostly spins, waiting for the first to be
+# scheduled again; the in-process model tests took twice the CPU with it (docs/development.md).
+# Where it counts, the bundle sets torch's threads itself (an inference actor's cpus_per_actor),
+# and Ray gives a worker of one CPU one thread anyway.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
