@@ -9,10 +9,16 @@ import urllib.error
 
 import pytest
 import torch
-import yaml
-from helpers import checkpoint_meta, in_background, make_image_folder, start_task, wait_for
+from helpers import (
+    checkpoint_meta,
+    in_background,
+    job_runtime_env,
+    make_image_folder,
+    start_task,
+    wait_for,
+)
 
-from harness.cluster import BUNDLE_ROOT, LocalCluster
+from harness.cluster import LocalCluster
 from jobs.submit import STEPS, step_command
 from pipeline.infer.predictions import SUMMARY
 from pipeline.model.checkpoint import save_checkpoint
@@ -242,9 +248,7 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(
     images = tmp_path / "images"
     make_image_folder(images, per_class=100, corrupt=False)
     # The job ships the network as a user's package: the runtime env's py_modules.
-    runtime_env = yaml.safe_load((BUNDLE_ROOT / "runtime_env.yaml").read_text())
-    runtime_env["py_modules"] = [str(package)]
-    (tmp_path / "runtime_env.yaml").write_text(yaml.safe_dump(runtime_env))
+    runtime_env = job_runtime_env(tmp_path, py_modules=[package])
     idle_cluster.add_node(num_cpus=1)
     job = in_background(
         infer,
@@ -253,7 +257,7 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(
         tmp_path / "out",
         "batch_size=8",
         submission_id="grow",
-        runtime_env=tmp_path / "runtime_env.yaml",
+        runtime_env=runtime_env,
     )
     wait_for(lambda: predictors(idle_cluster) or job.done(), "the first predictor actor", 300)
     idle_cluster.add_node(num_cpus=1)

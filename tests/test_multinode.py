@@ -12,17 +12,10 @@ import time
 
 import pytest
 from helpers import (
-    armed_runtime_env,
-    held_worker,
+    held_on_two_nodes,
     history,
-    in_background,
-    latest_recorded,
-    train_job,
-    training_worker_nodes,
     wait_for,
 )
-
-from pipeline.core import faults
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +24,9 @@ def test_node_lost_mid_training(head_and_two_nodes, tiny_dataset, tmp_path):
     # 1. A node dies after the first checkpoint; a node rejoins 5 s later, as an autoscaler
     # would bring one: the run recovers and finishes with every epoch once.
     run = tmp_path / "multi"
-    args = ("name=multi", "scaling.startup_timeout_s=60", "epochs=2")
-    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_REPORTED)
-    job = in_background(
-        train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
-    )
     # Rank 0 is held once Ray records epoch 0, so the loss lands after it, before epoch 1.
-    held_worker(marker, job)
-    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
-    workers = training_worker_nodes(head_and_two_nodes)
-    assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
+    args = ("scaling.startup_timeout_s=60", "epochs=2")
+    job = held_on_two_nodes(head_and_two_nodes, tiny_dataset, tmp_path, "multi", *args, epoch=0)
     # The machine dies: raylet, object store, the training worker on it.
     head_and_two_nodes.nodes[-1].kill()
     killed_at = time.monotonic()
@@ -58,17 +44,8 @@ def test_node_lost_mid_training(head_and_two_nodes, tiny_dataset, tmp_path):
     # other worker goes on into epoch 3; that worker's node dies and no capacity comes back: the
     # job fails after max_failures + 1 attempts of startup_timeout_s, clearly, instead of Ray
     # Train's endless retry. Its checkpoints stay, for a resubmit once the cluster has room.
-    fault = tmp_path / "again"
-    fault.mkdir()
-    env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
-    args = ("name=multi", "scaling.startup_timeout_s=5", "max_failures=2", "epochs=4")
-    job = in_background(
-        train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
-    )
-    held_worker(marker, job)
-    wait_for(lambda: latest_recorded(run) == "epoch_0002", "epoch 2 in Ray's record", 60)
-    workers = training_worker_nodes(head_and_two_nodes)
-    assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
+    args = ("scaling.startup_timeout_s=5", "max_failures=2", "epochs=4")
+    job = held_on_two_nodes(head_and_two_nodes, tiny_dataset, tmp_path, "multi", *args, epoch=2)
     head_and_two_nodes.nodes[-1].kill()
     killed_at = time.monotonic()
     proc = job.result()

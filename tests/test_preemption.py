@@ -10,14 +10,13 @@ import pytest
 import torch
 from helpers import (
     armed_runtime_env,
+    held_on_two_nodes,
     held_worker,
     history,
     in_background,
     job_runtime_env,
-    latest_recorded,
     slow_cnn,
     train_job,
-    training_worker_nodes,
     wait_for,
 )
 
@@ -46,18 +45,8 @@ def lose_a_node_after_epoch_0(
     """Train `name`, hold rank 0 once Ray has recorded epoch 0, then lose the last node: drained
     as preempted and killed at the drain's deadline, or killed with no warning. Returns the
     job's output and the seconds from the loss to the job's end."""
-    run = tmp_path / name
-    fault = tmp_path / f"fault-{name}"
-    fault.mkdir()
-    env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
-    args = (f"name={name}", *NO_FAILURES, *args)
-    job = in_background(
-        train_job, head_and_two_nodes, tiny_dataset, tmp_path, *args, runtime_env=env
-    )
-    held_worker(marker, job)
-    wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
-    assert len(set(training_worker_nodes(head_and_two_nodes))) == 2, (
-        "the two workers are not on two nodes"
+    job = held_on_two_nodes(
+        head_and_two_nodes, tiny_dataset, tmp_path, name, *NO_FAILURES, *args, epoch=0
     )
     node = head_and_two_nodes.nodes[-1]
     if preempted:
