@@ -406,6 +406,7 @@ class Node:
     def __init__(self, temp_dir: str, proc: subprocess.Popen, log_file, *, tag: str):
         self.temp_dir, self.proc, self._log = temp_dir, proc, log_file
         self.tag = tag  # the custom resource only this node has
+        self.drained = False  # told it goes away (`drain`)
 
     def node_id(self, cluster: LocalCluster) -> str:
         """Ray's hex id of this node, while it is alive."""
@@ -432,6 +433,7 @@ class Node:
             check=True,
             capture_output=True,
         )
+        self.drained = True
 
     def wait_joined(self, cluster: LocalCluster, deadline: float) -> int | str | None:
         """None once the cluster counts this node; else `ray start`'s exit code, or "late"."""

@@ -26,6 +26,7 @@ from helpers import (
     CLASSES,
     FAST_NODE_DEATH,
     MAIN_RUN_RECIPE,
+    SHARED_CLUSTERS,
     armed_runtime_env,
     generated_dataset,
     held_worker,
@@ -34,9 +35,11 @@ from helpers import (
     latest_recorded,
     local_ray,
     png_bytes,
+    shared_cluster,
     tracked,
     train_job,
     wait_for,
+    with_worker_nodes,
 )
 
 from harness import cpu_cost
@@ -102,43 +105,44 @@ def pytest_unconfigure(config):
         os._exit(config.stash[EXIT_STATUS])
 
 
-# Modules that share an expensive session fixture, run by one xdist worker as one unit, so that
-# it is made once: `make test`'s `--dist loadscope` otherwise sends modules to workers one by
-# one, and each worker would make its own (main_run trains for minutes).
-SHARED_FIXTURES = {"tests/test_train_jobs.py": "main_run", "tests/test_infer.py": "main_run"}
-
-# Modules whose tests each start a cluster of their own: each test is a unit, so that they spread
-# over the workers rather than run one after another on one.
-PER_TEST = {"tests/test_autoscale.py", "tests/test_preemption.py"}
+# Modules that share an expensive fixture, run by one xdist worker as one unit, so that it is
+# made once: `make test`'s `--dist loadscope` otherwise sends modules to workers one by one, and
+# each worker would make its own (main_run trains for minutes; a cluster of three nodes costs
+# as much CPU as a short job to start).
+SHARED_FIXTURES = {
+    "tests/test_train_jobs.py": "main_run",
+    "tests/test_infer.py": "main_run",
+    "tests/test_elastic.py": "head_and_two_nodes",
+    "tests/test_multinode.py": "head_and_two_nodes",
+    "tests/test_preemption.py": "head_and_two_nodes",
+}
 
 # The longest units first, so that none is left running alone at the end of `make test`: the
-# wall minutes each took in a fresh clone's `make test` (its CPU report, 2026-11-27). A test of a
-# PER_TEST module counts as its module's share; units not named take two minutes or less and
-# fill in after these, in xdist's order.
+# wall minutes each took in a fresh clone's `make test` at two units (its CPU report,
+# 2026-11-27); the shared clusters' units from their modules alone, plus a tenth. Units not
+# named take under a minute and fill in after these, in xdist's order.
 MINUTES = {
-    "main_run": 14.4,
-    "tests/test_tune.py": 7.5,
-    "tests/test_airflow.py": 6.7,
-    "tests/test_elastic.py": 6.6,
-    "tests/test_train_faults.py": 6.2,
-    "tests/test_s3.py": 6.0,
-    "tests/test_chain.py": 5.7,
-    "tests/test_preemption.py": 5.3,
-    "tests/test_deploy.py": 5.5,
-    "tests/test_publish.py": 3.9,
-    "tests/test_serve.py": 4.0,
-    "tests/test_steps.py": 4.0,
-    "tests/test_own_loop.py": 2.3,
-    "tests/test_export.py": 2.1,
-    "tests/test_multinode.py": 2.0,
-    "tests/test_tracking_jobs.py": 1.9,
-    "tests/test_loader.py": 1.8,
-    "tests/test_autoscale.py": 1.6,
+    "head_and_two_nodes": 10.5,
+    "main_run": 7.4,
+    "tests/test_tune.py": 6.0,
+    "tests/test_autoscale.py": 5.0,
+    "tests/test_publish.py": 3.8,
+    "tests/test_train_faults.py": 3.8,
+    "tests/test_deploy.py": 3.7,
+    "tests/test_airflow.py": 3.4,
+    "tests/test_s3.py": 3.3,
+    "tests/test_chain.py": 2.7,
+    "tests/test_serve.py": 2.6,
+    "tests/test_tracking_jobs.py": 2.5,
+    "tests/test_steps.py": 1.9,
+    "tests/test_own_loop.py": 1.5,
+    "tests/test_export.py": 1.5,
+    "tests/test_loader.py": 1.0,
 }
 
 
 def minutes(unit: str) -> float:
-    return MINUTES.get(unit, MINUTES.get(unit.split("::")[0], 0))
+    return MINUTES.get(unit, 0)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of xdist's: unknown under `-p no:xdist`
@@ -160,7 +164,7 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            return nodeid if scope in PER_TEST else SHARED_FIXTURES.get(scope, scope)
+            return SHARED_FIXTURES.get(scope, scope)
 
     return LongestFirstScheduling(config, log)
 
@@ -232,13 +236,22 @@ def tiny_dataset(tmp_path_factory) -> Path:
 # --- training runs, shared by test_train and test_infer --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def head_and_two_nodes():
-    """Head with no CPUs (it runs drivers, never training, as in cluster.yaml) + 2 one-CPU nodes."""
-    with LocalCluster(num_cpus=0, env=FAST_NODE_DEATH) as cluster:
-        cluster.add_node(num_cpus=1)
-        cluster.add_node(num_cpus=1)
-        yield cluster
+@pytest.fixture
+def head_and_two_nodes(request):
+    """Head with no CPUs (it runs drivers, never training, as in cluster.yaml) + 2 one-CPU nodes,
+    shared by consecutive tests (helpers.shared_cluster): each test starts with two live nodes."""
+    cluster = shared_cluster(request, num_cpus=0, env=FAST_NODE_DEATH)
+    return with_worker_nodes(cluster, 2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test, stop the shared clusters that the next test on this process does not ask
+    for (all of them after the last)."""
+    yield
+    for name in list(SHARED_CLUSTERS):
+        if nextitem is None or name not in nextitem.fixturenames:
+            SHARED_CLUSTERS.pop(name).stop()
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import yaml
 
-from harness.cluster import BUNDLE_ROOT, LocalCluster
+from harness.cluster import BUNDLE_ROOT, ENDED, LocalCluster
 from harness.faults import arm
 from pipeline.core import faults
 from pipeline.core.config import load_config
@@ -138,6 +138,49 @@ FAST_NODE_DEATH = {
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "2",
 }
+
+
+# Clusters that consecutive tests share: started by the first test that asks for the fixture,
+# kept while the next test on this process asks for it too, stopped after the last
+# (conftest's pytest_runtest_teardown). The xdist scheduler runs the modules that share one as a
+# single unit, so that their tests follow one another; no idle cluster outlives them.
+SHARED_CLUSTERS: dict[str, LocalCluster] = {}
+
+
+def shared_cluster(request, **options) -> LocalCluster:
+    """The cluster of the fixture asking (`request`), started with `options` if none runs."""
+    name = request.fixturename
+    if name not in SHARED_CLUSTERS:
+        SHARED_CLUSTERS[name] = LocalCluster(**options).start()
+    return SHARED_CLUSTERS[name]
+
+
+def with_worker_nodes(cluster: LocalCluster, count: int) -> LocalCluster:
+    """`cluster` with `count` live one-CPU worker nodes, none drained: the nodes an earlier test
+    drained or left over are killed, those it lost replaced. Returns once Ray counts just these,
+    as a fresh cluster of them would. A job an earlier test left running (it failed) is stopped."""
+    for job in cluster.get("/api/jobs/"):
+        if job["status"] not in ENDED and job.get("submission_id"):
+            cluster.stop_job(job["submission_id"])
+    live = [n for n in cluster.nodes if n.proc.poll() is None and not n.drained]
+    gone = [n for n in cluster.nodes if n.proc.poll() is None and n not in live[:count]]
+    for node in gone:
+        node.kill()
+    kept = live[:count] + [cluster.add_node(num_cpus=1) for _ in range(count - len(live))]
+    expected = {node.tag for node in kept}
+
+    def counted() -> bool:
+        return {r for r in cluster.alive_resources() if r.startswith("local_node_")} == expected
+
+    wait_for(counted, f"{count} worker node(s) alive in Ray's record", 60)
+    if gone or len(kept) > len(live):
+        # Ray Data's autoscaling coordinator, a detached actor that outlives jobs, reads the
+        # nodes every 20 s, and Ray Train sizes an elastic group by what it reserved: killed,
+        # it restarts (max_restarts=-1) from the nodes of now, as on a fresh cluster.
+        coordinator = "class_name=_AutoscalingCoordinatorActor"
+        for actor in cluster.state("actors", coordinator, "state=ALIVE", detail=True):
+            os.kill(actor["pid"], signal.SIGKILL)
+    return cluster
 
 
 def training_worker_nodes(cluster) -> list[str]:

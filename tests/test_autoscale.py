@@ -10,12 +10,15 @@ import urllib.error
 import pytest
 import torch
 from helpers import (
+    FAST_NODE_DEATH,
     checkpoint_meta,
     in_background,
     job_runtime_env,
     make_image_folder,
+    shared_cluster,
     start_task,
     wait_for,
+    with_worker_nodes,
 )
 
 from harness.cluster import LocalCluster
@@ -44,10 +47,12 @@ def model_and_images(tmp_path_factory):
 
 
 @pytest.fixture
-def idle_cluster():
-    """A head with no CPUs, as an autoscaling cluster at rest: nothing can run but drivers."""
-    with LocalCluster(num_cpus=0) as c:
-        yield c
+def idle_cluster(request):
+    """A head with no CPUs, as an autoscaling cluster at rest: nothing can run but drivers.
+    Shared by consecutive tests (helpers.shared_cluster): the nodes a test added are gone when
+    the next starts."""
+    cluster = shared_cluster(request, num_cpus=0, env=FAST_NODE_DEATH)
+    return with_worker_nodes(cluster, 0)
 
 
 def infer(
