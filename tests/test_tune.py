@@ -20,9 +20,10 @@ from helpers import (
 )
 
 from pipeline.core import faults
-from pipeline.infer.predictions import SUMMARY as PREDICTIONS_SUMMARY
+from pipeline.core.storage import Location
 from pipeline.model.checkpoint import WEIGHTS
 from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
+from pipeline.model.source import resolve_checkpoint
 from pipeline.tracking.client import RUN_RECORD
 from pipeline.tracking.sweep import BEST_RUN, PARENT
 from pipeline.tune.sweep import SWEEP_SUMMARY, TRIALS_PNG
@@ -103,15 +104,11 @@ def test_asha_stops_trailing_trials_and_inference_takes_the_best_run(
     (version,) = client.search_model_versions("name='swept'")
     assert version.run_id == parent
 
-    # Inference takes the best run's directory alone, as any run's: its best checkpoint.
-    out = tmp_path / "predictions"
-    args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
-    args += [f"model={summary['best_run']}", f"input={tiny_dataset}", f"output={out}"]
-    proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
-    assert proc.returncode == 0, proc.stdout
-    predicted = json.loads((out / PREDICTIONS_SUMMARY).read_text())
+    # Inference, serving and export take the best run's directory alone, as any run's (a job
+    # of it: test_infer): its best checkpoint.
     best = json.loads((Path(summary["best_run"]) / RUN_SUMMARY).read_text())
-    assert predicted["checkpoint"] == best["best_checkpoint"] and predicted["images"] == 119
+    loaded = resolve_checkpoint(Location.parse(summary["best_run"]))
+    assert loaded.uri == best["best_checkpoint"]
 
 
 def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_nothing_twice(
