@@ -359,9 +359,9 @@ def test_a_registered_version_rolls_out_under_load_without_dropping_a_request(
         torch.stack([torch.from_numpy(prepare_image(x, image_size=32)) for x in bodies]).numpy()
     )
     started = time.monotonic()
-    # Requests all through the rollout, at about 15 a second: enough that each replica of either
+    # Requests all through the rollout, at about 7 a second: enough that each replica of either
     # checkpoint gets some, not so many that the load takes the cores the rollout needs.
-    with Load(app.url, bodies, concurrency=4, duration_s=600, pause_s=0.2) as load:
+    with Load(app.url, bodies, concurrency=4, duration_s=600, pause_s=0.5) as load:
         time.sleep(1)
         # A deploy that cannot build leaves the running replicas serving.
         tracked = {"MLFLOW_TRACKING_URI": mlflow_server.uri}
