@@ -136,77 +136,6 @@ def test_preprocessing_fails_with_exit_3_when_no_capacity_comes(idle_cluster, tm
     assert not output.exists() or not any(output.rglob("*.parquet"))
 
 
-# --- the chain on Ray's own autoscaler ---------------------------------------------------------
-
-# Each step small, so that the test is about waiting for nodes, not about the work.
-ZERO_SETTINGS = [
-    "preprocess.source.synthetic.images_per_class=20",
-    "preprocess.image_size=32",
-    "preprocess.shard_size=30",
-    "train.epochs=1",
-    "train.global_batch_size=16",
-    "infer.num_actors=2",
-    "infer.cpus_per_actor=1",
-    "infer.batch_size=4",
-]
-
-
-@pytest.fixture
-def autoscaling_cluster():
-    """A head with no CPUs and Ray's autoscaler, which adds up to two one-CPU nodes for the
-    demand it sees and removes them after 5 s idle: a cluster.yaml cluster, on one machine."""
-    node_types = {"cpu": {"resources": {"CPU": 1}, "max_workers": 2}}
-    with LocalCluster(num_cpus=0, autoscale=node_types, idle_timeout_s=5) as c:
-        yield c
-
-
-def worker_nodes(cluster) -> list[dict]:
-    return [n for n in cluster.state("nodes", "state=ALIVE") if not n["is_head_node"]]
-
-
-def run_watching_nodes(cluster, cmd: list[str]) -> tuple[int, str, int]:
-    """Run a step's command from the bundle root; return its exit code, its output and the most
-    worker nodes seen meanwhile."""
-    proc, lines, reading = start_task(cmd, cluster)
-    seen = [0]
-
-    def watch() -> bool:
-        seen.append(len(worker_nodes(cluster)))
-        return reading.done()
-
-    try:
-        wait_for(watch, "the step done", 900)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc.wait(), "".join(lines), max(seen)
-
-
-def test_the_chain_runs_on_a_cluster_autoscaling_from_zero(autoscaling_cluster, tmp_path):
-    cluster = autoscaling_cluster
-    logs, nodes = {}, {}
-    for step in STEPS:
-        # Every step starts on an idle cluster: no node but the head, no CPU.
-        wait_for(lambda: not worker_nodes(cluster), "worker nodes removed when idle", 120)
-        cmd = step_command(cluster.address, str(tmp_path), step, profile="demo", sets=ZERO_SETTINGS)
-        code, logs[step], nodes[step] = run_watching_nodes(cluster, cmd)
-        assert code == 0, logs[step]
-    # Preprocessing submits its shards, then waits; the autoscaler adds nodes for them.
-    assert (
-        "waiting up to 600 s (capacity_timeout_s) for the cluster to hold 1 CPU(s)"
-        in logs["preprocess"]
-    )
-    assert nodes["preprocess"] >= 1
-    # Training's two one-CPU workers wait in their placement group for two nodes.
-    assert nodes["train"] == 2
-    # Inference asks the autoscaler for one actor's CPU, as it shows no demand of its own yet.
-    assert (
-        "waiting up to 600 s (capacity_timeout_s) for the cluster to hold 1 CPU(s)" in logs["infer"]
-    )
-    summary = json.loads((tmp_path / "predictions" / "demo" / SUMMARY).read_text())
-    assert summary["images"] > 0
-
-
 def predictors(cluster) -> list[dict]:
     """The live actors of inference's pool (Ray Data names them after the predictor class)."""
     return [a for a in cluster.state("actors", "state=ALIVE") if "Predictor" in a["class_name"]]
@@ -281,3 +210,74 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(
     assert "1 to 2 predictor actors" in proc.stdout
     assert max(n for _, n in sizes) == 2, sizes
     assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 300
+
+
+# --- the chain on Ray's own autoscaler ---------------------------------------------------------
+
+# Each step small, so that the test is about waiting for nodes, not about the work.
+ZERO_SETTINGS = [
+    "preprocess.source.synthetic.images_per_class=20",
+    "preprocess.image_size=32",
+    "preprocess.shard_size=30",
+    "train.epochs=1",
+    "train.global_batch_size=16",
+    "infer.num_actors=2",
+    "infer.cpus_per_actor=1",
+    "infer.batch_size=4",
+]
+
+
+@pytest.fixture
+def autoscaling_cluster():
+    """A head with no CPUs and Ray's autoscaler, which adds up to two one-CPU nodes for the
+    demand it sees and removes them after 5 s idle: a cluster.yaml cluster, on one machine."""
+    node_types = {"cpu": {"resources": {"CPU": 1}, "max_workers": 2}}
+    with LocalCluster(num_cpus=0, autoscale=node_types, idle_timeout_s=5) as c:
+        yield c
+
+
+def worker_nodes(cluster) -> list[dict]:
+    return [n for n in cluster.state("nodes", "state=ALIVE") if not n["is_head_node"]]
+
+
+def run_watching_nodes(cluster, cmd: list[str]) -> tuple[int, str, int]:
+    """Run a step's command from the bundle root; return its exit code, its output and the most
+    worker nodes seen meanwhile."""
+    proc, lines, reading = start_task(cmd, cluster)
+    seen = [0]
+
+    def watch() -> bool:
+        seen.append(len(worker_nodes(cluster)))
+        return reading.done()
+
+    try:
+        wait_for(watch, "the step done", 900)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc.wait(), "".join(lines), max(seen)
+
+
+def test_the_chain_runs_on_a_cluster_autoscaling_from_zero(autoscaling_cluster, tmp_path):
+    cluster = autoscaling_cluster
+    logs, nodes = {}, {}
+    for step in STEPS:
+        # Every step starts on an idle cluster: no node but the head, no CPU.
+        wait_for(lambda: not worker_nodes(cluster), "worker nodes removed when idle", 120)
+        cmd = step_command(cluster.address, str(tmp_path), step, profile="demo", sets=ZERO_SETTINGS)
+        code, logs[step], nodes[step] = run_watching_nodes(cluster, cmd)
+        assert code == 0, logs[step]
+    # Preprocessing submits its shards, then waits; the autoscaler adds nodes for them.
+    assert (
+        "waiting up to 600 s (capacity_timeout_s) for the cluster to hold 1 CPU(s)"
+        in logs["preprocess"]
+    )
+    assert nodes["preprocess"] >= 1
+    # Training's two one-CPU workers wait in their placement group for two nodes.
+    assert nodes["train"] == 2
+    # Inference asks the autoscaler for one actor's CPU, as it shows no demand of its own yet.
+    assert (
+        "waiting up to 600 s (capacity_timeout_s) for the cluster to hold 1 CPU(s)" in logs["infer"]
+    )
+    summary = json.loads((tmp_path / "predictions" / "demo" / SUMMARY).read_text())
+    assert summary["images"] > 0
