@@ -118,25 +118,24 @@ SHARED_FIXTURES = {
 }
 
 # The longest units first, so that none is left running alone at the end of `make test`: the
-# wall minutes each took in a fresh clone's `make test` at two units (its CPU report,
-# 2026-11-27); the shared clusters' units from their modules alone, plus a tenth. Units not
-# named take under a minute and fill in after these, in xdist's order.
+# wall minutes each took in a fresh clone's `make test` at two units (its CPU report at e0b97fd,
+# 2026-11-27). Units not named take under a minute and fill in after these, in xdist's order.
 MINUTES = {
-    "head_and_two_nodes": 10.5,
-    "main_run": 7.4,
-    "tests/test_tune.py": 6.0,
-    "tests/test_autoscale.py": 5.0,
-    "tests/test_publish.py": 3.8,
-    "tests/test_train_faults.py": 3.8,
-    "tests/test_deploy.py": 3.7,
-    "tests/test_airflow.py": 3.4,
-    "tests/test_s3.py": 3.3,
-    "tests/test_chain.py": 2.7,
-    "tests/test_serve.py": 2.6,
+    "head_and_two_nodes": 11.0,
+    "main_run": 7.1,
+    "tests/test_autoscale.py": 6.2,
+    "tests/test_tune.py": 5.4,
+    "tests/test_train_faults.py": 4.0,
+    "tests/test_deploy.py": 3.4,
+    "tests/test_airflow.py": 3.0,
+    "tests/test_publish.py": 2.8,
+    "tests/test_s3.py": 2.8,
     "tests/test_tracking_jobs.py": 2.5,
-    "tests/test_steps.py": 1.9,
+    "tests/test_serve.py": 2.3,
+    "tests/test_chain.py": 2.0,
+    "tests/test_steps.py": 1.6,
     "tests/test_own_loop.py": 1.5,
-    "tests/test_export.py": 1.5,
+    "tests/test_export.py": 1.4,
     "tests/test_loader.py": 1.0,
 }
 
