@@ -35,6 +35,7 @@ HEAD, WORKER = "127.0.0.2", "127.0.0.3"
 SSHD = "/usr/sbin/sshd"
 # The config's default environment, replaced by this checkout's venv.
 DEFAULT_VENV = "/opt/ray-cv/venv"
+RECONNECT_TIMEOUT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 # Tiny data, as in test_s3.py: the chain is what is tested here, not the model.
 CHAIN_SETTINGS = [
     "preprocess.source.synthetic.num_classes=3",
@@ -217,6 +218,12 @@ def onprem(nodes, tmp_path_factory):
     setup = config["setup_commands"]
     assert sum(DEFAULT_VENV in c for c in setup) == 1, setup
     config["setup_commands"] = [c.replace(DEFAULT_VENV, sys.prefix) for c in setup]
+    # `ray down` stops the head; a worker's raylet exits by itself once it has not reached the
+    # GCS for Ray's gcs_rpc_server_reconnect_timeout_s: 60 by default, 10 here.
+    *stop, start = config["worker_start_ray_commands"]
+    assert start.count(" ray start ") == 1, start
+    start = start.replace(" ray start ", f" {RECONNECT_TIMEOUT_ENV}=10 ray start ")
+    config["worker_start_ray_commands"] = [*stop, start]
     path = d / "cluster-onprem.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -389,8 +396,9 @@ def test_ray_up_chain_ray_down(onprem, tmp_path):
     ray(env, "down", "-y", str(config))
     timings["ray down"] = time.monotonic() - down_started
     # `ray stop` on the head, whose daemons exit as they finish; the local provider has no
-    # machines to turn off, so a worker's raylet exits by itself once the GCS is gone for good.
-    for node, limit_s in ((head, 60), (worker, 180)):
+    # machines to turn off, so a worker's raylet exits by itself once the GCS is gone for good
+    # (10 s without it, set in `onprem`).
+    for node, limit_s in ((head, 60), (worker, 120)):
         deadline = down_started + limit_s
         while node.ray_daemons():
             assert time.monotonic() < deadline, node.ray_daemons()
