@@ -9,6 +9,9 @@ test's clusters spent meanwhile, idle or not.
 `CPU_REPORT=<file> make test` appends one JSON line per test to the file and prints the costliest
 units at the end. Where cgroup v1 is not writable (no root, cgroup v2 only) it says so and counts
 nothing.
+
+`idle_priority` puts a process in a cgroup v1 `cpu` group of the least weight: `make test`'s light
+worker, which computes on what the cluster tests leave of the cores (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from collections import defaultdict
 from pathlib import Path
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+CPU = Path("/sys/fs/cgroup/cpu")
+# cgroup v1's least weight (cpu.shares; the default is 1024): a group of it runs on what the
+# other processes leave of the cores, and waits while they use them all.
+LEAST_SHARES = 2
 
 
 class Meter:
@@ -44,9 +51,30 @@ class Meter:
 
     def leave(self) -> None:
         """Back to the root group, and the group removed unless something still runs in it."""
-        with contextlib.suppress(OSError):
-            (CPUACCT / "cgroup.procs").write_text(str(os.getpid()))
-            self.group.rmdir()
+        leave(self.group)
+
+
+def idle_priority(name: str) -> Path | None:
+    """Move this process into a new cgroup v1 `cpu` group `name` of the least weight, so that it
+    and what it starts run only on CPU time no other process wants; the group, or None where
+    that cannot be done. Unlike a nice value, the weight holds against processes in other
+    sessions (the kernel's autogroups), as Ray's daemons are."""
+    group = CPU / name
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cpu.shares").write_text(str(LEAST_SHARES))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    return group
+
+
+def leave(group: Path) -> None:
+    """This process back to the root of `group`'s hierarchy, and `group` removed unless something
+    still runs in it."""
+    with contextlib.suppress(OSError):
+        (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+        group.rmdir()
 
 
 def record(report: Path, nodeid: str, cpu_s: float, started: float, ended: float) -> None:

@@ -7,7 +7,6 @@ import os
 import secrets
 import sys
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 # A throwaway token for the Ray instances this process starts, or Ray writes one into the user's
@@ -49,13 +48,28 @@ from harness.s3 import S3Server
 from pipeline.core import faults
 
 EXIT_STATUS = pytest.StashKey[int]()
+IDLE_GROUP = pytest.StashKey["Path | None"]()
 METER = pytest.StashKey["cpu_cost.Meter | None"]()
 # `CPU_REPORT=<file> make test`: each test's CPU-seconds, Ray's processes included
 # (harness/cpu_cost.py), and the costliest at the end.
 CPU_REPORT = os.environ.get("CPU_REPORT") and Path(os.environ["CPU_REPORT"]).resolve()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--light-worker",
+        action="store_true",
+        help="with -n N: the last worker runs only the LIGHT modules, at idle CPU priority",
+    )
+
+
 def pytest_configure(config):
+    if getattr(config, "workerinput", {}).get("light"):
+        # A group per process: `make test` runs beside whatever else runs on the machine.
+        group = cpu_cost.idle_priority(f"pytest-light-{os.getpid()}")
+        if group is None:
+            os.nice(19)  # no cgroup v1 `cpu` to write: the lowest nice value, in its session
+        config.stash[IDLE_GROUP] = group
     if not CPU_REPORT:
         return
     if not hasattr(config, "workerinput"):  # the run's own process, before any test process
@@ -99,6 +113,8 @@ def pytest_unconfigure(config):
     that says nothing about the code under test, yet failed a CI run whose every test passed."""
     if meter := config.stash.get(METER, None):
         meter.leave()
+    if group := config.stash.get(IDLE_GROUP, None):
+        cpu_cost.leave(group)
     if EXIT_STATUS in config.stash:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -137,35 +153,112 @@ MINUTES = {
     "tests/test_own_loop.py": 1.5,
     "tests/test_export.py": 1.4,
     "tests/test_loader.py": 1.0,
+    # Under a minute, but waiting on clusters: before the units that only compute.
+    "tests/test_bad_inputs.py": 0.8,
+    "tests/test_jobs.py": 0.7,
+    "tests/test_harness.py": 0.6,
+    "tests/test_capacity.py": 0.2,
+}
+
+# Modules that only compute, in this process and the ones it runs, with nothing that times out:
+# no Ray, no server, no deadline. `make test` (--light-worker) gives them to a worker of their
+# own at idle CPU priority, which runs them on what the cluster tests leave of the cores while
+# those wait on their clusters; the other workers take them only once all else is handed out.
+# A test of a module named here that asks for a fixture of IDLE_UNSAFE fails at its setup.
+LIGHT = {
+    "tests/test_cli.py",
+    "tests/test_cluster_yaml.py",
+    "tests/test_config.py",
+    "tests/test_layout.py",
+    "tests/test_loading.py",
+    "tests/test_model.py",
+    "tests/test_predictions.py",
+    "tests/test_sweep_config.py",
+    "tests/test_transforms.py",
+}
+IDLE_UNSAFE = {
+    "ray_in_process",
+    "tiny_dataset",
+    "small_dataset",
+    "cluster_2cpu",
+    "head_and_two_nodes",
+    "main_run",
+    "s3_server",
+    "mlflow_server",
 }
 
 
 def minutes(unit: str) -> float:
-    return MINUTES.get(unit, 0)
+    """A unit's expected wall minutes: its module's, for a class of its tests."""
+    return MINUTES.get(unit, MINUTES.get(unit.split("::")[0], 0))
 
 
-@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: unknown under `-p no:xdist`
+def light(unit: str) -> bool:
+    return unit.split("::")[0] in LIGHT
+
+
+def pytest_runtest_setup(item):
+    if light(item.nodeid) and (unsafe := IDLE_UNSAFE & set(item.fixturenames)):
+        pytest.fail(
+            f"{item.nodeid} asks for {', '.join(sorted(unsafe))}: Ray or a server, which idle "
+            "CPU priority could starve; take its module out of conftest.py's LIGHT",
+            pytrace=False,
+        )
+
+
+def light_worker(config) -> str | None:
+    """The id of the worker that runs only the LIGHT units, if any: the last one."""
+    workers = config.getoption("numprocesses", None)
+    if config.getoption("light_worker") and isinstance(workers, int) and workers > 1:
+        return f"gw{workers - 1}"
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hooks: unknown under `-p no:xdist`
+def pytest_configure_node(node):
+    node.workerinput["light"] = node.gateway.id == light_worker(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
-    class LongestFirst(OrderedDict):
-        """xdist's queue of units, which hands out the longest left whichever end it is
-        asked for (the first of equals: xdist's own order)."""
+    class UnitScheduling(LoadScopeScheduling):
+        """Units to workers, the longest left first (the first of equals: xdist's own order);
+        LIGHT units to the light worker only, and to the others last."""
 
-        def popitem(self, last: bool = True) -> tuple[str, dict]:
-            unit = max(self, key=minutes)
-            return unit, self.pop(unit)
-
-    class LongestFirstScheduling(LoadScopeScheduling):
         def __init__(self, config, log=None):
             super().__init__(config, log)
-            self.workqueue = LongestFirst()
+            self.light_worker = light_worker(config)
 
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
             return SHARED_FIXTURES.get(scope, scope)
 
-    return LongestFirstScheduling(config, log)
+        def _next_unit(self, node) -> str | None:
+            units = self.workqueue
+            if node.gateway.id == self.light_worker:
+                units = [u for u in units if light(u)]
+            return max(units, key=lambda u: (not light(u), minutes(u)), default=None)
+
+        def _assign_work_unit(self, node) -> None:
+            unit = self._next_unit(node)
+            if unit is None:
+                node.shutdown()
+                return
+            work = self.assigned_work[node][unit] = self.workqueue.pop(unit)
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(i) for i, done in work.items() if not done])
+
+        def _reschedule(self, node) -> None:
+            if node.shutting_down:
+                return
+            if self._next_unit(node) is None:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 2:  # xdist's: work in hand
+                self._assign_work_unit(node)
+
+    return UnitScheduling(config, log)
 
 
 @pytest.fixture(scope="module")
