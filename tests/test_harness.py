@@ -1,6 +1,10 @@
-"""The test harness's own cluster: what every cluster test stands on."""
+"""The test harness: its own cluster, what every cluster test stands on, and the way `make test`
+hands the tests to its processes."""
 
 import socket
+from types import SimpleNamespace
+
+import conftest
 
 from harness.cluster import LocalCluster, free_ports
 
@@ -24,3 +28,65 @@ def test_a_head_whose_job_agent_port_is_taken_starts_on_other_ports_and_runs_a_j
             assert cluster._agent_port != taken.getsockname()[1]
             proc = cluster.submit(["python", "-c", "print(42)"], capture=True, timeout_s=120)
             assert proc.returncode == 0 and "42" in proc.stdout, proc.stdout
+
+
+class Worker:
+    """An xdist worker as the scheduler sees it: what it is sent, and whether it was let go."""
+
+    def __init__(self, name: str, scheduler, collection: list[str], sent: list):
+        self.gateway = SimpleNamespace(id=name)
+        self.shutting_down = False
+        self.scheduler, self.collection, self.sent = scheduler, collection, sent
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        heavy_left = any(not conftest.light(u) for u in self.scheduler.workqueue)
+        for i in indices:
+            self.sent.append((self.gateway.id, self.collection[i], heavy_left))
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+def test_the_light_worker_gets_only_light_units_and_the_others_get_them_last():
+    collection = [
+        "tests/test_config.py::test_a",
+        "tests/test_infer.py::test_b",  # with test_train_jobs: main_run, the longest unit
+        "tests/test_transforms.py::test_c",
+        "tests/test_train_jobs.py::test_d",
+        "tests/test_storage.py::test_e",
+        "tests/test_cli.py::TestHelp::test_f",
+        "tests/test_tune.py::test_g",
+        "tests/test_model.py::test_h",
+    ]
+    options = {"numprocesses": 3, "light_worker": True}
+    config = SimpleNamespace(
+        getoption=lambda name, default=None: options.get(name, default),
+        getvalue=lambda name: ["3*popen"],
+        option=SimpleNamespace(loadscopereorder=False),
+    )
+    scheduler = conftest.pytest_xdist_make_scheduler(config, None)
+    sent: list[tuple[str, str, bool]] = []
+    workers = [Worker(f"gw{i}", scheduler, collection, sent) for i in range(3)]
+    for w in workers:
+        scheduler.add_node(w)
+        scheduler.add_node_collection(w, collection)
+    scheduler.schedule()
+    finished: set[str] = set()
+    while pending := [(w, t) for w, t, _ in sent if t not in finished]:
+        name, test = pending[0]  # the tests end in the order they were sent
+        finished.add(test)
+        worker = next(w for w in workers if w.gateway.id == name)
+        scheduler.mark_test_complete(worker, collection.index(test))
+
+    assert scheduler.tests_finished and all(w.shutting_down for w in workers)
+    assert sorted(t for _, t, _ in sent) == sorted(collection)  # each test once
+    # The longest unit first; the light worker, light units only, and the others light units
+    # only once no other is left to hand out.
+    assert [t for w, t, _ in sent[:2]] == [
+        "tests/test_infer.py::test_b",
+        "tests/test_train_jobs.py::test_d",
+    ]
+    assert {w for w, _, _ in sent[:2]} == {"gw0"}
+    light = [t for w, t, _ in sent if w == "gw2"]
+    assert light and all(conftest.light(t) for t in light), sent
+    assert not [s for s in sent if s[0] != "gw2" and conftest.light(s[1]) and s[2]], sent
