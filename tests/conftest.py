@@ -63,13 +63,18 @@ def pytest_addoption(parser):
     )
 
 
-def pytest_configure(config):
-    if getattr(config, "workerinput", {}).get("light"):
+def pytest_collection_finish(session):
+    """The light worker at idle CPU priority once it has collected: xdist hands out no unit
+    before every worker has."""
+    if getattr(session.config, "workerinput", {}).get("light"):
         # A group per process: `make test` runs beside whatever else runs on the machine.
         group = cpu_cost.idle_priority(f"pytest-light-{os.getpid()}")
         if group is None:
             os.nice(19)  # no cgroup v1 `cpu` to write: the lowest nice value, in its session
-        config.stash[IDLE_GROUP] = group
+        session.config.stash[IDLE_GROUP] = group
+
+
+def pytest_configure(config):
     if not CPU_REPORT:
         return
     if not hasattr(config, "workerinput"):  # the run's own process, before any test process
