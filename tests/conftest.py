@@ -115,12 +115,13 @@ def pytest_unconfigure(config):
     """Leave without the interpreter's teardown, keeping pytest's exit status. After the last
     test, native threads of the libraries loaded here (the AWS SDK inside Arrow, Ray's core
     worker, torch's pools) can crash while Python finalises (apache/arrow#38352): a segfault
-    that says nothing about the code under test, yet failed a CI run whose every test passed."""
+    that says nothing about the code under test, yet failed a CI run whose every test passed.
+    A usage error (a bad `-k` expression) is left to pytest, which prints it after this hook."""
     if meter := config.stash.get(METER, None):
         meter.leave()
     if group := config.stash.get(IDLE_GROUP, None):
         cpu_cost.leave(group)
-    if EXIT_STATUS in config.stash:
+    if config.stash.get(EXIT_STATUS, None) not in (None, pytest.ExitCode.USAGE_ERROR):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(config.stash[EXIT_STATUS])

@@ -2,11 +2,13 @@
 hands the tests to its processes."""
 
 import socket
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import conftest
 
-from harness.cluster import LocalCluster, free_ports
+from harness.cluster import BUNDLE_ROOT, LocalCluster, free_ports
 
 
 def test_ports_chosen_together_are_distinct():
@@ -90,3 +92,11 @@ def test_the_light_worker_gets_only_light_units_and_the_others_get_them_last():
     light = [t for w, t, _ in sent if w == "gw2"]
     assert light and all(conftest.light(t) for t in light), sent
     assert not [s for s in sent if s[0] != "gw2" and conftest.light(s[1]) and s[2]], sent
+
+
+def test_a_usage_error_is_printed_not_only_its_exit_code():
+    # conftest.py leaves a finished run with os._exit; pytest prints a usage error after that.
+    command = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-k", "(", "tests/test_config.py"]
+    proc = subprocess.run(command, cwd=BUNDLE_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "Wrong expression passed to '-k'" in proc.stderr, proc.stdout + proc.stderr
