@@ -38,13 +38,8 @@ class Meter:
     @classmethod
     def join(cls, name: str) -> Meter | None:
         """Move this process into a new group `name`, or None where that cannot be done."""
-        group = CPUACCT / name
-        try:
-            group.mkdir(exist_ok=True)
-            (group / "cgroup.procs").write_text(str(os.getpid()))
-        except OSError:
-            return None
-        return cls(group)
+        group = _join(CPUACCT / name, {})
+        return cls(group) if group else None
 
     def usage(self) -> float:
         return int((self.group / "cpuacct.usage").read_text()) / 1e9
@@ -59,10 +54,16 @@ def idle_priority(name: str) -> Path | None:
     and what it starts run only on CPU time no other process wants; the group, or None where
     that cannot be done. Unlike a nice value, the weight holds against processes in other
     sessions (the kernel's autogroups), as Ray's daemons are."""
-    group = CPU / name
+    return _join(CPU / name, {"cpu.shares": str(LEAST_SHARES)})
+
+
+def _join(group: Path, settings: dict[str, str]) -> Path | None:
+    """This process moved into `group`, a new cgroup v1 group given `settings` first; None where
+    that cannot be done."""
     try:
         group.mkdir(exist_ok=True)
-        (group / "cpu.shares").write_text(str(LEAST_SHARES))
+        for key, value in settings.items():
+            (group / key).write_text(value)
         (group / "cgroup.procs").write_text(str(os.getpid()))
     except OSError:
         return None
