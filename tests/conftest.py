@@ -51,8 +51,13 @@ EXIT_STATUS = pytest.StashKey[int]()
 IDLE_GROUP = pytest.StashKey["Path | None"]()
 METER = pytest.StashKey["cpu_cost.Meter | None"]()
 # `CPU_REPORT=<file> make test`: each test's CPU-seconds, Ray's processes included
-# (harness/cpu_cost.py), and the costliest at the end.
-CPU_REPORT = os.environ.get("CPU_REPORT") and Path(os.environ["CPU_REPORT"]).resolve()
+# (harness/cpu_cost.py), and the costliest at the end. A pytest that a test runs (its
+# PYTEST_CURRENT_TEST inherited) leaves the report alone: it would start it over.
+CPU_REPORT = (
+    os.environ.get("CPU_REPORT")
+    and not os.environ.get("PYTEST_CURRENT_TEST")
+    and Path(os.environ["CPU_REPORT"]).resolve()
+)
 
 
 def pytest_addoption(parser):

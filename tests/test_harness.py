@@ -1,6 +1,7 @@
 """The test harness: its own cluster, what every cluster test stands on, and the way `make test`
 hands the tests to its processes."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -94,9 +95,16 @@ def test_the_light_worker_gets_only_light_units_and_the_others_get_them_last():
     assert not [s for s in sent if s[0] != "gw2" and conftest.light(s[1]) and s[2]], sent
 
 
-def test_a_usage_error_is_printed_not_only_its_exit_code():
+def test_a_usage_error_is_printed_not_only_its_exit_code(tmp_path):
     # conftest.py leaves a finished run with os._exit; pytest prints a usage error after that.
     command = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-k", "(", "tests/test_config.py"]
-    proc = subprocess.run(command, cwd=BUNDLE_ROOT, capture_output=True, text=True, timeout=300)
+    # The run's CPU report, as `make test` names it: a pytest run by a test leaves it alone.
+    report = tmp_path / "cpu-report.jsonl"
+    report.write_text('{"test": "tests/test_harness.py::a_test_before"}\n')
+    env = {**os.environ, "CPU_REPORT": str(report)}
+    proc = subprocess.run(
+        command, cwd=BUNDLE_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "Wrong expression passed to '-k'" in proc.stderr, proc.stdout + proc.stderr
+    assert report.read_text() == '{"test": "tests/test_harness.py::a_test_before"}\n'
