@@ -10,8 +10,10 @@ test's clusters spent meanwhile, idle or not.
 units at the end. Where cgroup v1 is not writable (no root, cgroup v2 only) it says so and counts
 nothing.
 
-`idle_priority` puts a process in a cgroup v1 `cpu` group of the least weight: `make test`'s light
-worker, which computes on what the cluster tests leave of the cores (tests/conftest.py).
+`low_priority` puts a process in a cgroup v1 `cpu` group of a low weight: `make test`'s light
+worker, which computes on what the cluster tests leave of the cores (tests/conftest.py);
+`normal_priority` takes it out meanwhile, so that what it starts then (Ray's daemons, a server)
+keeps the normal weight.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from pathlib import Path
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 CPU = Path("/sys/fs/cgroup/cpu")
-# cgroup v1's least weight (cpu.shares; the default is 1024): a group of it runs on what the
-# other processes leave of the cores, and waits while they use them all.
-LEAST_SHARES = 2
+# A 32nd of cgroup v1's default weight (cpu.shares 1024): a group of it runs mostly on what the
+# other processes leave of the cores, and while they use them all it still gets about 3 % of a
+# core, so a child that waits on a timer (30 s for a loader process's batch) is not starved.
+LOW_SHARES = 32
 
 
 class Meter:
@@ -49,12 +52,23 @@ class Meter:
         leave(self.group)
 
 
-def idle_priority(name: str) -> Path | None:
-    """Move this process into a new cgroup v1 `cpu` group `name` of the least weight, so that it
-    and what it starts run only on CPU time no other process wants; the group, or None where
-    that cannot be done. Unlike a nice value, the weight holds against processes in other
-    sessions (the kernel's autogroups), as Ray's daemons are."""
-    return _join(CPU / name, {"cpu.shares": str(LEAST_SHARES)})
+def low_priority(name: str) -> Path | None:
+    """Move this process into a new cgroup v1 `cpu` group `name` of a low weight, so that it and
+    what it starts run mostly on CPU time no other process wants; the group, or None where that
+    cannot be done. Unlike a nice value, the weight holds against processes in other sessions
+    (the kernel's autogroups), as Ray's daemons are."""
+    return _join(CPU / name, {"cpu.shares": str(LOW_SHARES)})
+
+
+@contextlib.contextmanager
+def normal_priority(group: Path):
+    """This process at the normal weight meanwhile, back in `group` (low_priority's) after: the
+    processes it starts meanwhile keep the normal weight."""
+    (CPU / "cgroup.procs").write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        (group / "cgroup.procs").write_text(str(os.getpid()))
 
 
 def _join(group: Path, settings: dict[str, str]) -> Path | None:

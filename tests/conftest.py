@@ -48,7 +48,7 @@ from harness.s3 import S3Server
 from pipeline.core import faults
 
 EXIT_STATUS = pytest.StashKey[int]()
-IDLE_GROUP = pytest.StashKey["Path | None"]()
+LOW_GROUP = pytest.StashKey["Path | None"]()
 METER = pytest.StashKey["cpu_cost.Meter | None"]()
 # `CPU_REPORT=<file> make test`: each test's CPU-seconds, Ray's processes included
 # (harness/cpu_cost.py), and the costliest at the end. A pytest that a test runs (its
@@ -64,19 +64,31 @@ def pytest_addoption(parser):
     parser.addoption(
         "--light-worker",
         action="store_true",
-        help="with -n N: the last worker runs only the LIGHT modules, at idle CPU priority",
+        help="with -n N: the last worker runs only the LIGHT modules, at low CPU priority",
     )
 
 
 def pytest_collection_finish(session):
-    """The light worker at idle CPU priority once it has collected: xdist hands out no unit
+    """The light worker at low CPU priority once it has collected: xdist hands out no unit
     before every worker has."""
     if getattr(session.config, "workerinput", {}).get("light"):
         # A group per process: `make test` runs beside whatever else runs on the machine.
-        group = cpu_cost.idle_priority(f"pytest-light-{os.getpid()}")
+        group = cpu_cost.low_priority(f"pytest-light-{os.getpid()}")
         if group is None:
-            os.nice(19)  # no cgroup v1 `cpu` to write: the lowest nice value, in its session
-        session.config.stash[IDLE_GROUP] = group
+            os.nice(15)  # no cgroup v1 `cpu` to write: the nice value of about its weight
+        session.config.stash[LOW_GROUP] = group
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """In the light worker, a fixture of NORMAL_PRIORITY starts its processes at the normal
+    weight: Ray's daemons and workers, a server. Only the tests' own computing waits."""
+    group = request.config.stash.get(LOW_GROUP, None)
+    if group is None or fixturedef.argname not in NORMAL_PRIORITY:
+        yield
+        return
+    with cpu_cost.normal_priority(group):
+        yield
 
 
 def pytest_configure(config):
@@ -124,7 +136,7 @@ def pytest_unconfigure(config):
     A usage error (a bad `-k` expression) is left to pytest, which prints it after this hook."""
     if meter := config.stash.get(METER, None):
         meter.leave()
-    if group := config.stash.get(IDLE_GROUP, None):
+    if group := config.stash.get(LOW_GROUP, None):
         cpu_cost.leave(group)
     if config.stash.get(EXIT_STATUS, None) not in (None, pytest.ExitCode.USAGE_ERROR):
         sys.stdout.flush()
@@ -171,32 +183,38 @@ MINUTES = {
     "tests/test_capacity.py": 0.2,
 }
 
-# Modules that only compute, in this process and the ones it runs, with nothing that times out:
-# no Ray, no server, no deadline. `make test` (--light-worker) gives them to a worker of their
-# own at idle CPU priority, which runs them on what the cluster tests leave of the cores while
-# those wait on their clusters; the other workers take them only once all else is handed out.
-# A test of a module named here that asks for a fixture of IDLE_UNSAFE fails at its setup.
+# Modules whose tests compute in their own process, or in-process Ray's, for seconds: no
+# cluster, no job, no wait of minutes. `make test` (--light-worker) gives them to a worker of
+# their own at low CPU priority, which runs them mostly on what the cluster tests leave of the
+# cores while those wait on their clusters; the other workers take them only once all else is
+# handed out. Its fixtures of NORMAL_PRIORITY start their processes at the normal weight, so that
+# Ray's raylet and a server answer in time however busy the cores; a test of a LIGHT module that
+# asks for a cluster (NOT_LIGHT) fails at its setup. Kept with the other workers: the modules
+# that wait on a subprocess against a deadline (test_faults, test_tracking, test_platforms).
 LIGHT = {
     "tests/test_cli.py",
     "tests/test_cluster_yaml.py",
     "tests/test_config.py",
+    "tests/test_device_decode.py",
+    "tests/test_export.py",
+    "tests/test_hooks.py",
     "tests/test_layout.py",
+    "tests/test_loader.py",
     "tests/test_loading.py",
     "tests/test_model.py",
+    "tests/test_models.py",
     "tests/test_predictions.py",
+    "tests/test_preprocess.py",
+    "tests/test_shards.py",
+    "tests/test_sources.py",
+    "tests/test_storage.py",
     "tests/test_sweep_config.py",
+    "tests/test_train.py",
     "tests/test_transforms.py",
+    "tests/test_versions.py",
 }
-IDLE_UNSAFE = {
-    "ray_in_process",
-    "tiny_dataset",
-    "small_dataset",
-    "cluster_2cpu",
-    "head_and_two_nodes",
-    "main_run",
-    "s3_server",
-    "mlflow_server",
-}
+NORMAL_PRIORITY = {"ray_in_process", "tiny_dataset", "small_dataset", "s3_server", "mlflow_server"}
+NOT_LIGHT = {"cluster_2cpu", "head_and_two_nodes", "main_run"}
 
 
 def minutes(unit: str) -> float:
@@ -209,10 +227,10 @@ def light(unit: str) -> bool:
 
 
 def pytest_runtest_setup(item):
-    if light(item.nodeid) and (unsafe := IDLE_UNSAFE & set(item.fixturenames)):
+    if light(item.nodeid) and (unsafe := NOT_LIGHT & set(item.fixturenames)):
         pytest.fail(
-            f"{item.nodeid} asks for {', '.join(sorted(unsafe))}: Ray or a server, which idle "
-            "CPU priority could starve; take its module out of conftest.py's LIGHT",
+            f"{item.nodeid} asks for {', '.join(sorted(unsafe))}: a cluster, minutes of jobs "
+            "for the other workers; take its module out of conftest.py's LIGHT",
             pytrace=False,
         )
 

@@ -8,7 +8,9 @@ import sys
 from types import SimpleNamespace
 
 import conftest
+import pytest
 
+from harness import cpu_cost
 from harness.cluster import BUNDLE_ROOT, LocalCluster, free_ports
 
 
@@ -108,3 +110,41 @@ def test_a_usage_error_is_printed_not_only_its_exit_code(tmp_path):
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "Wrong expression passed to '-k'" in proc.stderr, proc.stdout + proc.stderr
     assert report.read_text() == '{"test": "tests/test_harness.py::a_test_before"}\n'
+
+
+# In a process of its own: the light worker's group, joined and left meanwhile, as conftest.py
+# does around a fixture of NORMAL_PRIORITY; what each process's `cpu` cgroup is, printed.
+PRIORITIES = """
+import os, subprocess, sys
+from harness import cpu_cost
+
+def group(pid):
+    lines = open(f"/proc/{pid}/cgroup").read().splitlines()
+    return next(line.split(":", 2)[2] for line in lines if line.split(":")[1] == "cpu")
+
+low = cpu_cost.low_priority(f"pytest-check-{os.getpid()}")
+if low is None:
+    sys.exit(3)
+with cpu_cost.normal_priority(low):
+    started = subprocess.Popen(["sleep", "60"])
+later = subprocess.Popen(["sleep", "60"])
+shares = (low / "cpu.shares").read_text().strip()
+print(group(os.getpid()), group(started.pid), group(later.pid), shares)
+for child in (started, later):
+    child.kill()
+    child.wait()
+cpu_cost.leave(low)
+print(low.exists())
+"""
+
+
+def test_the_light_worker_starts_its_services_at_the_normal_weight():
+    proc = subprocess.run(
+        [sys.executable, "-c", PRIORITIES], cwd=BUNDLE_ROOT, capture_output=True, text=True
+    )
+    if proc.returncode == 3:
+        pytest.skip("no cgroup v1 `cpu` to write here (no root, or cgroup v2 only)")
+    assert proc.returncode == 0, proc.stderr
+    (itself, started, later, shares), removed = (line.split() for line in proc.stdout.splitlines())
+    assert itself == later != "/" and started == "/", proc.stdout
+    assert int(shares) == cpu_cost.LOW_SHARES and removed == ["False"], proc.stdout
