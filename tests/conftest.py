@@ -82,7 +82,8 @@ def pytest_collection_finish(session):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef, request):
     """In the light worker, a fixture of NORMAL_PRIORITY starts its processes at the normal
-    weight: Ray's daemons and workers, a server. Only the tests' own computing waits."""
+    weight: Ray's daemons and workers, a server. Only the tests' own computing waits. (Where the
+    light worker has no group, at `nice 15`, they start at that nice value.)"""
     group = request.config.stash.get(LOW_GROUP, None)
     if group is None or fixturedef.argname not in NORMAL_PRIORITY:
         yield
