@@ -34,8 +34,9 @@ demo: $(STAMP)
 
 ## The whole suite: unit tests and jobs on real local Ray clusters, UNITS at a time (a test alone
 ## keeps about one core busy: one unit a core); a module runs whole in one process, with its
-## fixtures made once. One more process runs the modules that only compute, at idle CPU
-## priority, on what the others leave of the cores. More cores: `make test UNITS=<cores>`.
+## fixtures made once. One more process runs the modules that compute without a cluster, at
+## low CPU priority, mostly on what the others leave of the cores. More cores:
+## `make test UNITS=<cores>`.
 UNITS ?= 2
 test: $(STAMP)
 	CPU_REPORT=$${CPU_REPORT:-.pytest_cache/cpu-report.jsonl} \

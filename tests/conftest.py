@@ -177,7 +177,7 @@ MINUTES = {
     "tests/test_own_loop.py": 1.5,
     "tests/test_export.py": 1.4,
     "tests/test_loader.py": 1.0,
-    # Under a minute, but waiting on clusters: before the units that only compute.
+    # Under a minute, but waiting on clusters: before the LIGHT units.
     "tests/test_bad_inputs.py": 0.8,
     "tests/test_jobs.py": 0.7,
     "tests/test_harness.py": 0.6,
