@@ -91,6 +91,7 @@ def test_a_preempted_node_costs_no_failure(head_and_two_nodes, tiny_dataset, tmp
 # epochs of 16 steps of a network slowed to 0.4 s a forward pass: the notice, sent after step 4,
 # must land before the last.
 STEPS_RUN = ("epochs=3", "checkpoint.every_steps=4", "scaling.num_workers=2", "max_failures=0")
+REPLACEMENT_STARTUP = "scaling.startup_timeout_s=180"
 
 
 @pytest.fixture
@@ -137,6 +138,10 @@ def test_a_preemption_notice_mid_epoch_saves_a_checkpoint_that_the_restart_resum
         tmp_path,
         "name=spot",
         *steps_run,
+        # The restart waits for the replacement node, as on a cloud. Started on a loaded
+        # machine, one took over 30 s, the default: its raylet gave up on its agent's ports
+        # and `add_node` started it again, while the restart timed out with max_failures=0.
+        REPLACEMENT_STARTUP,
         runtime_env=env,
     )
     # Training is under way (its first checkpoint inside epoch 0 is in): the cloud gives notice.
