@@ -64,11 +64,11 @@ def low_priority(name: str) -> Path | None:
 def normal_priority(group: Path):
     """This process at the normal weight meanwhile, back in `group` (low_priority's) after: the
     processes it starts meanwhile keep the normal weight."""
-    (CPU / "cgroup.procs").write_text(str(os.getpid()))
+    _move(CPU)
     try:
         yield
     finally:
-        (group / "cgroup.procs").write_text(str(os.getpid()))
+        _move(group)
 
 
 def _join(group: Path, settings: dict[str, str]) -> Path | None:
@@ -78,7 +78,7 @@ def _join(group: Path, settings: dict[str, str]) -> Path | None:
         group.mkdir(exist_ok=True)
         for key, value in settings.items():
             (group / key).write_text(value)
-        (group / "cgroup.procs").write_text(str(os.getpid()))
+        _move(group)
     except OSError:
         return None
     return group
@@ -88,8 +88,14 @@ def leave(group: Path) -> None:
     """This process back to the root of `group`'s hierarchy, and `group` removed unless something
     still runs in it."""
     with contextlib.suppress(OSError):
-        (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+        _move(group.parent)
         group.rmdir()
+
+
+def _move(group: Path) -> None:
+    """This process into cgroup v1 `group` (a hierarchy's root included); what it starts after
+    starts there."""
+    (group / "cgroup.procs").write_text(str(os.getpid()))
 
 
 def record(report: Path, nodeid: str, cpu_s: float, started: float, ended: float) -> None:

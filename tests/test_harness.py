@@ -140,7 +140,11 @@ print(low.exists())
 
 def test_the_light_worker_starts_its_services_at_the_normal_weight():
     proc = subprocess.run(
-        [sys.executable, "-c", PRIORITIES], cwd=BUNDLE_ROOT, capture_output=True, text=True
+        [sys.executable, "-c", PRIORITIES],
+        cwd=BUNDLE_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     if proc.returncode == 3:
         pytest.skip("no cgroup v1 `cpu` to write here (no root, or cgroup v2 only)")
