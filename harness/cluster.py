@@ -69,6 +69,9 @@ def free_ports(count: int) -> list[int]:
 PORT_TAKEN = ("that is used by other components", "already in use")
 # What the job agent logs once it stops retrying its port (it retries for a few seconds).
 AGENT_GAVE_UP = "failed to bind after"
+# How long `add_node` gives a node to join, `ray start` restarts included; a run that waits for a
+# replacement node waits as long.
+NODE_JOIN_TIMEOUT_S = 180
 
 
 class PortTaken(RuntimeError):
@@ -205,7 +208,7 @@ class LocalCluster:
         self._config_file = path
         return path
 
-    def add_node(self, num_cpus: int, timeout_s: float = 180) -> Node:
+    def add_node(self, num_cpus: int, timeout_s: float = NODE_JOIN_TIMEOUT_S) -> Node:
         """Join one more node (`ray start --address`) with its own processes, temp dir and
         resources; returns once the cluster counts it. `stop` stops it with the head.
 

@@ -22,7 +22,7 @@ from helpers import (
     with_worker_nodes,
 )
 
-from harness.cluster import LocalCluster
+from harness.cluster import NODE_JOIN_TIMEOUT_S, LocalCluster
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import WEIGHTS
@@ -91,7 +91,7 @@ def test_a_preempted_node_costs_no_failure(head_and_two_nodes, tiny_dataset, tmp
 # epochs of 16 steps of a network slowed to 0.4 s a forward pass: the notice, sent after step 4,
 # must land before the last.
 STEPS_RUN = ("epochs=3", "checkpoint.every_steps=4", "scaling.num_workers=2", "max_failures=0")
-REPLACEMENT_STARTUP = "scaling.startup_timeout_s=180"
+REPLACEMENT_STARTUP = f"scaling.startup_timeout_s={NODE_JOIN_TIMEOUT_S}"
 
 
 @pytest.fixture
