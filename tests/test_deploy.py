@@ -218,19 +218,18 @@ def onprem(nodes, tmp_path_factory):
     setup = config["setup_commands"]
     assert sum(DEFAULT_VENV in c for c in setup) == 1, setup
     config["setup_commands"] = [c.replace(DEFAULT_VENV, sys.prefix) for c in setup]
+    # `ray down` stops the head; a worker's raylet exits by itself once it has not reached the
+    # GCS for Ray's gcs_rpc_server_reconnect_timeout_s: 60 by default, 10 here.
+    *stop, start = config["worker_start_ray_commands"]
+    assert start.count(" ray start ") == 1, start
+    start = start.replace(" ray start ", f" {RECONNECT_TIMEOUT_ENV}=10 ray start ")
+    config["worker_start_ray_commands"] = [*stop, start]
     # The nodes share this machine's network: each job agent binds its node's address and
     # 127.0.0.1, on Ray's default port 52365 unless told otherwise, as does any other Ray
     # instance here (a test's in-process `ray.init`). Each node gets a free port instead.
-    # `ray down` stops the head; a worker's raylet exits by itself once it has not reached the
-    # GCS for Ray's gcs_rpc_server_reconnect_timeout_s: 60 by default, 10 here.
-    for key, env_prefix in (
-        ("head_start_ray_commands", ""),
-        ("worker_start_ray_commands", f"{RECONNECT_TIMEOUT_ENV}=10 "),
-    ):
-        *stop, start = config[key]
-        assert start.count(" ray start ") == 1, start
-        start = start.replace(" ray start ", f" {env_prefix}ray start ")
-        config[key] = [*stop, f"{start} --dashboard-agent-listen-port={free_port()}"]
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        assert config[key][-1].count(" ray start ") == 1, config[key]
+        config[key][-1] += f" --dashboard-agent-listen-port={free_port()}"
     path = d / "cluster-onprem.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
