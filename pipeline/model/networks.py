@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torchvision
 
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
@@ -87,25 +86,34 @@ class Architecture:
         return {}
 
 
+def _torchvision_models():
+    """torchvision.models, imported on first use: the import costs about 1.5 CPU-seconds (it
+    imports torch._dynamo), which a job that builds the user's own network goes without."""
+    import torchvision.models
+
+    return torchvision.models
+
+
 class TorchvisionModel(Architecture):
     """Any classifier of torchvision.models, by builder name (resnet50, vit_b_16, ...)."""
 
     def __init__(self, name: str, kwargs: dict[str, Any]):
         super().__init__(name, kwargs)
-        names = torchvision.models.list_models(module=torchvision.models)
+        models = _torchvision_models()
+        names = models.list_models(module=models)
         if name not in names:
             raise ConfigError(
                 f"model.name={name!r} is not a torchvision classification model"
                 f"{_close(name, names)}; or give timm/<name> for a timm model, or "
                 "module:function for your own"
             )
-        self.builder = torchvision.models.get_model_builder(name)
+        self.builder = models.get_model_builder(name)
 
     def build(self, num_classes: int) -> torch.nn.Module:
         return self._call(self.builder, num_classes, weights=None)
 
     def _weights(self, weights: str):
-        enum = torchvision.models.get_model_weights(self.name)
+        enum = _torchvision_models().get_model_weights(self.name)
         if weights not in enum.__members__:
             raise ConfigError(
                 f"model.weights={weights!r} is not a weights name of {self.name} "
