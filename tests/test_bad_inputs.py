@@ -1137,7 +1137,7 @@ CASES = [
         "inference actors larger than the cluster, for `capacity_timeout_s`",
         3,
         "cpus_per_actor=<n>, but the cluster has <n> CPUs",
-        test="tests/test_infer.py::test_resources_the_cluster_lacks_fail_fast",
+        test="tests/test_autoscale.py::test_inference_fails_with_exit_3_when_no_capacity_comes",
     ),
     Case(
         "inference actors larger than any node, for `capacity_timeout_s`",

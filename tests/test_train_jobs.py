@@ -126,20 +126,12 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
     assert one["ema_val_loss"] != pytest.approx(one["val_loss"], rel=1e-4)
 
 
-def test_submitting_a_finished_run_again_trains_nothing(cluster_2cpu, main_run, tiny_dataset):
-    _, run = main_run
-    proc = train_job(cluster_2cpu, tiny_dataset, run.parent, "name=main", "epochs=4")
-    assert proc.returncode == 0, proc.stdout
-    assert "is complete (4 epochs, epochs=4): nothing to train" in proc.stdout
-    assert "RayTrainWorker" not in proc.stdout
-
-
 def test_the_run_is_one_mlflow_run_with_every_epoch_once_through_a_kill_and_a_resubmission(
     cluster_2cpu, main_run, tiny_dataset, mlflow_server, tmp_path
 ):
     # main_run's rank 0 logged epoch 0, then was killed; the new rank 0 resumed from epoch 0's
-    # checkpoint. The run submitted again (finished: it trains nothing) continues the same
-    # MLflow run, and adds no epoch, no model and no version.
+    # checkpoint. The run submitted again is finished: it trains nothing, starts no worker,
+    # continues the same MLflow run, and adds no epoch, no model and no version.
     proc, run = main_run
     tracked_run = mlflow_run(mlflow_server, run)
     run_id = tracked_run.info.run_id
@@ -148,6 +140,8 @@ def test_the_run_is_one_mlflow_run_with_every_epoch_once_through_a_kill_and_a_re
     args = ("name=main", "epochs=4", *tracked(mlflow_server))
     again = train_job(cluster_2cpu, tiny_dataset, run.parent, *args)
     assert again.returncode == 0, again.stdout
+    assert "is complete (4 epochs, epochs=4): nothing to train" in again.stdout
+    assert "RayTrainWorker" not in again.stdout
     assert f"continuing MLflow run {run_id}" in again.stdout
     assert "ray-cv-classifier version 1 is this checkpoint already" in again.stdout, again.stdout
 
