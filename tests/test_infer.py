@@ -306,6 +306,7 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
 
 
 def test_resources_the_cluster_lacks_fail_fast(cluster_2cpu, trained, tiny_dataset, tmp_path):
+    # A GPU here; actors larger than the cluster: test_autoscale's cluster of no CPUs.
     proc = infer_job(
         cluster_2cpu,
         f"model={trained}",
@@ -317,7 +318,6 @@ def test_resources_the_cluster_lacks_fail_fast(cluster_2cpu, trained, tiny_datas
     assert proc.returncode != 0
     assert "use_gpu=true, but the cluster has 0 GPUs (waited 2 s" in proc.stdout
     assert not (tmp_path / SUMMARY).exists()
-    # Actors larger than the cluster: test_autoscale's cluster of no CPUs, for the same check.
 
 
 def test_bad_model_and_input_paths_are_clear_errors(trained, tiny_dataset, tmp_path):
