@@ -89,7 +89,7 @@ MAIN_RUN_RECIPE = ("ema.enabled=true", "ema.every_steps=2", "ema.decay=0.8", "mi
 
 def train_job(cluster, dataset, storage, *overrides, **submit):
     args = [*TRAIN, f"dataset={dataset}", f"storage_path={storage}", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600, **submit)
+    return cluster.run_job(args, capture=True, timeout_s=600, **submit)
 
 
 def tracked(server) -> tuple[str, ...]:

@@ -49,7 +49,7 @@ pytestmark = pytest.mark.slow
 
 def infer_job(cluster, *overrides, **submit):
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml", *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600, **submit)
+    return cluster.run_job(args, capture=True, timeout_s=600, **submit)
 
 
 def committed(out: Path) -> dict[str, bytes]:
@@ -134,7 +134,7 @@ def test_the_export_job_exports_the_checkpoint_and_weights_inference_classifies_
     cluster_2cpu, trained, tiny_dataset, val_predictions
 ):
     args = ["python", "-m", "jobs.export", "--config", "configs/demo-export.yaml"]
-    proc = cluster_2cpu.submit(
+    proc = cluster_2cpu.run_job(
         [*args, f"model={trained}", "images=16"], capture=True, timeout_s=600
     )
     assert proc.returncode == 0, proc.stdout

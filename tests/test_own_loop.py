@@ -153,7 +153,7 @@ def test_the_example_loops_run_is_inferred_and_exported_by_the_chain(
 
     # The chain's root holds a preprocessed dataset, as its preprocess step leaves one.
     shutil.copytree(small_dataset, root / "dataset")
-    trained = cluster_2cpu.submit(
+    trained = cluster_2cpu.run_job(
         [
             *("python", "-m", "examples.own_loop.train", "--dataset", str(root / "dataset")),
             *("--storage-path", str(root / "runs"), "--name", "own", "--epochs", "1"),

@@ -49,7 +49,7 @@ def preprocess(cluster, output: str, image_size: int, *overrides, runtime_env=No
         "shard_size=10",
         *overrides,
     ]
-    return cluster.submit(args, capture=True, timeout_s=300, runtime_env=runtime_env)
+    return cluster.run_job(args, capture=True, timeout_s=300, runtime_env=runtime_env)
 
 
 def start_held(cluster, output, image_size, fault_dir, point=faults.DATASET_WRITTEN):

@@ -72,7 +72,7 @@ def test_an_outage_mid_training_costs_no_training_and_a_resubmission_logs_the_re
         cluster_2cpu, tiny_dataset, tmp_path, f"name={never}", *tracked(server), submission_id=never
     )
     assert proc.returncode != 0
-    assert "exit code 3" in cluster_2cpu.ray("job", "status", never)
+    assert "exit code 3" in cluster_2cpu.job(never)["message"]
     assert f"error: the tracking server {server.uri} does not answer (" in proc.stdout, proc.stdout
     assert "RayTrainWorker" not in proc.stdout and not (tmp_path / never).exists()
 

@@ -151,7 +151,7 @@ def test_ray_data_ingest_evaluates_exactly_and_resumes_after_a_kill_on_its_datas
         job = in_background(train_job, cluster, dataset, tmp_path, *args, runtime_env=env)
         pid = held_worker(marker, job)
         wait_for(lambda: latest_recorded(run) == "epoch_0000", "epoch 0 in Ray's record", 60)
-        new = cluster.submit([*PREPROCESS_OTHER, f"output={dataset}"], capture=True, timeout_s=300)
+        new = cluster.run_job([*PREPROCESS_OTHER, f"output={dataset}"], capture=True, timeout_s=300)
         assert new.returncode == 0, new.stdout
         assert read_manifest(Location.parse(str(dataset))).image_size == 40
         kill_worker(cluster, pid)

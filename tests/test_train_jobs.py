@@ -84,7 +84,7 @@ def test_reports_and_retention(cluster_2cpu, main_run):
     assert all(0 <= r["input_wait_share"] <= 1 for r in h)
     assert summary["input_wait_share"] == pytest.approx(sum(r["input_wait_share"] for r in h) / 4)
     assert (run / CURVES_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    logs = cluster_2cpu.ray("job", "logs", "train-main")
+    logs = cluster_2cpu.job_logs("train-main")
     assert logs.rstrip().splitlines()[-1] == f"best checkpoint: {summary['best_checkpoint']}"
     # Retention: the best by the default checkpoint.metric, the lowest val loss (of equal ones
     # the newest, as Ray keeps), with checkpoint.num_to_keep=1, plus the latest, nothing else.
@@ -202,7 +202,7 @@ def test_a_resume_stopped_with_ray_job_stop_leaves_the_run_as_it_finished(
 
     cluster_2cpu.stop_job(submission_id)
     job.result()
-    logs = cluster_2cpu.ray("job", "logs", submission_id)
+    logs = cluster_2cpu.job_logs(submission_id)
     assert "SIGTERM: the job is being stopped" in logs, logs
     assert "the summary of the run's last finish is back in place" in logs, logs
     assert json.loads((run / RUN_SUMMARY).read_text()) == finished

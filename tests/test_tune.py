@@ -37,7 +37,7 @@ TINY = ("train.model.kwargs.width=8", "train.epochs=2")
 
 def tune_job(cluster, dataset, storage, *overrides, **submit):
     args = [*TUNE, f"dataset={dataset}", f"storage_path={storage}", *TINY, *overrides]
-    return cluster.submit(args, capture=True, timeout_s=600, **submit)
+    return cluster.run_job(args, capture=True, timeout_s=600, **submit)
 
 
 def test_asha_stops_trailing_trials_and_inference_takes_the_best_run(
@@ -168,7 +168,7 @@ def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_n
     assert out.count("training epochs 0 to 3:") == 1 and f"new run {second}" in out
     assert f"resumed from checkpoint {second}" not in out
 
-    proc = cluster_2cpu.submit(args, capture=True, timeout_s=600)
+    proc = cluster_2cpu.run_job(args, capture=True, timeout_s=600)
     assert proc.returncode == 0, proc.stdout
     out = proc.stdout
     assert "resuming from Ray Tune's record" in out
