@@ -62,28 +62,9 @@ def infer(
     args = ["python", "-m", "jobs.infer", "--config", "configs/demo-infer.yaml"]
     args += [f"model={checkpoint}", f"input={images}", f"output={output}"]
     args += ["cpus_per_actor=1", "num_actors=2", *overrides]
-    return cluster.submit(
+    return cluster.run_job(
         args, capture=True, timeout_s=timeout_s, submission_id=submission_id, **submit
     )
-
-
-def test_inference_waits_for_a_node_to_join(idle_cluster, model_and_images, tmp_path):
-    job = in_background(infer, idle_cluster, model_and_images, tmp_path, submission_id="wait")
-
-    def log() -> str:
-        try:
-            return idle_cluster.get("/api/jobs/wait/logs")["logs"]
-        except urllib.error.HTTPError:  # not submitted yet
-            return ""
-
-    wait_for(lambda: "waiting up to 600 s" in log() or job.done(), "the job waiting", 300)
-    assert not job.done(), job.result().stdout
-    idle_cluster.add_node(num_cpus=1)
-    proc = job.result(timeout=600)
-    assert proc.returncode == 0, proc.stdout
-    assert "the cluster has 1 CPU(s) now" in proc.stdout
-    assert "1 to 2 predictor actors" in proc.stdout
-    assert json.loads((tmp_path / SUMMARY).read_text())["images"] == 12
 
 
 def test_inference_fails_with_exit_3_when_no_capacity_comes(
@@ -94,7 +75,7 @@ def test_inference_fails_with_exit_3_when_no_capacity_comes(
     )
     assert proc.returncode != 0
     assert "cpus_per_actor=1, but the cluster has 0 CPUs (waited 5 s" in proc.stdout
-    assert "exit code 3" in idle_cluster.ray("job", "status", "never")
+    assert "exit code 3" in idle_cluster.job("never")["message"]
     assert not (tmp_path / SUMMARY).exists()
 
 
@@ -120,7 +101,7 @@ def test_inference_refuses_actors_larger_than_any_node_with_exit_3(
         "(the cluster has 2 CPU(s) in all; waited 2 s, capacity_timeout_s): lower "
         "cpus_per_actor, or add nodes with at least 2 CPU(s)"
     ) in proc.stdout
-    assert "exit code 3" in idle_cluster.ray("job", "status", "split")
+    assert "exit code 3" in idle_cluster.job("split")["message"]
     assert not (tmp_path / SUMMARY).exists()
 
 
@@ -128,10 +109,10 @@ def test_preprocessing_fails_with_exit_3_when_no_capacity_comes(idle_cluster, tm
     output = tmp_path / "dataset"
     args = ["python", "-m", "jobs.preprocess", "--config", "configs/demo-preprocess.yaml"]
     args += [f"output={output}", "capacity_timeout_s=5"]
-    proc = idle_cluster.submit(args, capture=True, timeout_s=300, submission_id="no-cpus")
+    proc = idle_cluster.run_job(args, capture=True, timeout_s=300, submission_id="no-cpus")
     assert proc.returncode != 0
     assert "each shard is a task of 1 CPU, but the cluster has 0 CPUs (waited 5 s" in proc.stdout
-    assert "exit code 3" in idle_cluster.ray("job", "status", "no-cpus")
+    assert "exit code 3" in idle_cluster.job("no-cpus")["message"]
     # Its run's directory is removed: nothing of it is left.
     assert not output.exists() or not any(output.rglob("*.parquet"))
 
@@ -164,11 +145,12 @@ def build(num_classes):
 """
 
 
-def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(
+def test_inference_waits_for_a_node_and_its_pool_grows_with_the_cluster_up_to_num_actors(
     idle_cluster, tmp_path, monkeypatch
 ):
-    # The job starts on the one node there is; two more join while it runs: room for three
-    # actors, and num_actors=2. The pool grows to two and no further.
+    # The job starts on a cluster with no CPU and waits; a node joins and the job starts on it;
+    # two more join while it runs: room for three actors, and num_actors=2. The pool grows to
+    # two and no further.
     package = tmp_path / "src" / "slownet"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(SLOW_NETWORK)
@@ -183,7 +165,6 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(
     make_image_folder(images, per_class=100, corrupt=False)
     # The job ships the network as a user's package: the runtime env's py_modules.
     runtime_env = job_runtime_env(tmp_path, py_modules=[package])
-    idle_cluster.add_node(num_cpus=1)
     job = in_background(
         infer,
         idle_cluster,
@@ -193,6 +174,16 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(
         submission_id="grow",
         runtime_env=runtime_env,
     )
+
+    def log() -> str:
+        try:
+            return idle_cluster.job_logs("grow")
+        except urllib.error.HTTPError:  # not submitted yet
+            return ""
+
+    wait_for(lambda: "waiting up to 600 s" in log() or job.done(), "the job waiting", 300)
+    assert not job.done(), job.result().stdout
+    idle_cluster.add_node(num_cpus=1)
     wait_for(lambda: predictors(idle_cluster) or job.done(), "the first predictor actor", 300)
     idle_cluster.add_node(num_cpus=1)
     idle_cluster.add_node(num_cpus=1)
@@ -207,6 +198,7 @@ def test_the_inference_pool_grows_with_the_cluster_up_to_num_actors(
     proc = job.result()
     print(f"predictor actors (seconds after the nodes joined, count): {sizes}")
     assert proc.returncode == 0, proc.stdout
+    assert "the cluster has 1 CPU(s) now" in proc.stdout
     assert "1 to 2 predictor actors" in proc.stdout
     assert max(n for _, n in sizes) == 2, sizes
     assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 300
