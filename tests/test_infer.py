@@ -232,26 +232,26 @@ def test_a_job_stopped_midway_infers_only_the_rest_when_submitted_again(
 
 
 @pytest.fixture(scope="module")
-def untrained_checkpoint(tmp_path_factory) -> Path:
-    """A checkpoint of the helpers' three classes, never trained: a job's worth of work in
-    seconds, where what is tested is where the predictions go."""
-    path = tmp_path_factory.mktemp("untrained")
-    torch.manual_seed(0)
-    meta = checkpoint_meta(classes=list(CLASSES))
-    save_checkpoint(path, build_model(len(CLASSES)).eval().state_dict(), meta, {})
-    return path
+def folder_predictions(cluster_2cpu, trained, tmp_path_factory):
+    """An image folder with files that are not images, and the shared run's job over it:
+    (the folder, its bad files, the output, the job)."""
+    root = tmp_path_factory.mktemp("folder")
+    bad = make_image_folder(root / "images", per_class=4)
+    out = root / "out"
+    proc = infer_job(cluster_2cpu, f"model={trained}", f"input={root / 'images'}", f"output={out}")
+    return root / "images", bad, out, proc
 
 
 def test_a_job_killed_at_its_commit_point_leaves_the_previous_output(
-    cluster_2cpu, untrained_checkpoint, tmp_path
+    cluster_2cpu, trained, folder_predictions, tmp_path
 ):
-    make_image_folder(tmp_path / "images", per_class=2, corrupt=False)
-    out = tmp_path / "out"
-    args = (f"model={untrained_checkpoint}", f"input={tmp_path / 'images'}", f"output={out}")
-    proc = infer_job(cluster_2cpu, *args)
+    images, _, done, proc = folder_predictions
     assert proc.returncode == 0, proc.stdout
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
     before = committed(out)
     previous = json.loads(before[SUMMARY])["version"]
+    args = (f"model={trained}", f"input={images}", f"output={out}")
 
     (tmp_path / "fault").mkdir()
     runtime_env, marker = armed_runtime_env(tmp_path / "fault", faults.PREDICTIONS_WRITTEN)
@@ -268,18 +268,14 @@ def test_a_job_killed_at_its_commit_point_leaves_the_previous_output(
     assert proc.returncode != 0, proc.stdout
     # Readers see the previous run whole; the killed run's version is left to retention.
     assert committed(out) == before
-    assert read_predictions(str(out)).num_rows == 6
+    assert read_predictions(str(out)).num_rows == 12
     assert {p.name for p in (out / VERSIONS).iterdir()} == {previous, held}
 
 
 def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
-    cluster_2cpu, trained, tmp_path
+    cluster_2cpu, trained, folder_predictions
 ):
-    bad = make_image_folder(tmp_path / "images", per_class=4)
-    out = tmp_path / "out"
-    proc = infer_job(
-        cluster_2cpu, f"model={trained}", f"input={tmp_path / 'images'}", f"output={out}"
-    )
+    images, bad, out, proc = folder_predictions
     assert proc.returncode == 0, proc.stdout
     summary = json.loads((out / SUMMARY).read_text())
     reasons = {s["source_id"]: s["reason"] for s in summary["skipped"]}
@@ -297,7 +293,7 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
 
     # One image on its own, through a single Ray task: the same top-1 as the batch path.
     one = rows[0]
-    image = tmp_path / "images" / one["source_id"]
+    image = images / one["source_id"]
     proc = infer_job(cluster_2cpu, f"model={trained}", f"input={image}")
     assert proc.returncode == 0, proc.stdout
     printed = json.loads(proc.stdout[proc.stdout.index("{\n") : proc.stdout.index("\n}") + 2])
