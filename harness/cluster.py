@@ -401,7 +401,7 @@ class LocalCluster:
             entrypoint=shlex.join(args), runtime_env=env, submission_id=submission_id
         )
         command = self.submit_command(args, runtime_env=runtime_env, wait=wait)
-        out = f"Job '{job}' submitted successfully\n"
+        out, code = f"Job '{job}' submitted successfully\n", 0
         if wait:
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             while not (status := client.get_job_status(job)).is_terminal():
@@ -410,10 +410,10 @@ class LocalCluster:
                     raise subprocess.TimeoutExpired(command, timeout_s, output=out)
                 time.sleep(1)
             out += client.get_job_logs(job) + _ending(client.get_job_info(job))
+            code = 1 if status == JobStatus.FAILED else 0
         if not capture:
             print(out, end="", flush=True)
             out = None
-        code = 1 if wait and status == JobStatus.FAILED else 0
         return subprocess.CompletedProcess(command, code, stdout=out)
 
     def submit_command(

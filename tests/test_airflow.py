@@ -206,7 +206,7 @@ def test_a_stopped_job_fails_its_task(chain, airflow, cluster_2cpu):
     job = submitted()
     # By request: a `ray job status` process a poll would cost a second of CPU each.
     wait_for(
-        lambda: cluster_2cpu.get(f"/api/jobs/{job}")["status"] == "RUNNING" or run.done(),
+        lambda: cluster_2cpu.job(job)["status"] == "RUNNING" or run.done(),
         "job running",
     )
     cluster_2cpu.stop_job(job)

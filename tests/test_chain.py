@@ -407,7 +407,7 @@ def test_all_with_your_package_trains_by_your_hooks_and_classifies_a_folder_of_n
     assert f"input: folder {photos}, {len(files)} files" in out
     # Ray's actor-restart warning for inference's actor pool is in the job's own log, not here.
     (infer_id,) = re.findall(r"\[infer\] submitted (\S+):", out)
-    logs = cluster_2cpu.get(f"/api/jobs/{infer_id}/logs")["logs"]
+    logs = cluster_2cpu.job_logs(infer_id)
     assert RAY_NOISE[0] in logs and RAY_NOISE[0] not in out
 
     # Export of the run, with the package; the files need no code.
