@@ -100,7 +100,10 @@ def fresh_head_and_two_nodes():
     other tests of its unit share, the worker started after the drained node's loss died loading
     torch ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so") in both runs where
     test_multinode had killed and added nodes there first; on a fresh cluster it never has."""
-    with LocalCluster(num_cpus=0, env=FAST_NODE_DEATH) as cluster:
+    # Ray Train's preemption watcher on, as on every cluster outside the tests: it gives the
+    # notice (conftest.py turns it off elsewhere).
+    env = {**FAST_NODE_DEATH, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
+    with LocalCluster(num_cpus=0, env=env) as cluster:
         yield with_worker_nodes(cluster, 2)
 
 
