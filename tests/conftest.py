@@ -20,7 +20,7 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray Train's preemption watcher off in the clusters the tests start, unless a test turns it on
 # (test_preemption's notice test): an actor per worker group, a Python process of its own that
-# polls the GCS for drained nodes, about 2 CPU-seconds a run, and only the notice reads it.
+# polls the GCS for drained nodes, about 2 CPU-seconds each, and only the notice reads it.
 # Ray Train classifies a lost node as preempted without it (docs/development.md).
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
