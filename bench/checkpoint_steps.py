@@ -1,14 +1,17 @@
 """What checkpoints cost the step loop: inside an epoch, and an epoch's own upload to S3.
 
-    .venv/bin/python -m bench.checkpoint_steps --image-size 64 --every 10 --rounds 3
+    .venv/bin/python -m bench.checkpoint_steps --image-size 64 --every 10 --rounds 3 --blocks 8
 
 In this process, without Ray: ResNet-18 and AdamW on random batches held in memory (the step
 alone, as a GPU-fed worker runs it), side by side in each round, which goes first rotating:
 
-- inside an epoch: `--steps` steps with no checkpoint, with the worker's StepWriter every
-  `--every` steps (the state copied in the loop, serialized and written by its thread), and
-  with the previous writer (serialized to local disk in the loop, published by a thread).
-  Reported: seconds per step each way, their ratios to none (median of the rounds), and the
+- inside an epoch: blocks of `--every` steps with no checkpoint, with one by the worker's
+  StepWriter (the state copied in the loop, serialized and written by its thread) and with one
+  by the previous writer (serialized to local disk in the loop, published by a thread), the
+  checkpoint after the block's first step and its write waited for before the block ends.
+  `--blocks` of each way a round, interleaved: the machine's drift of seconds falls on the
+  three alike, and each block is compared with the block without a checkpoint beside it.
+  Reported: seconds per step each way, the ratios to none (the median over the blocks), and the
   time a save holds the loop;
 - an epoch's checkpoint to S3 (a moto server on loopback, in a process of its own): the
   `--next-steps` steps after an epoch's end with no checkpoint, with the worker's way (the copy
@@ -93,41 +96,74 @@ class Trainer:
         return self.model.state_dict(), {"optimizer": self.optimizer.state_dict()}
 
 
-def inside_epoch(t: Trainer, way: str, steps: int, every: int, run_dir: Location) -> dict:
-    """`steps` steps with a checkpoint every `every` the `way` given."""
-    writer, held = StepWriter(run_dir), []
-    previous = Background("previous-writer")
+class Writers:
+    """The two ways of writing a checkpoint inside an epoch, one run directory for both."""
+
+    def __init__(self, t: Trainer, run_dir: Location):
+        self.t, self.run_dir = t, run_dir
+        self.worker = StepWriter(run_dir)
+        self.previous = Background("previous-writer")
+
+    def save(self, way: str, step: int) -> None:
+        t, m = self.t, meta(self.t.size, step)
+        if way == "worker":
+            self.worker.save(0, step, t.state(), lambda d, c: save_checkpoint(d, c[0], m, c[1]))
+            return
+        # The previous writer: serialized to local disk while the loop waits, then published
+        # by a thread.
+        self.previous.wait()
+        staged = Path(tempfile.mkdtemp(prefix="bench-previous-"))
+        weights, state = t.state()
+        save_checkpoint(staged, weights, m, state)
+        target = self.run_dir.child("previous", step_dir_name(0, step))
+
+        def publish() -> None:
+            publish_directory(staged, target, last=METADATA)
+            shutil.rmtree(staged)
+
+        self.previous.submit(publish)
+
+    def wait(self) -> None:
+        self.worker.wait()
+        self.previous.wait()
+
+
+def block(t: Trainer, way: str, every: int, writers: Writers, first_step: int) -> dict:
+    """`every` steps; unless `way` is none, a checkpoint the `way` given after the first of them,
+    its write waited for before the block ends: what one checkpoint every `every` steps costs,
+    all of it counted in its own block."""
+    held = []
 
     def after_step(step: int, totals) -> None:
-        if way == "none" or step % every:
-            return
-        began = time.perf_counter()
-        m = meta(t.size, step)
-        if way == "worker":
-            writer.save(0, step, t.state(), lambda d, c: save_checkpoint(d, c[0], m, c[1]))
-        else:  # serialized to local disk while the loop waits, then published by a thread
-            previous.wait()
-            staged = Path(tempfile.mkdtemp(prefix="bench-previous-"))
-            weights, state = t.state()
-            save_checkpoint(staged, weights, m, state)
-            target = run_dir.child("previous", step_dir_name(0, step))
+        if way != "none" and step == 1:
+            began = time.perf_counter()
+            writers.save(way, first_step + step)
+            held.append(time.perf_counter() - began)
 
-            def publish(staged=staged, target=target) -> None:
-                publish_directory(staged, target, last=METADATA)
-                shutil.rmtree(staged)
+    began = time.perf_counter()
+    t.steps(every, after_step)
+    writers.wait()
+    return {"s": time.perf_counter() - began, "held_s": held[0] if held else 0.0}
 
-            previous.submit(publish)
-        held.append(time.perf_counter() - began)
 
-    seconds = t.steps(steps, after_step)
-    waited = time.perf_counter()
-    writer.wait()
-    previous.wait()
+def inside_epoch(t: Trainer, blocks: int, every: int, run_dir: Location) -> dict:
+    """`blocks` blocks of `every` steps each way, interleaved (none, worker, previous, the first
+    rotating), so that the machine's drift falls on the ways alike: each block's time over that
+    of the block without a checkpoint beside it."""
+    writers, timed = Writers(t, run_dir), {w: [] for w in STEP_WAYS}
+    for b in range(blocks):
+        for w in STEP_WAYS[b % 3 :] + STEP_WAYS[: b % 3]:
+            timed[w].append(block(t, w, every, writers, b * every))
+    ratios = {
+        w: [x["s"] / n["s"] for x, n in zip(timed[w], timed["none"], strict=True)]
+        for w in STEP_WAYS
+    }
     return {
-        "s_per_step": seconds / steps,
-        "saves": len(held),
-        "held_s": statistics.median(held) if held else 0.0,
-        "last_write_s": time.perf_counter() - waited,
+        "blocks": timed,
+        "block_ratios": ratios,
+        "s_per_step": {w: statistics.median(x["s"] for x in timed[w]) / every for w in timed},
+        "held_s": {w: statistics.median(x["held_s"] for x in timed[w]) for w in STEP_WAYS[1:]},
+        "ratio": {w: statistics.median(ratios[w]) for w in STEP_WAYS[1:]},
     }
 
 
@@ -179,13 +215,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--blocks", type=int, default=8, help="of --every steps, each way")
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--next-steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="the step's threads; fewer than the cores leaves the writer cores of its own, as "
+        "the CPU cores a GPU worker's step leaves free",
+    )
     parser.add_argument("--epoch-steps", type=int, default=296, help="Food-101 at batch 256")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     spawn = multiprocessing.get_context("spawn")
     ready = spawn.Queue()
     server = spawn.Process(target=serve_s3, args=(ready,), daemon=True)
@@ -198,19 +241,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(args.rounds):
                 run_dir = Location.parse(str(Path(tmp) / f"run{r}"))
-                # Rotating which goes first, so that a machine's drift favours none.
-                order = STEP_WAYS[r % 3 :] + STEP_WAYS[: r % 3]
-                timed = {w: inside_epoch(t, w, args.steps, args.every, run_dir) for w in order}
-                base = timed["none"]["s_per_step"]
-                ratios = {w: timed[w]["s_per_step"] / base for w in STEP_WAYS[1:]}
-                rounds.append({**timed, "ratio": ratios})
+                timed = inside_epoch(t, args.blocks, args.every, run_dir)
+                rounds.append(timed)
+                per_step, ratios, held = timed["s_per_step"], timed["ratio"], timed["held_s"]
                 print(
-                    f"round {r}: {base:.3f} s/step without; every {args.every} steps: "
-                    f"{timed['worker']['s_per_step']:.3f} ({ratios['worker']:.3f}x, the loop "
-                    f"held {timed['worker']['held_s']:.3f} s a save), previous writer "
-                    f"{timed['previous']['s_per_step']:.3f} ({ratios['previous']:.3f}x, held "
-                    f"{timed['previous']['held_s']:.3f} s)"
+                    f"round {r}: {per_step['none']:.3f} s/step without; every {args.every} "
+                    f"steps: {per_step['worker']:.3f} ({ratios['worker']:.3f}x, the loop held "
+                    f"{held['worker']:.3f} s a save), previous writer {per_step['previous']:.3f} "
+                    f"({ratios['previous']:.3f}x, held {held['previous']:.3f} s); medians of "
+                    f"{args.blocks} blocks each"
                 )
+                # Rotating which goes first, so that a machine's drift favours none.
                 order = EPOCH_WAYS[r % 3 :] + EPOCH_WAYS[: r % 3]
                 up = {w: epoch_upload(t, w, args.next_steps, s3_root, r) for w in order}
                 base = up["none"]["s_per_step"]
@@ -243,8 +284,13 @@ def main() -> None:
     result = {
         "config": vars(args),
         "rounds": rounds,
-        "step_time_ratio": median(rounds, "ratio", "worker"),
-        "previous_step_time_ratio": median(rounds, "ratio", "previous"),
+        # Over the blocks of all rounds.
+        "step_time_ratio": statistics.median(
+            x for r in rounds for x in r["block_ratios"]["worker"]
+        ),
+        "previous_step_time_ratio": statistics.median(
+            x for r in rounds for x in r["block_ratios"]["previous"]
+        ),
         "epoch_uploads": uploads,
         "epoch_end_held_s": {w: median(uploads, w, "held_s") for w in EPOCH_WAYS[1:]},
         "next_steps_ratio": {w: median(uploads, "ratio", w) for w in EPOCH_WAYS[1:]},
@@ -254,7 +300,8 @@ def main() -> None:
     held, after = result["epoch_end_held_s"], result["next_steps_ratio"]
     print(
         f"step time with / without a checkpoint every {n} steps: {result['step_time_ratio']:.3f}x "
-        f"(previous writer {result['previous_step_time_ratio']:.3f}x; median of {args.rounds}); "
+        f"(previous writer {result['previous_step_time_ratio']:.3f}x; median of "
+        f"{args.rounds * args.blocks} blocks); "
         f"an epoch's checkpoint to S3 holds the loop {held['async']:.3f} s (sync "
         f"{held['sync']:.3f} s), the next steps {after['async']:.3f}x (sync {after['sync']:.3f}x); "
         f"steps redone per failure, epoch of {s} steps: {(s - 1) / 2:.1f} -> {(n - 1) / 2:.1f} on "
