@@ -3,7 +3,12 @@
     .venv/bin/python -m bench.checkpoint_steps --image-size 64 --every 10 --rounds 3 --blocks 8
 
 In this process, without Ray: ResNet-18 and AdamW on random batches held in memory (the step
-alone, as a GPU-fed worker runs it), side by side in each round, which goes first rotating:
+alone, as a GPU-fed worker runs it), side by side in each round, which goes first rotating. The
+step runs on the CPU with `--threads` threads, where the writer's thread competes with it for
+the cores; with `--device-step S` it stands for a step on an accelerator instead: 5 ms of Python
+in the loop's thread (the kernels' launches), then a wait until S seconds after the step before,
+so that what a checkpoint costs is what it holds the loop for (the copy, the GIL) and not the
+cores that a device's step leaves free.
 
 - inside an epoch: blocks of `--every` steps with no checkpoint, with one by the worker's
   StepWriter (the state copied in the loop, serialized and written by its thread) and with one
@@ -69,27 +74,49 @@ def meta(size: int, step: int | None) -> CheckpointMeta:
 
 
 class Trainer:
-    """The model, optimizer and one batch; `steps(n, after_step)` trains n steps."""
+    """The model, optimizer and one batch; `steps(n, after_step)` trains n steps. With
+    `device_step`, a step stands for one on an accelerator, whose compute needs no CPU core:
+    `LAUNCH_S` of Python in the loop's thread (what launching a step's kernels costs it, GIL
+    held), then a wait until `device_step` seconds after the step before ended. The state (the
+    model's and AdamW's, made by the warm-up's steps) is what a checkpoint copies either way."""
 
-    def __init__(self, size: int, batch: int):
+    LAUNCH_S = 0.005
+
+    def __init__(self, size: int, batch: int, device_step: float | None = None):
         torch.manual_seed(0)
-        self.size = size
+        self.size, self.device_step = size, device_step
         self.model = build_model(CLASSES)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.policy = DevicePolicy(torch.device("cpu"), "fp32", (0.5,) * 3, (0.25,) * 3)
         x = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8)
         self.batch = (x, torch.randint(0, CLASSES, (batch,)))
         self.criterion = torch.nn.CrossEntropyLoss()
-        self.steps(3)  # warm-up, and AdamW's state made
+        self._train(3)  # warm-up, and AdamW's state made
 
-    def steps(self, n: int, after_step=None) -> float:
-        """Seconds for `n` steps."""
-        began = time.perf_counter()
+    def _train(self, n: int, after_step=None) -> None:
         train_one_epoch(
             *(self.model, [self.batch] * n, self.optimizer, self.criterion),
             policy=self.policy,
             after_step=after_step,
         )
+
+    def steps(self, n: int, after_step=None) -> float:
+        """Seconds for `n` steps."""
+        began = time.perf_counter()
+        if not self.device_step:
+            self._train(n, after_step)
+            return time.perf_counter() - began
+        ended = began
+        for step in range(1, n + 1):
+            # What the loop holds itself for (after_step's save) delays the next step's
+            # launch, and so its end, as on a device.
+            launched = time.thread_time() + self.LAUNCH_S
+            while time.thread_time() < launched:
+                pass
+            time.sleep(max(ended + self.device_step - time.perf_counter(), 0))
+            if after_step is not None:
+                after_step(step, None)
+            ended = time.perf_counter()
         return time.perf_counter() - began
 
     def state(self):
@@ -226,6 +253,12 @@ def main() -> None:
         help="the step's threads; fewer than the cores leaves the writer cores of its own, as "
         "the CPU cores a GPU worker's step leaves free",
     )
+    parser.add_argument(
+        "--device-step",
+        type=float,
+        help="seconds: each step stands for one on an accelerator (5 ms of Python in the loop, "
+        "then a wait for the rest of the step), whose compute leaves the CPU cores free",
+    )
     parser.add_argument("--epoch-steps", type=int, default=296, help="Food-101 at batch 256")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -235,7 +268,7 @@ def main() -> None:
     server.start()
     os.environ.update(ready.get(timeout=120))
     s3_root = Location.parse("s3://bench/checkpoints")
-    t = Trainer(args.image_size, args.batch)
+    t = Trainer(args.image_size, args.batch, args.device_step)
     rounds, uploads = [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
