@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(PY) -m bench.export
 	$(PY) -m bench.decode_memory
 	$(PY) -m bench.checkpoint_steps --rounds 3
+	$(PY) -m bench.checkpoint_steps --rounds 3 --device-step 0.25
 	$(PY) -m bench.startup --repeat 3
 	$(PY) -m bench.tune_sweep
 

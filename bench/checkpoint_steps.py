@@ -28,7 +28,8 @@ cores that a device's step leaves free.
 Steps redone per failure are the checkpoints' arithmetic: a failure at a uniformly random step
 of an epoch of S steps redoes on average (S - 1) / 2 steps (at most S - 1) with checkpoints at
 epoch ends, (N - 1) / 2 (at most N - 1) with one every N steps; the table uses `--epoch-steps`.
-Results go to bench/results/checkpoint_steps.json.
+Results go to bench/results/checkpoint_steps.json (checkpoint_steps_device.json with
+`--device-step`).
 """
 
 import argparse
@@ -340,7 +341,7 @@ def main() -> None:
         f"steps redone per failure, epoch of {s} steps: {(s - 1) / 2:.1f} -> {(n - 1) / 2:.1f} on "
         f"average ({result['redone_ratio']:.3f}x)"
     )
-    write_results("checkpoint_steps", result)
+    write_results("checkpoint_steps_device" if args.device_step else "checkpoint_steps", result)
 
 
 if __name__ == "__main__":
