@@ -184,7 +184,7 @@ def inside_epoch(t: Trainer, blocks: int, every: int, run_dir: Location) -> dict
             timed[w].append(block(t, w, every, writers, b * every))
     ratios = {
         w: [x["s"] / n["s"] for x, n in zip(timed[w], timed["none"], strict=True)]
-        for w in STEP_WAYS
+        for w in STEP_WAYS[1:]
     }
     return {
         "blocks": timed,
@@ -193,6 +193,11 @@ def inside_epoch(t: Trainer, blocks: int, every: int, run_dir: Location) -> dict
         "held_s": {w: statistics.median(x["held_s"] for x in timed[w]) for w in STEP_WAYS[1:]},
         "ratio": {w: statistics.median(ratios[w]) for w in STEP_WAYS[1:]},
     }
+
+
+def over_blocks(rounds: list[dict], way: str) -> float:
+    """The median of `way`'s block ratios over the blocks of all rounds."""
+    return statistics.median(x for r in rounds for x in r["block_ratios"][way])
 
 
 def epoch_upload(t: Trainer, way: str, next_steps: int, s3_root: Location, r: int) -> dict:
@@ -318,13 +323,8 @@ def main() -> None:
     result = {
         "config": vars(args),
         "rounds": rounds,
-        # Over the blocks of all rounds.
-        "step_time_ratio": statistics.median(
-            x for r in rounds for x in r["block_ratios"]["worker"]
-        ),
-        "previous_step_time_ratio": statistics.median(
-            x for r in rounds for x in r["block_ratios"]["previous"]
-        ),
+        "step_time_ratio": over_blocks(rounds, "worker"),
+        "previous_step_time_ratio": over_blocks(rounds, "previous"),
         "epoch_uploads": uploads,
         "epoch_end_held_s": {w: median(uploads, w, "held_s") for w in EPOCH_WAYS[1:]},
         "next_steps_ratio": {w: median(uploads, "ratio", w) for w in EPOCH_WAYS[1:]},
