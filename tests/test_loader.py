@@ -27,7 +27,7 @@ from corpus import (
     resized_header,
     rewrite_shard,
 )
-from helpers import small_run_config
+from helpers import checkpoint_meta, small_run_config
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -56,6 +56,7 @@ from pipeline.data.images import (
 from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
+from pipeline.train.driver import with_partitions
 from pipeline.train.epoch import train_one_epoch
 from pipeline.train.loaders import train_data
 from pipeline.train.optim import build_optimizer
@@ -475,9 +476,9 @@ def test_the_same_seed_trains_the_same_weights_with_0_1_or_2_loader_processes(da
     cpu = torch.device("cpu")
     weights = []
     for processes in (0, 1, 2):
-        # The run's partitions: fixed when it starts, whatever loader_workers it goes on with.
-        overrides = [f"scaling.loader_workers={processes}", "partitions=4"]
-        cfg = small_run_config(Path(root.path), tmp_path, *overrides)
+        # Each a new run, its partitions left to the default: the layout it starts with does
+        # not pick its order.
+        cfg = small_run_config(Path(root.path), tmp_path, f"scaling.loader_workers={processes}")
         torch.manual_seed(cfg.seed)
         model = torch.nn.Sequential(  # small, and with BatchNorm: a batch's rows all count
             torch.nn.Conv2d(3, 8, 3),
@@ -735,6 +736,27 @@ def test_the_partitions_order_the_epoch_and_must_split_the_global_batch(numbered
     root, manifest, _ = numbered
     with pytest.raises(ValueError, match="5 partitions do not split a global batch of 24"):
         RowGroupStream(root, manifest, "train", batch_size=24, shuffle=True, partitions=5)
+
+
+@pytest.mark.parametrize("loader_workers", [0, 2, 8])
+@pytest.mark.parametrize("num_workers", ["1", "3", "[2,4]"])
+def test_a_new_runs_partitions_are_its_global_batchs_whatever_its_layout(
+    tmp_path, num_workers, loader_workers
+):
+    layout = [f"scaling.num_workers={num_workers}", f"scaling.loader_workers={loader_workers}"]
+    for batch, partitions in ((48, 48), (192, 64), (96, 48), (7, 7)):
+        if batch == 7 and num_workers != "1":
+            continue  # 7 splits over none of the other worker counts
+        cfg = small_run_config(tmp_path, tmp_path, f"global_batch_size={batch}", *layout)
+        assert cfg.partitions_at_start() == partitions, batch
+
+
+def test_a_resumed_run_keeps_the_partitions_it_started_with(tmp_path):
+    # A run started when the default was another (4 here, of its loader processes then).
+    cfg = small_run_config(tmp_path, tmp_path, "scaling.loader_workers=2")
+    started = checkpoint_meta(config={**cfg.model_dump(mode="json"), "partitions": 4})
+    assert with_partitions(cfg, started).partitions == 4
+    assert with_partitions(cfg, None).partitions == cfg.partitions_at_start() == 8
 
 
 def block_order(split) -> list[int]:

@@ -234,7 +234,7 @@ class TrainConfig(Strict):
         ge=1,
         description=(
             "Parts each epoch's order is cut into (docs/train.md), fixed when the run starts; "
-            "none: picked from global_batch_size and scaling."
+            "none: the largest divisor of global_batch_size up to 64."
         ),
     )
     ingest: Literal["torch", "ray_data"] = Field(
@@ -459,12 +459,11 @@ class TrainConfig(Strict):
         return "cpu" if self.decode == "auto" and is_hook(self.augment) else self.decode
 
     def partitions_at_start(self) -> int:
-        """The partition count a new run starts with (order.EpochOrder)."""
+        """The partition count a new run starts with (order.EpochOrder): never one of the
+        layout's, which a resume may change."""
         if self.partitions is not None:
             return self.partitions
-        s = self.scaling
-        counts = range(s.min_workers, s.max_workers + 1)
-        return default_partitions(self.global_batch_size, counts, s.loader_workers)
+        return default_partitions(self.global_batch_size)
 
     def batch_size_per_worker(self, workers: int) -> int:
         """Each worker's share of the global batch, with `workers` workers running."""

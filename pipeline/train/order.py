@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 MASK = (1 << 64) - 1
+# The default partition count's cap: 8 workers' 8 loader processes each read partitions of
+# their own, and one worker's 2 hold about 230 row groups each (7 a partition: docs/train.md).
+MOST_PARTITIONS = 64
 
 
 def row_seed(seed: int, epoch: int, slot: int) -> int:
@@ -55,14 +58,11 @@ def shuffled(items: list[int], capacity: int, rng: random.Random) -> list[int]:
     return out + buffer
 
 
-def default_partitions(global_batch: int, worker_counts: range, loader_workers: int) -> int:
-    """The partition count a run starts with: a divisor of the global batch that every worker
-    count the run may go through divides (their lcm does: the config checks the batch splits
-    evenly), as large as 2 partitions for every loader process of the largest layout, so that
-    each process reads partitions of its own."""
-    lcm = math.lcm(*worker_counts)
-    cap = max(lcm, 2 * worker_counts[-1] * max(1, loader_workers))
-    return max(d for d in range(lcm, min(cap, global_batch) + 1, lcm) if global_batch % d == 0)
+def default_partitions(global_batch: int) -> int:
+    """The partition count a new run starts with unless told: of its global batch alone, never
+    of the layout it starts on (docs/train.md weighs the count's memory against its reads)."""
+    most = min(global_batch, MOST_PARTITIONS)
+    return max(d for d in range(1, most + 1) if global_batch % d == 0)
 
 
 @dataclass(frozen=True)

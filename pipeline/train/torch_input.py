@@ -75,7 +75,7 @@ class RowGroupStream(IterableDataset):
 
     train (`shuffle=True`): `batch_size` rows of each global batch of `batch_size * world`, in
     the epoch's order (order.EpochOrder, over `partitions`: by default `default_partitions` of
-    this layout); every rank the same number of full batches (DDP steps in lockstep). val: no
+    the global batch); every rank the same number of full batches (DDP steps in lockstep). val: no
     padding, so over all ranks each row counts exactly once; ranks may then differ by a batch.
 
     Use with `DataLoader(stream, batch_size=None, persistent_workers=False)` (ring.RingLoader):
@@ -133,7 +133,7 @@ class RowGroupStream(IterableDataset):
         if shuffle:
             global_batch = batch_size * world
             if partitions is None:
-                partitions = default_partitions(global_batch, range(world, world + 1), 1)
+                partitions = default_partitions(global_batch)
             rows = tuple(g.rows for g in self.groups)
             self.order = EpochOrder(rows, global_batch, partitions, seed, self.shuffle_rows)
 
