@@ -8,7 +8,8 @@ read from its status, never from the stream. A cluster that answers nothing for
 `Patience.reconnect_s` while a job runs ends the chain with exit 3 and the job's id: the job may
 still run there. A connection that goes silent (a host gone without a word, a proxy that holds
 it) is found out too: no request waits longer than `REQUEST_S` for its answer, and a log stream
-silent for `QUIET_S` is checked by asking for the job's status."""
+silent for `QUIET_S` is checked by asking for the job's status, and left once that status is an
+end (a stream that died without a word after the job ended: an idle NAT or firewall, a proxy)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pipeline.core.errors import ClusterError, first_line
 
 POLL_S = 2.0  # between tries, and between polls of a job whose log stream is down
 REQUEST_S = 30.0  # the longest a request to the dashboard may go unanswered
-QUIET_S = 30.0  # a log stream silent this long: is the cluster still there?
+QUIET_S = 30.0  # a log stream silent this long: is the cluster still there, the job running?
 # The dashboard's answer when the head's job agent is not up; a second cluster on one machine
 # finds Ray's default agent port taken, and its agent never starts.
 NO_AGENT = "No available agent"
@@ -219,13 +220,18 @@ async def _stream(client, submission_id: str, printed: _Printed) -> None:
     while True:
         chunk = asyncio.ensure_future(anext(chunks))
         while not (await asyncio.wait({chunk}, timeout=QUIET_S))[0]:
-            # Silent: a job between lines, or a connection that will never speak again. The
-            # status answers, or its error ends this stream.
+            # Silent: a job between lines, a stream that died without a word (an idle NAT or
+            # firewall, a proxy), or a connection that will never speak again. The status
+            # answers: an end ends this stream (`follow` reads the rest of the log from the
+            # job), and so does its error.
             try:
-                await asyncio.to_thread(client.get_job_info, submission_id)
+                info = await asyncio.to_thread(client.get_job_info, submission_id)
             except BaseException:
                 chunk.cancel()
                 raise
+            if info.status.is_terminal():
+                chunk.cancel()
+                return
         try:
             text = chunk.result()
         except StopAsyncIteration:

@@ -4,20 +4,25 @@ through the example DAG, in test_airflow.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
 import subprocess
 import textwrap
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from helpers import CLASSES, history, make_image_folder, metric_steps, mlflow_run
 from jobs_api import JobsAPI
+from ray.job_submission import JobStatus
 from test_hooks import HOOKS
 from test_loading import NETWORK
 
 from harness.cluster import BUNDLE_ROOT
+from jobs.follow import Patience, follow
 from jobs.submit import (
     RAY_NOISE,
     check_py_modules,
@@ -307,6 +312,46 @@ def test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id(
         assert line.startswith(
             f"error: the cluster at --address {api.address} no longer knows job {submission_id}"
         )
+
+
+class SilentStream:
+    """A job client whose log stream sends one chunk, then nothing ever again (an idle NAT or
+    firewall, a proxy, that dropped the connection without a reset), while the job has ended as
+    `status` says."""
+
+    def __init__(self, status: str):
+        self.status, self.asked = JobStatus(status), 0
+
+    async def tail_job_logs(self, submission_id):
+        yield LINES[0]
+        await asyncio.Event().wait()
+
+    def get_job_info(self, submission_id):
+        self.asked += 1
+        code = {"SUCCEEDED": 0, "FAILED": 2}.get(self.status)
+        return SimpleNamespace(status=self.status, driver_exit_code=code, message="")
+
+    def get_job_logs(self, submission_id):
+        return "".join(LINES)
+
+
+@pytest.mark.parametrize("status", ["SUCCEEDED", "FAILED", "STOPPED"])
+def test_a_log_stream_silent_after_the_job_ended_is_left_at_the_jobs_end(status, monkeypatch):
+    monkeypatch.setattr("jobs.follow.QUIET_S", 0.05)
+    client, written, ended = SilentStream(status), [], []
+
+    def chain():
+        say = print
+        ended.append(
+            follow(client, "raysubmit_1", "http://h:8265", Patience(), written.append, say)
+        )
+
+    follower = threading.Thread(target=chain, daemon=True)  # on its own: it may never return
+    follower.start()
+    follower.join(timeout=10)
+    assert ended, f"still following after 10 s, the job's status asked {client.asked} times"
+    assert ended[0].status == status and client.asked <= 2
+    assert "".join(written) == "".join(LINES)  # the log's rest read from the job, once
 
 
 # --- the chain on a local cluster, classifying other images than its dataset's ----------------
