@@ -9,7 +9,8 @@ read from its status, never from the stream. A cluster that answers nothing for
 still run there. A connection that goes silent (a host gone without a word, a proxy that holds
 it) is found out too: no request waits longer than `REQUEST_S` for its answer, and a log stream
 silent for `QUIET_S` is checked by asking for the job's status, and left once that status is an
-end (a stream that died without a word after the job ended: an idle NAT or firewall, a proxy)."""
+end (a stream that died without a word after the job ended: an idle NAT or firewall, a proxy).
+A chain interrupted once a request to take its job has gone out stops that job (`stop`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from pipeline.core.errors import ClusterError, first_line
 POLL_S = 2.0  # between tries, and between polls of a job whose log stream is down
 REQUEST_S = 30.0  # the longest a request to the dashboard may go unanswered
 QUIET_S = 30.0  # a log stream silent this long: is the cluster still there, the job running?
+# How long after an interrupted submission request the job may take to appear on the cluster:
+# the head registers it at once, and the request's answer may be all that was lost.
+TAKEN_S = 10.0
 # The dashboard's answer when the head's job agent is not up; a second cluster on one machine
 # finds Ray's default agent port taken, and its agent never starts.
 NO_AGENT = "No available agent"
@@ -63,33 +67,41 @@ def _gone(error: BaseException) -> bool:
     return answer is not None and answer[0] == 404
 
 
-def _client(address: str):
+@dataclass
+class Submission:
+    """A job the chain submits to the cluster at `address` as `submission_id`; `sent` once a
+    request to take it has gone out: from then on the job may run, whatever became of the
+    answer."""
+
+    address: str
+    submission_id: str
+    sent: bool = False
+
+
+def _client(address: str, submission: Submission | None = None):
     """Ray's job client, whose every request gives up after REQUEST_S without an answer (its
-    own wait for one has no end)."""
+    own wait for one has no end), and which marks `submission` sent as it asks to take a job."""
     from ray.job_submission import JobSubmissionClient
 
     class Client(JobSubmissionClient):
         def _do_request(self, method: str, endpoint: str, **kwargs):
             kwargs.setdefault("timeout", REQUEST_S)
+            if submission is not None and (method, endpoint) == ("POST", "/api/jobs/"):
+                submission.sent = True  # before the request: an interrupt may come within it
             return super()._do_request(method, endpoint, **kwargs)
 
     return Client(address)
 
 
-def submit(
-    address: str,
-    submission_id: str,
-    patience: Patience,
-    say: Callable[[str], None],
-    **job,
-):
-    """A client of the cluster at `address` that has taken job `submission_id` (`job`: the rest
+def submit(submission: Submission, patience: Patience, say: Callable[[str], None], **job):
+    """A client of the cluster at `submission.address` that has taken the job (`job`: the rest
     of `submit_job`'s arguments)."""
+    address, submission_id = submission.address, submission.submission_id
     started, client, told = time.monotonic(), None, False
     while True:
         try:
             if client is None:
-                client = _client(address)
+                client = _client(address, submission)
             elif _known(client, submission_id):  # an earlier try went through, its answer lost
                 return client
             client.submit_job(submission_id=submission_id, **job)
@@ -108,6 +120,39 @@ def submit(
                 )
                 told = True
             time.sleep(min(POLL_S, patience.submit_s - waited))
+
+
+def stop(submission: Submission) -> str:
+    """Stop the job of an interrupted chain, once a request to take it has gone out; one line
+    that says what became of it."""
+    submission_id, address = submission.submission_id, submission.address
+    if not submission.sent:
+        return f"interrupted before job {submission_id} was submitted: nothing runs"
+    started = time.monotonic()
+    try:
+        client = _client(address)
+        while True:
+            try:
+                stopped = client.stop_job(submission_id)
+                break
+            except RuntimeError as e:
+                # Not there yet: the interrupted request may still be on its way to the head.
+                if not _gone(e) or time.monotonic() - started >= TAKEN_S:
+                    raise
+            time.sleep(POLL_S)
+    except Exception as e:
+        if _gone(e):
+            return f"interrupted; the cluster did not take job {submission_id}: nothing runs"
+        answer = not_yet(e)
+        if answer is None:
+            raise
+        return (
+            f"interrupted; cannot reach the cluster at {address} to stop job {submission_id} "
+            f"({answer}): it may run there: ray job stop {submission_id}"
+        )
+    if not stopped:
+        return f"interrupted: job {submission_id} had ended already"
+    return f"interrupted: stopped {submission_id}"
 
 
 def _known(client, submission_id: str) -> bool:

@@ -33,8 +33,8 @@ while the cluster answers within `--reconnect-timeout-s` (300 s) (jobs/follow.py
 Exit codes: 0 every step succeeded; the failed job's own exit code (1 unusable input, 2 invalid
 config, 3 the cluster could not do it; 1 when the job died without one); 3 also when the cluster
 did not take a job or answered nothing for those times; 4 the job was stopped (`ray job stop`)
-or this command interrupted, which stops the job too; 2 an invalid config or argument here,
-before anything is submitted.
+or this command interrupted (SIGTERM, Ctrl-C), which from the request that submits a job on
+stops that job too; 2 an invalid config or argument here, before anything is submitted.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from pathlib import Path
 
 import yaml
 
-from jobs.follow import Patience, follow, not_yet, submit
+from jobs.follow import Patience, Submission, follow, stop, submit
 from pipeline.core.config import keys_help, load_config
 from pipeline.core.errors import EXIT_CODES, ClusterError, ConfigError, failure, first_line
 from pipeline.core.logs import CURRENT_DATASET_LINE, setup_logging
@@ -282,32 +282,24 @@ def submit_and_wait(
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     submission_id = f"ray-cv-{job.step}-{stamp}-{secrets.token_hex(3)}"
-    client = submit(
-        address,
-        submission_id,
-        patience,
-        say,
-        entrypoint=shlex.join(job.entrypoint),
-        runtime_env=runtime_env(env_vars, py_modules),
-    )
-    print(f"[{job.step}] submitted {submission_id}: {shlex.join(job.entrypoint)}", flush=True)
+    submission = Submission(address, submission_id)
     try:
+        # From the submission on: a scheduler killing its task (or Ctrl-C) must not leave the
+        # job running unseen, nor a retry of the task a second job of the step beside it.
         with _sigterm_as_interrupt():
+            client = submit(
+                submission,
+                patience,
+                say,
+                entrypoint=shlex.join(job.entrypoint),
+                runtime_env=runtime_env(env_vars, py_modules),
+            )
+            print(
+                f"[{job.step}] submitted {submission_id}: {shlex.join(job.entrypoint)}", flush=True
+            )
             info = follow(client, submission_id, address, patience, write, say)
     except KeyboardInterrupt:
-        # A scheduler killing its task (or Ctrl-C) must not leave the job running unseen.
-        try:
-            client.stop_job(submission_id)
-        except Exception as e:
-            answer = not_yet(e)
-            if answer is None:
-                raise
-            say(
-                f"interrupted; cannot reach the cluster to stop {submission_id} ({answer})",
-                sys.stderr,
-            )
-            return STOPPED_EXIT
-        say(f"interrupted: stopped {submission_id}", sys.stderr)
+        say(stop(submission), sys.stderr)
         return STOPPED_EXIT
     if info.status == JobStatus.SUCCEEDED:
         took = time.monotonic() - started

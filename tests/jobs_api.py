@@ -50,7 +50,9 @@ class JobsAPI:
         listening (connection refused); "forget" it answers 404 for the job (a restarted head);
         "hang" the stream goes silent and stays open, and no request is answered any more (a
         host gone without a word, or a proxy that holds the connection). With
-    `late_s`, it listens only that long after it starts (a head whose dashboard is starting)."""
+    `late_s`, it listens only that long after it starts (a head whose dashboard is starting).
+    With `hold`, a submission is taken (its job runs, until stopped) and never answered: a
+    request cut short by an interrupt. `stops` counts the requests to stop a job."""
 
     def __init__(
         self,
@@ -61,13 +63,14 @@ class JobsAPI:
         drop_after: int | None = None,
         after_drop: str = "reconnect",
         late_s: float = 0,
+        hold: bool = False,
     ):
         self.lines, self.ending = lines, ending
         self.busy, self.drop_after, self.after_drop = busy, drop_after, after_drop
-        self.late_s = late_s
+        self.late_s, self.hold = late_s, hold
         self.jobs: dict[str, Job] = {}
         self.tasks: set[asyncio.Task] = set()  # the jobs running
-        self.posts = self.streams = 0
+        self.posts = self.streams = self.stops = 0
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
         self.loop = asyncio.new_event_loop()
@@ -89,6 +92,7 @@ class JobsAPI:
         app.router.add_route("*", "/api/packages/{protocol}/{name}", self.package)
         app.router.add_post("/api/jobs/", self.submit)
         app.router.add_get("/api/jobs/{id}", self.info)
+        app.router.add_post("/api/jobs/{id}/stop", self.stop)
         app.router.add_get("/api/jobs/{id}/logs", self.logs)
         app.router.add_get("/api/jobs/{id}/logs/tail", self.tail)
         self.dropped = asyncio.Event()
@@ -123,6 +127,8 @@ class JobsAPI:
         job = Job(body["submission_id"], body["entrypoint"])
         self.jobs[job.submission_id] = job
         self.tasks.add(asyncio.get_running_loop().create_task(self._run(job)))
+        if self.hold:
+            await self.stopping.wait()  # taken, never answered
         return web.json_response({"submission_id": job.submission_id, "job_id": None})
 
     async def _run(self, job: Job) -> None:
@@ -131,6 +137,10 @@ class JobsAPI:
                 await self.dropped.wait()  # the cut comes while the job runs
             job.log.append(line)
             await asyncio.sleep(LINE_S)
+        if self.hold:
+            await self.stopping.wait()  # runs until stopped
+        if job.status != "RUNNING":  # stopped
+            return
         job.status, job.exit_code = self.ending
         job.message = "Job finished successfully." if job.exit_code == 0 else "Job failed."
 
@@ -146,6 +156,16 @@ class JobsAPI:
         if job is None:
             return web.Response(text=f"Job {request.match_info['id']} does not exist", status=404)
         return web.json_response(job.details())
+
+    async def stop(self, request):
+        self.stops += 1
+        job = await self._job(request)
+        if job is None:
+            return web.Response(text=f"Job {request.match_info['id']} does not exist", status=404)
+        running = job.status == "RUNNING"
+        if running:
+            job.status, job.message = "STOPPED", "Job was intentionally stopped."
+        return web.json_response({"stopped": running})
 
     async def logs(self, request):
         job = await self._job(request)

@@ -8,14 +8,16 @@ import asyncio
 import json
 import math
 import re
+import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
-from helpers import CLASSES, history, make_image_folder, metric_steps, mlflow_run
+from helpers import CLASSES, history, make_image_folder, metric_steps, mlflow_run, wait_for
 from jobs_api import JobsAPI
 from ray.job_submission import JobStatus
 from test_hooks import HOOKS
@@ -352,6 +354,77 @@ def test_a_log_stream_silent_after_the_job_ended_is_left_at_the_jobs_end(status,
     assert ended, f"still following after 10 s, the job's status asked {client.asked} times"
     assert ended[0].status == status and client.asked <= 2
     assert "".join(written) == "".join(LINES)  # the log's rest read from the job, once
+
+
+def interrupted_chain(api: JobsAPI, root, signum: int, ready) -> tuple[int, str, str]:
+    """`python -m jobs.submit ... preprocess` against `api` in a process of its own, sent `signum`
+    once `ready(its output so far)`: (exit code, out, err)."""
+    cmd = [sys.executable, *step_command(api.address, str(root), "preprocess", profile="demo")[1:]]
+    out, err = root / "out", root / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=BUNDLE_ROOT, stdout=stdout, stderr=stderr)
+        try:
+            wait_for(lambda: ready(out.read_text()) or proc.poll() is not None, "the chain", 120)
+            proc.send_signal(signum)
+            code = proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    return code, out.read_text(), err.read_text()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_chain_interrupted_while_it_submits_stops_its_job_and_exits_4(tmp_path, signum):
+    # The request that submits the job has gone out and the job runs, the answer not in yet:
+    # left running, a scheduler's retry of the step would run a second job beside it.
+    with JobsAPI(LINES, hold=True) as api:
+        code, out, err = interrupted_chain(api, tmp_path, signum, lambda _: api.jobs)
+        (submission_id,) = api.jobs
+        status = api.jobs[submission_id].status
+    assert code == 4, out + err
+    assert status == "STOPPED" and "Traceback" not in err
+    assert err.splitlines()[-1] == f"[preprocess] interrupted: stopped {submission_id}"
+
+
+def test_a_chain_interrupted_before_it_submits_has_nothing_to_stop_and_exits_4(tmp_path):
+    with JobsAPI(LINES, late_s=60) as api:  # a dashboard not up yet
+        code, out, err = interrupted_chain(
+            api, tmp_path, signal.SIGTERM, lambda out: "cannot take the job yet" in out
+        )
+    assert code == 4, out + err
+    assert re.fullmatch(
+        r"\[preprocess\] interrupted before job ray-cv-preprocess-\S+ was submitted: nothing runs",
+        err.splitlines()[-1],
+    )
+
+
+class LateJob:
+    """A head that registers the job of an interrupted submission only after `late` requests to
+    stop it; never, with None."""
+
+    def __init__(self, late: int | None):
+        self.late, self.asked = late, 0
+
+    def stop_job(self, submission_id):
+        self.asked += 1
+        if self.late is None or self.asked <= self.late:
+            raise RuntimeError(
+                f"Request failed with status code 404: Job {submission_id} does not exist."
+            )
+        return True
+
+
+def test_a_job_the_head_registers_after_the_interrupt_is_stopped(monkeypatch):
+    from jobs.follow import Submission, stop
+
+    monkeypatch.setattr("jobs.follow.POLL_S", 0.01)
+    sent = Submission("http://head:8265", "raysubmit_1", sent=True)
+    head = LateJob(late=2)
+    monkeypatch.setattr("jobs.follow._client", lambda address: head)
+    assert stop(sent) == "interrupted: stopped raysubmit_1" and head.asked == 3
+    never = LateJob(late=None)
+    monkeypatch.setattr("jobs.follow._client", lambda address: never)
+    monkeypatch.setattr("jobs.follow.TAKEN_S", 0.1)
+    assert stop(sent) == "interrupted; the cluster did not take job raysubmit_1: nothing runs"
 
 
 # --- the chain on a local cluster, classifying other images than its dataset's ----------------
