@@ -53,6 +53,7 @@ from pipeline.model.runs import (
     write_reports,
 )
 from pipeline.train.config import TrainConfig, is_hook
+from pipeline.train.run_lock import hold_run
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,20 @@ def train(
 ) -> dict:
     """Train (or resume) the run `<runs>/<name>`; return its summary (Ray initialised). With
     `tracking`, the run is tracked too (pipeline.tracking); `callbacks` go to Ray Train (a
-    sweep's trial passes its reports to Ray Tune)."""
+    sweep's trial passes its reports to Ray Tune). A run another live train job holds is
+    refused (pipeline.train.run_lock)."""
+    with hold_run(runs.child(cfg.name)):
+        return _train(cfg, dataset=dataset, runs=runs, tracking=tracking, callbacks=callbacks)
+
+
+def _train(
+    cfg: TrainConfig,
+    *,
+    dataset: Location,
+    runs: Location,
+    tracking: TrainingTracker | None,
+    callbacks: Sequence[UserCallback],
+) -> dict:
     started = time.monotonic()
     run_dir = runs.child(cfg.name)
     latest = latest_checkpoint(run_dir)
