@@ -642,6 +642,20 @@ CASES = [
         lambda t, d: train_config(t, d, "metrics=[f1]"),
     ),
     Case(
+        "two `metrics` entries that report the same `val_<name>` (`per_class_recall` reports "
+        "`val_recall`, a `module:function` metric its function's name)",
+        2,
+        "invalid config (<where>): metrics: <entries> report the same val_<name>",
+        lambda t, d: train_config(t, d, "metrics=[per_class_recall, my_metrics:recall]"),
+    ),
+    Case(
+        "a `metrics` entry that would report as the job's own `val_images`, `val_loss` or "
+        "`val_accuracy`",
+        2,
+        "invalid config (<where>): metrics: <entry> would report as val_<name>, the job's own",
+        lambda t, d: train_config(t, d, "metrics=[my_metrics:images]"),
+    ),
+    Case(
         "`class_weights` of another count than the dataset's classes",
         2,
         "class_weights has <n> weights and the dataset <n> classes",
@@ -704,6 +718,18 @@ CASES = [
             "from torchmetrics.classification import MulticlassAccuracy\n\n\n"
             "class Unordered(MulticlassAccuracy):\n    higher_is_better = None\n\n\n"
             "def hook(num_classes):\n    return Unordered(num_classes)\n",
+        ),
+    ),
+    Case(
+        "`checkpoint.metric` of your own Metric that computes one value per class",
+        2,
+        "checkpoint.metric=<name>: <hook>'s Metric computes one value per class",
+        lambda t, d: own_hook(
+            t,
+            d,
+            "metrics",
+            "from torchmetrics.classification import MulticlassRecall\n\n\n"
+            "def hook(num_classes):\n    return MulticlassRecall(num_classes, average='none')\n",
         ),
     ),
     Case(

@@ -49,7 +49,7 @@ from pipeline.train import driver
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.device_decode import pick_decode
-from pipeline.train.hooks import build_loss, class_weights
+from pipeline.train.hooks import build_loss, build_metrics, class_weights
 from pipeline.train.loaders import train_data
 from pipeline.train.torch_input import augmented
 from pipeline.tune import sweep
@@ -305,6 +305,93 @@ def test_checkpoint_metric_must_be_one_the_run_computes(small_dataset, tmp_path)
         small_run_config(
             small_dataset, tmp_path, "metrics=[per_class_recall]", "checkpoint.metric=val_recall"
         )
+
+
+MY_METRICS = """
+import torch
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassRecall
+
+
+def each_recall(num_classes):
+    return MulticlassRecall(num_classes, average="none")  # one value per class
+
+
+class Rows(Metric):
+    higher_is_better = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("rows", torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, logits, targets):
+        self.rows += len(targets)
+
+    def compute(self):
+        return self.rows
+
+
+def rows(num_classes):
+    # Built not to sync, in a "process group" whose other rank evaluated 5 rows.
+    return Rows(
+        sync_on_compute=False,
+        distributed_available_fn=lambda: True,
+        dist_sync_fn=lambda state, group=None: [state, torch.full_like(state, 5)],
+    )
+"""
+
+
+@pytest.fixture
+def my_metrics(user_hooks):
+    """The module `my_metrics` beside `my_hooks`: a Metric per class, and one built not to sync
+    whose ranks' states a fake gather of two ranks gives."""
+    (user_hooks / "my_metrics.py").write_text(MY_METRICS)
+    yield
+    sys.modules.pop("my_metrics", None)
+
+
+@pytest.mark.parametrize(
+    ("metrics", "said"),
+    [
+        (
+            "[per_class_recall, my_metrics:recall]",
+            "metrics: per_class_recall, my_metrics:recall report the same val_recall",
+        ),
+        ("[macro_f1, my_metrics:macro_f1]", "metrics: macro_f1, my_metrics:macro_f1 report the"),
+        ("[my_metrics:images]", "metrics: my_metrics:images would report as val_images, the job"),
+        ("[my_metrics:loss]", "metrics: my_metrics:loss would report as val_loss, the job's own"),
+    ],
+)
+def test_a_metric_that_would_overwrite_another_is_refused_by_the_config(tmp_path, metrics, said):
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        small_run_config(tmp_path / "data", tmp_path, f"metrics={metrics}")
+
+
+def test_a_per_class_metric_cannot_rank_checkpoints(small_dataset, tmp_path, my_metrics):
+    manifest = read_manifest(Location.parse(str(small_dataset)))
+    keys = ("metrics=[my_metrics:each_recall]", "checkpoint.metric=val_each_recall")
+    with pytest.raises(
+        ConfigError, match=r"my_metrics:each_recall's Metric computes one value per"
+    ):
+        driver.check_hooks(small_run_config(small_dataset, tmp_path, *keys), manifest)
+    # Reported, not ranked by, it passes.
+    cfg = small_run_config(small_dataset, tmp_path, "metrics=[my_metrics:each_recall]")
+    driver.check_hooks(cfg, manifest)
+
+
+def test_a_metric_built_not_to_sync_is_computed_over_all_ranks(
+    small_dataset, tmp_path, my_metrics, caplog
+):
+    cfg = small_run_config(small_dataset, tmp_path, "metrics=[my_metrics:rows]")
+    metric = build_metrics(cfg, num_classes=3)["rows"]
+    metric.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
+    assert metric.compute().item() == 4 + 5  # this rank's rows and the other's
+    manifest = read_manifest(Location.parse(str(small_dataset)))
+    with caplog.at_level("INFO", logger="pipeline.train.hooks"):
+        driver.check_hooks(cfg, manifest)
+    assert "my_metrics:rows's Metric has sync_on_compute=False: computing val_rows over all" in (
+        caplog.text
+    )
 
 
 def test_the_examples_hooks_pass_the_drivers_check(small_dataset, tmp_path):

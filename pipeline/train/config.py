@@ -30,6 +30,9 @@ HOOK = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 TOP_K = re.compile(r"^top([1-9]\d*)_accuracy$")
 NAMED_METRICS = ("macro_f1", "per_class_recall")
 PER_CLASS = "per_class_recall"  # a value per class: no score to rank checkpoints by
+PER_CLASS_NAME = "recall"  # what per_class_recall reports as: val_recall/<class>
+# The job's own val_images, val_loss and val_accuracy: no `metrics` entry reports as these.
+RESERVED_NAMES = ("images", "loss", "accuracy")
 # checkpoint.metric's own choices, beside val_<name> of a `metrics` entry.
 FIXED_SCORES = ("val_loss", "val_accuracy", "last")
 
@@ -40,7 +43,10 @@ def is_hook(name: str) -> bool:
 
 
 def metric_name(entry: str) -> str:
-    """The name a `metrics` entry reports under (val_<name>): its own, or a hook's function."""
+    """The name a `metrics` entry reports under (val_<name>): its own, a hook's function, or
+    recall for per_class_recall."""
+    if entry == PER_CLASS:
+        return PER_CLASS_NAME
     return entry.partition(":")[2] if is_hook(entry) else entry
 
 
@@ -411,11 +417,18 @@ class TrainConfig(Strict):
                 )
         names = [metric_name(m) for m in self.metrics]
         if twice := sorted({n for n in names if names.count(n) > 1}):
-            raise ValueError(f"metrics: {', '.join(twice)} named twice: each reports val_<name>")
-        if clash := sorted({"loss", "accuracy"} & set(names)):
-            raise ValueError(f"metrics: val_{clash[0]} is the job's own: rename the function")
+            same = [m for m in self.metrics if metric_name(m) == twice[0]]
+            raise ValueError(
+                f"metrics: {', '.join(same)} report the same val_{twice[0]}: keep one, or "
+                "rename your function (a module:function metric is named after its function)"
+            )
+        if clash := [m for m in self.metrics if metric_name(m) in RESERVED_NAMES]:
+            raise ValueError(
+                f"metrics: {clash[0]} would report as val_{metric_name(clash[0])}, the job's own "
+                f"(val_{', val_'.join(RESERVED_NAMES)}): rename your function"
+            )
         c = self.checkpoint
-        ranked = [f"val_{n}" for n in names if n != PER_CLASS]
+        ranked = [f"val_{metric_name(m)}" for m in self.metrics if m != PER_CLASS]
         if c.metric not in (*FIXED_SCORES, *ranked):
             raise ValueError(
                 f"checkpoint.metric={c.metric}: use {', '.join((*FIXED_SCORES, *ranked))} "

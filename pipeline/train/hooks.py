@@ -12,6 +12,7 @@ network alone, and never import these.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 
@@ -24,8 +25,7 @@ from pipeline.data.dataset import Manifest
 from pipeline.model.networks import user_function
 from pipeline.train.config import PER_CLASS, TOP_K, TrainConfig, is_hook, metric_name
 
-# What per_class_recall reports each class's recall as: val_recall/<class>.
-PER_CLASS_KEY = "recall"
+log = logging.getLogger(__name__)
 
 
 def class_weights(cfg: TrainConfig, manifest: Manifest) -> torch.Tensor | None:
@@ -72,7 +72,13 @@ def build_loss(cfg: TrainConfig, manifest: Manifest, device: torch.device) -> Ca
 
 
 def build_metrics(cfg: TrainConfig, num_classes: int) -> dict[str, Metric]:
-    """The `metrics` entries as torchmetrics Metrics, by the name each reports (val_<name>)."""
+    """The `metrics` entries as torchmetrics Metrics, by the name each reports (val_<name>),
+    each computed over all ranks (`synced`)."""
+    return {metric_name(e): synced(m)[0] for e, m in _built(cfg, num_classes).items()}
+
+
+def _built(cfg: TrainConfig, num_classes: int) -> dict[str, Metric]:
+    # Each `metrics` entry and its Metric, as built or returned.
     out = {}
     for entry in cfg.metrics:
         if top := TOP_K.match(entry):
@@ -94,8 +100,21 @@ def build_metrics(cfg: TrainConfig, num_classes: int) -> dict[str, Metric]:
                     f"metrics: {entry} returned {type(metric).__name__}, not a torchmetrics "
                     "Metric: return one (e.g. MulticlassF1Score(num_classes, average='macro'))"
                 )
-        out[PER_CLASS_KEY if entry == PER_CLASS else metric_name(entry)] = metric
+        out[entry] = metric
     return out
+
+
+def synced(metric: Metric) -> tuple[Metric, bool]:
+    """`metric`, and whether it was made to sync: every Metric in it (a wrapper's own too) sums
+    its state over the ranks when computed, as `sync_on_compute=True` (torchmetrics' default)
+    does; with False, each rank would score its own share of val alone."""
+    changed = False
+    for m in metric.modules():
+        if isinstance(m, Metric) and not m.sync_on_compute:
+            # _to_sync is what compute() reads; torchmetrics sets it from sync_on_compute.
+            m.sync_on_compute = m._to_sync = True
+            changed = True
+    return metric, changed
 
 
 def epoch_values(name: str, value: torch.Tensor, classes: list[str]) -> dict[str, float]:
@@ -166,17 +185,8 @@ def check_hooks(cfg: TrainConfig, manifest: Manifest) -> TrainConfig:
                 f"loss={cfg.loss} must return a scalar tensor that backpropagates to the logits "
                 f"(reduced: a mean), and returned {_shape(value)}"
             )
-    for name, metric in build_metrics(cfg, classes).items():
-        try:
-            metric.update(logits.detach(), targets)
-            epoch_values(name, metric.compute(), manifest.classes)
-        except ConfigError:
-            raise
-        except Exception as e:
-            raise ConfigError(
-                f"metrics: val_{name} fails on update(logits (2, {classes}), class indices "
-                f"(2,)): {type(e).__name__}: {e}"
-            ) from None
+    for entry, metric in _built(cfg, classes).items():
+        check_metric(cfg, entry, metric, logits.detach(), targets, manifest.classes)
     if is_hook(cfg.augment):
         size = manifest.image_size
         image = torch.zeros(3, size, size, dtype=torch.uint8)
@@ -200,6 +210,49 @@ def check_hooks(cfg: TrainConfig, manifest: Manifest) -> TrainConfig:
                 f"{_shape(out)}"
             )
     return cfg.with_checkpoint_mode(score_mode(cfg, classes))
+
+
+def check_metric(
+    cfg: TrainConfig,
+    entry: str,
+    metric: Metric,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    classes: list[str],
+) -> None:
+    """A `metrics` entry's Metric on the driver: it updates on (logits, targets) and computes
+    one number or one per class, one number where checkpoint.metric ranks by it; one that
+    would not sync over the ranks is made to (logged)."""
+    name = metric_name(entry)
+    if synced(metric)[1]:
+        log.info(
+            "metrics: %s's Metric has sync_on_compute=False: computing val_%s over all ranks "
+            "(the whole val split), as every val score is",
+            entry,
+            name,
+        )
+    try:
+        metric.update(logits, targets)
+        value = metric.compute()
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(
+                f"metrics: val_{name} computes {_shape(value)}: return a Metric that computes "
+                f"one number, or one per class ({len(classes)})"
+            )
+        epoch_values(name, value, classes)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(
+            f"metrics: val_{name} fails on update(logits (2, {len(classes)}), class indices "
+            f"(2,)): {type(e).__name__}: {e}"
+        ) from None
+    if cfg.checkpoint.metric == f"val_{name}" and value.numel() != 1:
+        raise ConfigError(
+            f"checkpoint.metric=val_{name}: {entry}'s Metric computes one value per class "
+            f"(val_{name}/<class>), and checkpoints are ranked by one number: rank by another "
+            "metric, or compute one (e.g. average='macro')"
+        )
 
 
 def score_mode(cfg: TrainConfig, num_classes: int) -> str | None:
