@@ -52,6 +52,7 @@ from pipeline.model.checkpoint import (
     check_weights,
     read_meta,
     save_checkpoint,
+    served_weights,
 )
 from pipeline.model.runs import RUN_FORMAT, RUN_SUMMARY, SNAPSHOT, mark_training, resume_changes
 from pipeline.model.source import trained_version
@@ -730,6 +731,16 @@ CASES = [
             "metrics",
             "from torchmetrics.classification import MulticlassRecall\n\n\n"
             "def hook(num_classes):\n    return MulticlassRecall(num_classes, average='none')\n",
+        ),
+    ),
+    Case(
+        "a checkpoint or run ranked by a `val_<name>` of your own whose `checkpoint.mode` is not "
+        "recorded: inference, serving, export and the MLflow model refuse it",
+        1,
+        "checkpoint.metric=<name> is recorded with checkpoint.mode=<mode>, so which of its "
+        "values is best is unknown",
+        lambda t, d: served_weights(
+            checkpoint_meta(config={"metrics": ["my:f1"], "checkpoint": {"metric": "val_f1"}})
         ),
     ),
     Case(

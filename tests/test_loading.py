@@ -18,7 +18,7 @@ import torch
 from helpers import bundle_hidden_env, checkpoint_meta, png_bytes, recorded_run
 
 from pipeline.core.config import load_config
-from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.errors import ConfigError, InputError, failure
 from pipeline.core.storage import Location
 from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import export_checkpoint
@@ -34,6 +34,7 @@ from pipeline.model.checkpoint import (
     best_of,
     save_checkpoint,
     served_weights,
+    weights_by,
 )
 from pipeline.model.networks import (
     PY_MODULES_FILES,
@@ -46,6 +47,7 @@ from pipeline.model.runs import (
     RUN_SUMMARY,
     DivergedRun,
     checkpoint_dir_name,
+    summary_score,
     write_reports,
 )
 from pipeline.serve import app as serve_app
@@ -386,6 +388,23 @@ def test_nan_weights_are_not_served_where_the_others_scored(metrics, served):
         metrics=metrics, ema_weights="model_ema.pt", config={"checkpoint": {"metric": "val_loss"}}
     )
     assert served_weights(meta) == served
+
+
+def test_a_score_of_your_own_recorded_without_its_mode_is_one_input_error():
+    # Ranked by a Metric of the user's whose order (max or min) the record lacks: every loader
+    # picks the served weights, and a run's best checkpoint, by that order.
+    meta = checkpoint_meta(
+        metrics={"val_f1": 0.6, "ema_val_f1": 0.7},
+        ema_weights="model_ema.pt",
+        config={"metrics": ["my_metrics:f1"], "checkpoint": {"metric": "val_f1"}},
+    )
+    run_summary = {"checkpoint_metric": "val_f1", "checkpoint_mode": None}
+    said = r"^checkpoint.metric=val_f1 is recorded with checkpoint.mode=None, so which of its"
+    for read in (served_weights, weights_by, lambda _: summary_score(run_summary)):
+        with pytest.raises(InputError, match=said) as raised:
+            read(meta)
+        assert failure(raised.value) == (1, str(raised.value))
+        assert "\n" not in str(raised.value)
 
 
 def test_a_diverged_trial_is_not_the_sweeps_best(tmp_path, monkeypatch, caplog):

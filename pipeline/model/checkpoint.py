@@ -88,7 +88,13 @@ def score_of(metric: str, mode: str | None = None) -> Score:
     weights are compared by the same metric."""
     if metric in SCORES:
         return SCORES[metric]
-    assert mode in ("min", "max"), f"{metric} has no recorded mode"
+    if mode not in ("min", "max"):
+        raise InputError(
+            f"checkpoint.metric={metric} is recorded with checkpoint.mode={mode}, so which of "
+            'its values is best is unknown: add "mode": "max" or "min" beside "metric" in the '
+            "checkpoint's metadata.json config.checkpoint (a run's summary.json: "
+            "checkpoint_mode), as the train job records it"
+        )
     return Score(metric, metric, mode, metric, mode)
 
 
