@@ -30,6 +30,7 @@ from helpers import (
     errors_table,
     make_image_folder,
     metric_steps,
+    png_bytes,
 )
 
 from harness.cluster import BUNDLE_ROOT, free_port
@@ -400,6 +401,83 @@ def test_mlflow_models_serve_answers_as_batch_inference_classifies(
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+# --- a network the train job accepts registers, whatever package it is in -----------------------
+
+# A network of a package installed in the environment, as on nodes whose image holds it: the
+# train job builds any importable module:function (docs/models.md).
+INSTALLED_MODEL = "timm.models.resnet:resnet18"
+
+
+def test_a_network_of_an_installed_package_registers_and_loads_where_it_is_installed(
+    tmp_path, mlflow_server
+):
+    import mlflow.artifacts
+    import timm
+
+    meta = checkpoint_meta(model={"name": INSTALLED_MODEL, "kwargs": {}})
+    (tmp_path / "checkpoint").mkdir()
+    model = build_model(3, name=INSTALLED_MODEL).eval()
+    save_checkpoint(tmp_path / "checkpoint", model.state_dict(), meta, {"optimizer": {}})
+    conn = connect(mlflow_server.uri, "installed-test")
+    run_id = conn.client.create_run(conn.experiment_id).info.run_id
+    log_best_model(conn, run_id, Location.parse(str(tmp_path / "checkpoint")), "installed-test")
+    (version,) = conn.client.search_model_versions("name = 'installed-test'")
+    source = conn.client.get_model_version_download_uri("installed-test", version.version)
+    got = mlflow.artifacts.download_artifacts(
+        source, dst_path=str(tmp_path / "model"), tracking_uri=mlflow_server.uri
+    )
+    # The package is no code of the model's: its distribution is a requirement, at its version.
+    assert sorted(p.name for p in (Path(got) / "code").iterdir()) == ["pipeline"]
+    pinned = {r.name: r for r in requirements_file(Path(got) / "requirements.txt")}
+    assert str(pinned["timm"].specifier) == f"=={timm.__version__}"
+    # MLflow's own loader takes it where the package is installed, with no allow_modules.
+    uri = f"models:/installed-test/{version.version}"
+    image = base64.b64encode(png_bytes(CLASSES[0], 0, size=32)).decode()
+    proc = subprocess.run(
+        [sys.executable, "-c", PYFUNC_PREDICT, uri],
+        input=json.dumps([image]),
+        cwd=tmp_path,
+        env=isolated_env(tmp_path, mlflow_server),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(proc.stdout.splitlines()[-1])["rows"]
+    assert row["pred_name"] in meta.classes and len(row["top_k"]) == 2
+
+
+def test_a_model_that_cannot_be_logged_ends_the_mlflow_run_failed_not_the_job(
+    tmp_path, mlflow_server, caplog
+):
+    # A complete run submitted again without the package of its network: the job trains
+    # nothing, and its MLflow run must not stay RUNNING with a model PENDING.
+    args = ("name=unlogged", "tracking.registered_model=unlogged-test")
+    cfg = train_config(tmp_path, f"tracking.uri={mlflow_server.uri}", *args)
+    run_dir = Location.parse(f"{tmp_path}/runs/unlogged")
+    tracker = training_tracker(cfg)
+    tracker.start(run_dir, cfg, version="v1", changes=[])
+    best = tmp_path / "runs" / "unlogged" / "checkpoint_000004"
+    best.mkdir()
+    meta = checkpoint_meta(model={"name": "not_installed_anywhere:build", "kwargs": {}})
+    save_checkpoint(best, {"fc.weight": torch.zeros(3, 2)}, meta, {"optimizer": {}})
+    for report in ("history.csv", "curves.png", "summary.json"):
+        (best.parent / report).write_text("{}")
+    summary = {"latest_checkpoint": str(best), "best_checkpoint": str(best)}
+    with caplog.at_level("WARNING", logger="pipeline.tracking"):
+        tracker.finish(run_dir, summary)  # returns: the job exits 0, its training whole
+    run = mlflow_server.client().get_run(tracker.run_id)
+    assert run.info.status == "FAILED"
+    said = "module not_installed_anywhere does not import here"
+    assert said in run.data.tags["ray_cv.error"]
+    assert f"MLflow run {tracker.run_id} at {mlflow_server.uri} is marked FAILED" in caplog.text
+    assert said in caplog.text
+    models = mlflow_server.client().search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{tracker.run_id}'"
+    )
+    assert models and all(m.status.name == "FAILED" for m in models)
+    assert run.data.metrics["val_accuracy"] == 0.5  # the rest is logged
 
 
 def answers(url: str) -> bool:

@@ -10,13 +10,14 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from pipeline.core.errors import ClusterError, ConfigError
+from pipeline.core.errors import ClusterError, ConfigError, first_line
 from pipeline.core.storage import Location
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ CODE_VERSION = "ray_cv.code_version"  # git:<commit>, else sha256:<the shipped c
 CHECKPOINT = "ray_cv.checkpoint"  # a checkpoint's URI on storage
 PREPROCESS_RUN = "ray_cv.preprocess_run_id"  # links a training run to its dataset's run
 TRAINING_RUN = "ray_cv.training_run_id"  # links inference to the training run it used
+ERROR = "ray_cv.error"  # why a run ended FAILED
 # A training run's file that names its MLflow run: written once, by the job that created it.
 RUN_RECORD = "mlflow_run.json"
 # MLflow's limits: params per log_batch call, characters per param value.
@@ -115,6 +117,38 @@ def brief(error: BaseException) -> str:
     """An error's first line, at most 200 characters."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def log_steps(steps: list[tuple[str, Callable[[], object]]]) -> tuple[list[str], str | None]:
+    """Run a job's logging `steps` at its end, each (what, call), every one whatever the others
+    do. Returns what the server did not take (its failures: a later submission logs them), and
+    why the run ends FAILED, if a step failed otherwise (the bundle's own error, logged with its
+    traceback: the work it records is done and stays done)."""
+    missing, failed = [], None
+    for what, call in steps:
+        try:
+            call()
+        except TRACKING_ERRORS as e:
+            log.warning("MLflow: %s: %s", what, brief(e))
+            missing.append(what)
+        except Exception as e:  # the work is whole on storage: its record alone failed
+            log.warning("MLflow: %s failed", what, exc_info=True)
+            failed = failed or f"{what} failed: {type(e).__name__}: {first_line(e)}"
+    return missing, failed
+
+
+def end_run(conn: Connection, run_id: str, status: str, failed: str | None) -> list[str]:
+    """End MLflow run `run_id` with `status`, or FAILED with the reason `failed` as its
+    ERROR tag; returns what the server did not take."""
+    status = "FAILED" if failed else status
+    try:
+        if failed:
+            conn.client.set_tag(run_id, ERROR, failed[:5000])
+        conn.client.set_terminated(run_id, status)
+    except TRACKING_ERRORS as e:
+        log.warning("MLflow: the run's end: %s", brief(e))
+        return [f"the run's end (status {status})"]
+    return []
 
 
 def params(config: dict) -> dict[str, str]:

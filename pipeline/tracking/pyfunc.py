@@ -8,7 +8,7 @@ tools take it: `mlflow.pyfunc.load_model`, `mlflow models serve`, `mlflow models
 <model>/code/pipeline/          this bundle's library (and a `module:function` model's package),
                                 which loads and feeds the network
 <model>/requirements.txt        the lock's pinned versions of what loading it imports, and all
-                                they depend on
+                                they depend on; a network installed here: its distribution
 <model>/input_example.json      one image, as the scoring server takes it (base64)
 
 The model classifies as batch inference and serving do (pipeline.model.classifier): decode,
@@ -17,9 +17,12 @@ resize + center crop to the checkpoint's image size, the network on its device p
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow.pyfunc
@@ -28,9 +31,10 @@ import pandas as pd
 import torch
 from PIL import Image
 
+from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import CheckpointMeta
-from pipeline.model.networks import check_model_code
+from pipeline.model.networks import BUNDLE_PACKAGES, check_model_code
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,13 @@ MODEL_CONFIG = {"use_gpu": None, "precision": "auto", "allow_modules": []}
 
 class ImageClassifierModel(mlflow.pyfunc.PythonModel):
     """Encoded images (bytes) in, each one's most likely classes out, as the infer job writes
-    them: `pred`, `pred_name`, `top_k` (class indices, most likely first), `top_k_prob`."""
+    them: `pred`, `pred_name`, `top_k` (class indices, most likely first), `top_k_prob`.
+    `network_modules`: the installed module of a `module:function` network, which the model
+    names in its requirements rather than ship; pickled with the model, it allows that module as
+    the caller's `allow_modules` would (the train job that logged the model was set to it)."""
+
+    def __init__(self, network_modules: Sequence[str] = ()):
+        self.network_modules = tuple(network_modules)
 
     def load_context(self, context) -> None:
         from pipeline.model.classifier import Classifier
@@ -70,7 +80,8 @@ class ImageClassifierModel(mlflow.pyfunc.PythonModel):
             checkpoint,
             use_gpu=use_gpu,
             precision=config["precision"],
-            allow_modules=tuple(config["allow_modules"]),
+            # A model pickled before network_modules was an attribute has none.
+            allow_modules=(*config["allow_modules"], *getattr(self, "network_modules", ())),
             # <model>/artifacts/checkpoint -> <model>/code: what the model ships, and nothing
             # of the directory it is loaded from.
             code_root=Path(checkpoint.path).parents[1] / "code",
@@ -149,39 +160,78 @@ def save(checkpoint: Path, path: Path, meta: CheckpointMeta) -> None:
     )
     gray = Image.new("RGB", (meta.image_size, meta.image_size), (128, 128, 128))
     example = pd.DataFrame({IMAGES: [encode_image(gray, image_format="png")]})
+    network = network_code(meta)
     mlflow.pyfunc.save_model(
         str(path),
-        python_model=ImageClassifierModel(),
+        python_model=ImageClassifierModel(network.modules),
         artifacts={CHECKPOINT: str(checkpoint)},
-        code_paths=code_paths(meta),
+        code_paths=[str(PACKAGE), *network.paths],
         model_config=MODEL_CONFIG,
         signature=signature,
         input_example=(example, {"top_k": TOP_K}),
-        pip_requirements=requirements(meta),
+        pip_requirements=requirements(meta, network.distributions),
     )
 
 
-def code_paths(meta: CheckpointMeta) -> list[str]:
-    """The `pipeline` package, and the top-level package (or module) of a `module:function`
-    model, whatever the depth of its module: `mynets:build` with mynets/__init__.py ships
-    mynets/, `pkg.sub.mod:build` ships pkg/."""
-    paths = [str(PACKAGE)]
+@dataclass(frozen=True)
+class NetworkCode:
+    """How the model carries a `module:function` network: its top-level package in code/ (the
+    user's own files), or, for a module installed in this environment, the distribution that
+    holds it as a requirement and the module allowed (`network_modules`)."""
+
+    paths: tuple[str, ...] = ()
+    distributions: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
+
+
+def network_code(meta: CheckpointMeta) -> NetworkCode:
+    """What the model needs of its network's module beside the bundle's `pipeline`: none for
+    torchvision, timm or the bundle's library; the top-level package of the user's own module,
+    whatever its depth (`mynets:build` with mynets/__init__.py ships mynets/, `pkg.sub.mod:build`
+    ships pkg/); the distribution of an installed one (a package in the nodes' image)."""
     module = meta.model.name.partition(":")[0] if ":" in meta.model.name else None
-    if module and module.split(".")[0] != PACKAGE.name:
-        # What the model ships is the user's own code, wherever the trainer found it (a Tune
-        # trial runs in a directory of its own): never an installed package, nor the bundle.
-        check_model_code(meta.model, code_root=Path("/"))
+    if module is None or module.split(".")[0] == PACKAGE.name:
+        return NetworkCode()
+    try:
         spec = importlib.util.find_spec(module)
-        # A package's spec is its __init__.py, one level below the package's own folder.
-        path = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin)
-        depth = module.count(".")
-        paths.append(str(path.parents[depth - 1] if depth else path))
-    return paths
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        raise ConfigError(
+            f"model.name={meta.model.name!r}: module {module} does not import here, so the MLflow "
+            "model cannot carry it: submit the run again with its package (--py-module, or "
+            "installed on the nodes) to log and register the model"
+        )
+    try:
+        # The user's own code, wherever the trainer found it (a Tune trial runs in a directory
+        # of its own): shipped as it is.
+        check_model_code(meta.model, code_root=Path("/"))
+        installed = False
+    except ConfigError:
+        installed = module.split(".")[0] not in BUNDLE_PACKAGES
+    if installed:
+        top = module.split(".")[0]
+        found = tuple(importlib.metadata.packages_distributions().get(top, ()))
+        if not found:
+            log.warning(
+                "module %s of model %s belongs to no installed distribution: the MLflow model "
+                "loads where it is importable",
+                *(module, meta.model.name),
+            )
+        return NetworkCode(distributions=found, modules=(module,))
+    # A package's spec is its __init__.py, one level below the package's own folder.
+    path = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin)
+    depth = module.count(".")
+    shipped = str(path.parents[depth - 1] if depth else path)
+    # The bundle's jobs/ or scripts/: shipped, and allowed, which loading requires of them.
+    modules = (module,) if module.split(".")[0] in BUNDLE_PACKAGES else ()
+    return NetworkCode(paths=(shipped,), modules=modules)
 
 
-def requirements(meta: CheckpointMeta) -> list[str]:
-    """The lock's pins (`name==version ; marker`) of LOADS (and timm for a timm model), and of
-    every package they depend on, by the lock's `# via` notes."""
+def requirements(meta: CheckpointMeta, distributions: Sequence[str] = ()) -> list[str]:
+    """The lock's pins (`name==version ; marker`) of LOADS (and timm for a timm model, and the
+    installed `distributions` of a network's module), and of every package they depend on, by
+    the lock's `# via` notes; a distribution the lock lacks, at its installed version."""
     pins: dict[str, list[str]] = {}
     needed_by: dict[str, set[str]] = {}
     name = None
@@ -194,9 +244,12 @@ def requirements(meta: CheckpointMeta) -> list[str]:
     needed = {canonical(n) for n in LOADS}
     if meta.model.name.startswith("timm/"):
         needed.add("timm")
+    extra = sorted({canonical(d) for d in distributions} - pins.keys())
+    needed |= {canonical(d) for d in distributions} & pins.keys()
     while more := {n for n, by in needed_by.items() if n not in needed and by & needed}:
         needed |= more
-    return [line for n in sorted(needed) for line in pins[n]]
+    lines = [line for n in sorted(needed) for line in pins[n]]
+    return lines + [f"{n}=={importlib.metadata.version(n)}" for n in extra]
 
 
 def canonical(name: str) -> str:

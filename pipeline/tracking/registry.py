@@ -93,15 +93,21 @@ def log_best_model(
             tags=tags,
             params={"epoch": str(meta.epoch), "classes": json.dumps(meta.classes)},
         )
-        with tempfile.TemporaryDirectory(prefix="ray-cv-model-") as d:
-            copy = Path(d) / pyfunc.CHECKPOINT
-            for f in checkpoint.list_files():
-                name = posixpath.relpath(f.path, checkpoint.path)
-                if name != TRAIN_STATE:  # the optimizer's state: for resuming, not for use
-                    (copy / name).parent.mkdir(parents=True, exist_ok=True)
-                    (copy / name).write_bytes(checkpoint.child(name).read_bytes())
-            pyfunc.save(copy, Path(d) / "model", meta)
-            client.log_model_artifacts(model.model_id, str(Path(d) / "model"))
+        try:
+            with tempfile.TemporaryDirectory(prefix="ray-cv-model-") as d:
+                copy = Path(d) / pyfunc.CHECKPOINT
+                for f in checkpoint.list_files():
+                    name = posixpath.relpath(f.path, checkpoint.path)
+                    if name != TRAIN_STATE:  # the optimizer's state: for resuming, not for use
+                        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+                        (copy / name).write_bytes(checkpoint.child(name).read_bytes())
+                pyfunc.save(copy, Path(d) / "model", meta)
+                client.log_model_artifacts(model.model_id, str(Path(d) / "model"))
+        except BaseException:
+            # Not left PENDING: a later submission logs a new one (find_logged_model).
+            with contextlib.suppress(MlflowException, OSError):
+                client.finalize_logged_model(model.model_id, "FAILED")
+            raise
         client.finalize_logged_model(model.model_id, "READY")
         log.info("logged checkpoint %s as MLflow model %s", checkpoint.uri, model.model_id)
     if registered_model is None:

@@ -27,8 +27,10 @@ from pipeline.tracking.client import (
     brief,
     code_version,
     connect,
+    end_run,
     log_files,
     log_params,
+    log_steps,
     params,
     run_of,
     start_error,
@@ -132,7 +134,6 @@ class MLflowSweep:
         """Log the sweep's outcome: the best score, its run, `files`, the best checkpoint as a
         model (registered as a version of registered_model); say what could not be logged."""
         assert self.run_id is not None, "finish() before start()"
-        client, missing = self.conn.client, []
         best = summary["best_run"]
         steps = [("the best score", lambda: self.log_best(summary))]
         steps.append(("artifacts", lambda: log_files(self.conn, self.run_id, files)))
@@ -150,13 +151,14 @@ class MLflowSweep:
                 )
             )
         status = "FINISHED" if best is not None else "FAILED"
-        steps.append(("the sweep's end", lambda: client.set_terminated(self.run_id, status)))
-        for what, call in steps:
-            try:
-                call()
-            except TRACKING_ERRORS as e:
-                log.warning("MLflow: %s: %s", what, brief(e))
-                missing.append(what)
+        missing, failed = log_steps(steps)
+        missing += end_run(self.conn, self.run_id, status, failed)
+        if failed:
+            log.warning(
+                "MLflow run %s of sweep %s is marked FAILED: %s. The sweep itself is whole on "
+                "storage: fix that and submit the sweep again, and it logs it without training",
+                *(self.run_id, sweep_dir.uri, failed),
+            )
         if missing:
             log.warning(
                 "MLflow run %s of sweep %s lacks %s: submit the sweep again once the server "

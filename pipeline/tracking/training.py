@@ -31,6 +31,7 @@ from pipeline.tracking.client import (
     CODE_VERSION,
     DATASET,
     DATASET_VERSION,
+    ERROR,
     HTTP_SETTINGS,
     JOB,
     PREPROCESS_RUN,
@@ -40,8 +41,10 @@ from pipeline.tracking.client import (
     Connection,
     brief,
     code_version,
+    end_run,
     log_files,
     log_params,
+    log_steps,
     params,
     run_of,
     start_error,
@@ -267,8 +270,7 @@ class MLflowTraining:
         model = f"the best checkpoint {best.uri} as a model"
         if self.registered_model:
             model += f" and its version of {self.registered_model}"
-        client = self.conn.client
-        for what, call in [
+        steps = [
             (f"artifacts {names}", lambda: log_files(self.conn, self.run_id, reports)),
             (
                 model,
@@ -276,16 +278,16 @@ class MLflowTraining:
                     self.conn, self.run_id, best, self.registered_model
                 ),
             ),
-            (
-                "the run's end (status FINISHED)",
-                lambda: client.set_terminated(self.run_id, "FINISHED"),
-            ),
-        ]:
-            try:
-                call()
-            except TRACKING_ERRORS as e:
-                log.warning("MLflow: %s: %s", what, brief(e))
-                missing.append(what)
+        ]
+        lacking, failed = log_steps(steps)
+        missing += lacking + end_run(self.conn, self.run_id, "FINISHED", failed)
+        if failed:
+            log.warning(
+                "MLflow run %s at %s is marked FAILED: %s. The training itself is whole on "
+                "storage: fix that and submit the same run again (same name=, epochs=), and the "
+                "job logs it without training",
+                *(self.run_id, self.conn.uri, failed),
+            )
         if missing:
             log.warning(
                 "MLflow run %s at %s lacks %s. The training itself is whole on storage: submit "
@@ -293,7 +295,7 @@ class MLflowTraining:
                 "logs them without training",
                 *(self.run_id, self.conn.uri, "; ".join(missing)),
             )
-        else:
+        elif not failed:
             log.info(
                 "MLflow run %s at %s has every epoch, the reports and the model",
                 self.run_id,
@@ -305,6 +307,6 @@ class MLflowTraining:
             return
         try:
             self.conn.client.set_terminated(self.run_id, "FAILED")
-            self.conn.client.set_tag(self.run_id, "ray_cv.error", error[:5000])
+            self.conn.client.set_tag(self.run_id, ERROR, error[:5000])
         except TRACKING_ERRORS as e:
             log.warning("MLflow run %s could not be marked failed: %s", self.run_id, brief(e))
