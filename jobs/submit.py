@@ -12,7 +12,8 @@ Every job goes to the cluster with runtime_env.yaml, as `ray job submit` sends i
 streamed here; `--py-module PATH` adds the user's own package (a folder, a .whl or a URI) to
 every job's runtime env as `py_modules`, which Ray uploads with the job. Paths come from
 `--root`: the dataset at <root>/dataset, training runs under <root>/runs (the run named by
-the train config), predictions at <root>/predictions/<run name>, the export of the
+the train config), predictions at <root>/predictions/<run name> (of another input than the
+dataset's val split: at <run name>-<input name>[-<split>]-<hash of the input>), the export of the
 run's best checkpoint at <root>/runs/<run name>/export/<checkpoint name>.
 `--recipe NAME` layers configs/recipes/NAME.yaml over the train step's config.
 `all` runs preprocess, train and infer; export and tune (a sweep of the train job, its trials
@@ -60,7 +61,7 @@ from pipeline.core.logs import CURRENT_DATASET_LINE, setup_logging
 from pipeline.core.uris import check_scheme, join_uri
 from pipeline.data.config import PreprocessConfig
 from pipeline.export.config import ExportConfig
-from pipeline.infer.config import InferConfig
+from pipeline.infer.config import InferConfig, predictions_output
 from pipeline.train.config import TrainConfig
 from pipeline.tune.config import SweepConfig
 
@@ -123,12 +124,11 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
 
     load("preprocess")
     name = load("train").name  # inference reads the run that training writes
-    args["infer"] = [
-        f"model={join_uri(runs, name)}",
-        f"input={dataset}",
-        f"output={join_uri(root, 'predictions', name)}",
-        *overrides["infer"],
-    ]
+    args["infer"] = [f"model={join_uri(runs, name)}", f"input={dataset}", *overrides["infer"]]
+    # Keyed by the input, before the overrides (an output= of the user's wins): the
+    # predictions of another input never replace the dataset's.
+    output = predictions_output(join_uri(root, "predictions"), name, load("infer"), dataset=dataset)
+    args["infer"].insert(2, f"output={output}")
     load("infer")
     args["export"] = [
         f"model={join_uri(runs, name)}",

@@ -215,6 +215,15 @@ def inferred_with_hub_checkpoint(tmp_path, dataset):
     inferred(checkpoint, dataset, tmp_path / "p")
 
 
+def inferred_onto_another_inputs_output(tmp_path, dataset):
+    # An output that holds the committed predictions of a folder of photos; the dataset's val
+    # split would replace them.
+    output = tmp_path / "p"
+    output.mkdir()
+    (output / "summary.json").write_text(json.dumps({"input": str(tmp_path / "photos")}))
+    inferred(checkpoint_naming(tmp_path, "resnet18"), dataset, output)
+
+
 def inferred(model, dataset, output) -> None:
     """The infer job's library call: `model` classifies `dataset` into `output`."""
     args = [f"model={model}", f"input={dataset}", f"output={output}"]
@@ -1071,6 +1080,14 @@ CASES = [
         1,
         "<path> was replaced while this run was writing",
         replaced_predictions,
+    ),
+    Case(
+        "an inference `output=` that holds the predictions of another input (another path, or "
+        "another split of a dataset)",
+        1,
+        "output <path> holds the predictions of input=<path>, which those of input=<path> would "
+        "replace",
+        inferred_onto_another_inputs_output,
     ),
     Case(
         "an inference `output=` that holds files inference did not write (a training run's)",

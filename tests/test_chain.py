@@ -75,6 +75,26 @@ def test_plan_derives_every_path_from_the_root():
     assert not [arg for arg in jobs["export"] if arg.startswith("output=")]
 
 
+def test_the_chains_predictions_of_each_input_go_to_an_output_of_their_own():
+    def output(*sets: str) -> str:
+        jobs = {j.step: j.entrypoint for j in plan("s3://b/x", sets=["train.name=r1", *sets])}
+        return [a for a in jobs["infer"] if a.startswith("output=")][-1].removeprefix("output=")
+
+    val = output()
+    assert val == "s3://b/x/predictions/r1"  # the run's dataset's val split, where it was
+    assert output("infer.input=s3://b/x/dataset/") == val  # the same input, however spelled
+    photos = output("infer.input=s3://b/photos")
+    assert photos.startswith("s3://b/x/predictions/r1-photos-")
+    others = {
+        output("infer.split=train"),
+        output("infer.input=s3://c/photos"),
+        output("infer.input=s3://b/photos", "infer.split=train"),
+    }
+    assert len({val, photos, *others}) == 5
+    assert output("infer.input=s3://b/photos") == photos  # again: the same output
+    assert output("infer.input=s3://b/photos", "infer.output=s3://b/mine") == "s3://b/mine"
+
+
 def test_plan_keeps_the_roots_query_after_every_path():
     # The documented MinIO root: its endpoint option must stay an option of each path.
     root = "s3://my-bucket/ray-cv?endpoint_override=minio.internal:9000&scheme=http"
@@ -517,7 +537,10 @@ def test_all_with_your_package_trains_by_your_hooks_and_classifies_a_folder_of_n
     (infer,) = re.findall(r"\[infer\] submitted \S+: (.*)", out)
     assert f"dataset_version={version}" in train and "dataset_version" not in infer
     assert f"best checkpoint epoch {int(best['epoch'])} by val_macro_f1 (max)" in out
-    predictions = root / "predictions" / "photos"
+    # The photos' output is theirs, beside the dataset's: <run>-<folder>-<hash of the input>.
+    (output,) = re.findall(r"\boutput=(\S+)", infer)
+    assert output.startswith(f"{root}/predictions/photos-photos-")
+    predictions = root / "predictions" / output.rpartition("/")[2]
     assert sorted(read_predictions(str(predictions))["source_id"].to_pylist()) == files
     summary = read_summary(Location.parse(str(predictions)))
     assert summary["input"] == str(photos) and "dataset_version" not in summary

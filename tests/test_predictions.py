@@ -437,6 +437,36 @@ def test_an_output_is_inferences_own_or_refused(output):
         check_output(output)
 
 
+def test_predictions_of_another_input_never_replace_an_outputs(output):
+    photos = "/data/photos"
+    version, tally = stage(output, ["p/1"])
+    first = publish(output, version, tally, {"images": 1, "input": photos}, None)
+    # A run of another input commits nothing, and removes its own directory: those predictions
+    # stay, and so does every version of them that retention weighs.
+    for other in ({"input": "/data/dataset", "split": "val"}, {"input": "/data/more"}):
+        version, tally = stage(output, ["d/1"])
+        with pytest.raises(InputError, match="holds the predictions of input=/data/photos"):
+            publish(output, version, tally, {"images": 1, **other}, None)
+        assert read_summary(output) == first
+        assert versions(output) == [first["version"]]
+    assert read_predictions(output)["source_id"].to_pylist() == ["p/1"]
+
+    # The infer job checks before any work; the same input, however spelled, replaces.
+    from pipeline.infer.predictions import check_input
+
+    check_input(output, f"{photos}/", None)
+    said = r"^output \S+ holds the predictions of input=/data/photos"
+    with pytest.raises(InputError, match=said):
+        check_input(output, "/data/dataset", "val")
+    # A dataset's splits are inputs of their own.
+    dataset = output.child("elsewhere")
+    version, tally = stage(dataset, ["v/1"])
+    publish(dataset, version, tally, {"images": 1, "input": "/d", "split": "val"}, None)
+    check_input(dataset, "/d", "val")
+    with pytest.raises(InputError, match=r"input=/d \(split val\), which those of input=/d"):
+        check_input(dataset, "/d", "train")
+
+
 def test_a_training_runs_directory_is_no_output_for_predictions(output):
     # Its summary.json is the run's record, which a commit would replace.
     record = {

@@ -39,6 +39,7 @@ from pipeline.infer.predictions import (
     Tally,
     batch_table,
     carry,
+    check_input,
     check_output,
     find_partial,
     publish,
@@ -188,6 +189,8 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     quiet_ray_data()
     asked = trained_version(meta, source, cfg.dataset_version, key="input")
     inp = list_input(source, split=cfg.split, version=asked)
+    split = cfg.split if inp.version is not None else None  # a folder has no split
+    check_input(output, source.uri, split)
     unknown = classes_unknown(inp.classes, meta.classes)
     num_classes = len(meta.classes)
     key = prediction_key(cfg, checkpoint, inp)
@@ -218,6 +221,8 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     tally.merge(carried)
     tally.merge(sink.tally)
     summary = summarize(meta, checkpoint, source, inp.version, tally, sink.tally, started, seconds)
+    if split is not None:
+        summary["split"] = split
     if partial is not None:
         summary |= {"resumed": partial.versions, "images_resumed": carried.images}
     if unknown:

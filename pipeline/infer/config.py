@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Literal
 
 from pydantic import Field
@@ -14,6 +16,7 @@ from pipeline.core.config import (
     TrackingConfig,
     allow_modules_field,
 )
+from pipeline.core.uris import join_uri
 
 
 class InferConfig(Strict):
@@ -75,3 +78,22 @@ class InferConfig(Strict):
     )
     tracking: TrackingConfig = TrackingConfig()
     allow_modules: AllowedModules = allow_modules_field()
+
+
+def predictions_output(predictions: str, run: str, cfg: InferConfig, *, dataset: str) -> str:
+    """Where the chain writes run `run`'s predictions of `cfg.input`, below `predictions`: the
+    run's `dataset`'s val split at `<run>`; any other input (a folder, another dataset or split)
+    at `<run>-<input's name>[-<split>]-<8 hex of the input>`, so that no input's predictions
+    replace another's."""
+    given = _place(cfg.input)
+    if given == _place(dataset) and cfg.split == "val":
+        return join_uri(predictions, run)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", given.rpartition("/")[2])[:40] or "input"
+    split = "" if cfg.split == "val" else f"-{cfg.split}"
+    digest = hashlib.sha256(f"{given}\0{cfg.split}".encode()).hexdigest()[:8]
+    return join_uri(predictions, f"{run}-{name}{split}-{digest}")
+
+
+def _place(uri: str) -> str:
+    """`uri` without a query, `file://` or trailing slash: one spelling of a place."""
+    return uri.partition("?")[0].removeprefix("file://").rstrip("/") or "/"

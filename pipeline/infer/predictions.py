@@ -77,7 +77,7 @@ PREDICTIONS, CONFUSION_PNG = "predictions.parquet", "confusion_matrix.png"
 EMPTY_PART = "part-empty.parquet"
 # The summary's keys that make two runs' predictions the same: a run that finds the same
 # committed by a newer one has nothing to add.
-SAME = ("checkpoint", "input", "dataset_version")
+SAME = ("checkpoint", "input", "split", "dataset_version")
 # What inference wrote at the top of output before it wrote versions: the bundle's, left there.
 EARLIER_LAYOUT = (PREDICTIONS, CONFUSION_PNG, "_staging")
 # Retention keeps every version younger than this: a reader that read summary.json before a
@@ -265,6 +265,39 @@ def check_output(output: Location) -> None:
         )
 
 
+def check_input(output: Location, input: str, split: str | None) -> None:
+    """Refuse an `output` whose committed predictions are of another input than `input` (a
+    dataset's `split`; None for a folder): a commit would replace them, and retention would in
+    time remove them. Each input's predictions go to an output of their own."""
+    try:
+        current = read_summary(output)
+    except InputError:
+        return  # not a summary: check_output's to refuse, or this run's to replace
+    if current is not None and not same_input(current, input, split):
+        raise InputError(f"{other_input(output, current, input)}, or remove it to replace them")
+
+
+def same_input(summary: dict, input: str | None, split: str | None) -> bool:
+    """Whether the committed `summary` is of `input` (and `split`), however either is spelled;
+    a summary written before summaries named the split counts as of any."""
+    if summary.get("split", split) != split:
+        return False
+    committed = summary.get("input")
+    if committed is None or input is None:
+        return committed == input
+    return Location.parse(input).same_place(committed)
+
+
+def other_input(output: Location, current: dict, input: str | None) -> str:
+    """What is wrong where `output` holds the predictions (`current`) of another input."""
+    split = f" (split {current['split']})" if current.get("split") else ""
+    return (
+        f"output {output.uri} holds the predictions of input={current.get('input')}{split}, "
+        f"which those of input={input} would replace: give each input an output= of its own "
+        "(the chain's default is)"
+    )
+
+
 def start_version(output: Location, progress: dict | None = None) -> str:
     """A new version at `output`: its name, its directory marked as the bundle's before anything
     else is written in it, then given `progress` (PROGRESS: the run's key and job)."""
@@ -383,7 +416,8 @@ def publish(
     """Complete `version`, whose parts the write tasks put in place, and commit it by writing
     summary.json; then remove the partial versions it `resumed` and the versions that retention
     lets go. If a newer version is committed, remove this one instead, and fail unless the newer
-    holds the same predictions (SAME). Returns the summary in place."""
+    holds the same predictions (SAME); so too if the committed one, of any age, is of another
+    input (check_input). Returns the summary in place."""
     directory = output.child(VERSIONS, version)
     target = directory.child(PREDICTIONS)
     rows = dict(tally.parts)
@@ -423,6 +457,10 @@ def publish(
             )
         log.warning("version %s of the same predictions, started later, stands", standing)
         return current
+    if current and not same_input(current, summary.get("input"), summary.get("split")):
+        directory.delete()  # another input's predictions stand: this run commits nothing
+        said = other_input(output, current, summary.get("input"))
+        raise InputError(f"{said}; committed while this run was writing, they stand")
     summary = summary | {
         "version": version,
         "predictions": _relative(output, target.path),
