@@ -10,12 +10,14 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import ray.train
 import torch
 from helpers import recorded_run
 from test_chain import TINY
+from torchvision.transforms import v2
 
 from harness.cluster import BUNDLE_ROOT
 from jobs.submit import step_command
@@ -56,17 +58,49 @@ def test_a_checkpoint_of_the_card_loads_as_the_train_jobs_do(tmp_path):
     assert read.model_input.image_size == 32 and read.mean == api.IMAGENET_MEAN
 
 
-def test_a_card_refuses_a_metric_that_ranks_nothing_and_a_report_without_the_keys():
-    with pytest.raises(ValueError, match=r"metric='val_f1': give one of val_loss"):
+def test_a_card_refuses_a_metric_without_its_direction_and_a_report_without_the_keys():
+    direction = r"^metric='val_f1' needs its direction: add mode='max' \(the highest is best\) or "
+    with pytest.raises(ValueError, match=direction + r"mode='min'$"):
         card(metric="val_f1")
+    with pytest.raises(ValueError, match=r"^mode='max': metric='val_loss' has its own order; "):
+        card(metric="val_loss", mode="max")
     with pytest.raises(ValueError, match=r"metrics lack \['val_accuracy'\]"):
         api.report(
             {"epoch": 0, "train_loss": 1, "val_loss": 1}, model=None, card=card(), history=[]
         )
+    # The metric the card ranks by, every epoch.
+    with pytest.raises(ValueError, match=r"metrics lack \['val_f1'\]: report epoch, .*, val_f1 "):
+        api.report(
+            {"epoch": 0, "train_loss": 1, "val_loss": 1, "val_accuracy": 0.5},
+            model=None,
+            card=card(metric="val_f1", mode="max"),
+            history=[],
+        )
 
 
-def own_run(tmp_path, monkeypatch, losses: list[float], weights=None, **fields) -> Location:
-    """A run as the API writes it (no throughput in its history), Ray's record faked."""
+def test_a_run_ranks_by_any_metric_it_reports_in_its_direction(tmp_path, monkeypatch):
+    ranked = api.run_config(str(tmp_path), "own", metric="val_f1", mode="max").checkpoint_config
+    assert (ranked.checkpoint_score_attribute, ranked.checkpoint_score_order) == ("val_f1", "max")
+    with pytest.raises(ValueError, match=r"^metric='val_f1' needs its direction: add mode="):
+        api.run_config(str(tmp_path), "own", metric="val_f1")
+    # The lowest val loss is epoch 1's, the highest macro-F1 epoch 2's: the F1 picks.
+    f1s = [{"val_f1": f1} for f1 in (0.2, 0.5, 0.7)]
+    run = own_run(
+        tmp_path / "own", monkeypatch, [0.9, 0.4, 0.6], more=f1s, metric="val_f1", mode="max"
+    )
+    summary = api.finish_run(str(tmp_path), "own")
+    assert (summary["checkpoint_metric"], summary["checkpoint_mode"]) == ("val_f1", "max")
+    assert summary["best_checkpoint"] == str(tmp_path / "own" / "epoch_0002")
+    assert source.resolve_checkpoint(run).path == str(tmp_path / "own" / "epoch_0002")
+    config = read_meta(run.child("epoch_0002")).config
+    assert config["checkpoint"] == {"metric": "val_f1", "mode": "max"}
+
+
+def own_run(
+    tmp_path, monkeypatch, losses: list[float], weights=None, more=None, **fields
+) -> Location:
+    """A run as the API writes it (no throughput in its history), Ray's record faked; `more`:
+    each epoch's other metrics."""
     tmp_path.mkdir(exist_ok=True)
     run = Location.parse(str(tmp_path))
     record, history = [], []
@@ -74,6 +108,7 @@ def own_run(tmp_path, monkeypatch, losses: list[float], weights=None, **fields) 
         directory = tmp_path / checkpoint_dir_name(epoch)
         directory.mkdir()
         metrics = {"epoch": epoch, "train_loss": loss, "val_loss": loss, "val_accuracy": 0.5}
+        metrics |= more[epoch] if more else {}
         history = [*history, metrics]
         save_checkpoint(directory, weights or {}, card(**fields).meta(metrics, history), {})
         record.append((ray.train.Checkpoint(str(directory)), metrics))
@@ -178,3 +213,81 @@ def test_the_example_loops_run_is_inferred_and_exported_by_the_chain(
     chain("export")
     exported = root / "runs" / "own" / "export" / best.rsplit("/", 1)[-1]
     assert {"model.onnx", "model.pt2", "preprocessing.json"} <= {p.name for p in exported.iterdir()}
+
+
+# --- the example loop at world size 2, in process ----------------------------------------------
+
+
+def test_the_example_loops_val_metrics_count_each_val_row_once(
+    ray_in_process, small_dataset, tmp_path, monkeypatch
+):
+    from examples.own_loop import train as example
+
+    own = api.ModelCard.for_dataset(str(small_dataset), model="resnet18")
+    to_tensor = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
+    as_fed = v2.Compose([*to_tensor, v2.Normalize(own.mean, own.std)])  # as the example's val
+    val = example.ParquetImages(own.split_files("val"), as_fed)
+    assert len(val) % 2 == 1  # two ranks: a sampler that pads would count a row twice
+    args = ["--dataset", str(small_dataset), "--storage-path", str(tmp_path), "--name", "own"]
+    args += ["--epochs", "1", "--num-workers", "2", "--batch-size", "2"]
+    monkeypatch.setattr(sys, "argv", ["train", *args])
+    example.main()
+
+    # The epoch's weights, evaluated here on the whole val split at once.
+    checkpoint = Location.parse(str(tmp_path / "own" / checkpoint_dir_name(0)))
+    model, meta = load_model(checkpoint)
+    images, labels = zip(*(val[i] for i in range(len(val))), strict=True)
+    with torch.no_grad():
+        logits = model(torch.stack(images))
+    labels = torch.tensor(labels)
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    accuracy = (logits.argmax(dim=1) == labels).float().mean().item()
+    assert meta.metrics["val_loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    assert meta.metrics["val_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+
+
+# --- a loop of the user's own, submitted as a script --------------------------------------------
+
+# As the tutorial writes a loop: it names `torch` and the card's `classes`.
+TUTORIAL_LOOP = """
+import sys
+
+import ray.train
+import torch
+from ray.train.torch import TorchTrainer, prepare_model
+from torchvision.models import get_model
+
+from pipeline.train import api
+
+
+def train_loop_per_worker(config):
+    card = api.ModelCard.from_dict(config["card"])
+    model = prepare_model(get_model(card.model, num_classes=len(card.classes), **card.kwargs))
+    images = torch.randn(4, 3, card.image_size, card.image_size)
+    loss = torch.nn.functional.cross_entropy(model(images), torch.tensor([0, 1, 0, 1])).item()
+    metrics = {"epoch": 0, "train_loss": loss, "val_loss": loss, "val_accuracy": 0.5}
+    api.report(metrics, model=model, card=card, history=[metrics])
+
+
+if __name__ == "__main__":
+    storage_path, name = sys.argv[1:]
+    card = api.ModelCard(model="resnet18", classes=["cat", "dog"], image_size=32)
+    TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"card": card.to_dict()},
+        scaling_config=ray.train.ScalingConfig(num_workers=1),
+        run_config=api.run_config(storage_path, name),
+    ).fit()
+    print(f"best checkpoint: {api.finish_run(storage_path, name)['best_checkpoint']}")
+"""
+
+
+@pytest.mark.slow
+def test_a_loop_naming_torch_and_the_cards_classes_runs_as_a_script(cluster_2cpu, tmp_path):
+    script = tmp_path / "my_loop.py"
+    script.write_text(TUTORIAL_LOOP)
+    job = cluster_2cpu.run_job(
+        ["python", str(script), str(tmp_path / "runs"), "mine"], capture=True, timeout_s=600
+    )
+    assert job.returncode == 0, job.stdout[-5000:]
+    assert f"best checkpoint: {tmp_path / 'runs' / 'mine' / 'epoch_0000'}" in job.stdout

@@ -18,8 +18,8 @@ import ray.train
 import torch
 from PIL import Image
 from ray.train.torch import TorchTrainer, get_device, prepare_data_loader, prepare_model
-from torch import nn, optim
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision.models import get_model
 from torchvision.transforms import v2
@@ -48,7 +48,12 @@ def build_dataloader(card: api.ModelCard, split: str, batch_size: int, *, train:
     to_tensor = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
     transform = v2.Compose([*flip, *to_tensor, v2.Normalize(card.mean, card.std)])
     data = ParquetImages(card.split_files(split), transform)
-    return prepare_data_loader(DataLoader(data, batch_size=batch_size, shuffle=train))
+    if train:  # Ray's DistributedSampler: a shuffled share per rank, padded to equal shares
+        return prepare_data_loader(DataLoader(data, batch_size=batch_size, shuffle=True))
+    # Val: each rank its own rows and each row once, so that the metrics count every row once.
+    context = ray.train.get_context()
+    share = Subset(data, range(context.get_world_rank(), len(data), context.get_world_size()))
+    return prepare_data_loader(DataLoader(share, batch_size=batch_size), add_dist_sampler=False)
 
 
 def train_one_epoch(model, loader, optimizer, criterion) -> float:
@@ -63,20 +68,19 @@ def train_one_epoch(model, loader, optimizer, criterion) -> float:
     return total / max(batches, 1)
 
 
-# Apart from the loop: cloudpickle ships a function's globals, and a loop naming both `torch` and
-# an attribute `classes` would ship `torch.classes`, which does not pickle.
 @torch.no_grad()
-def evaluate(model, loader, criterion, accuracy) -> tuple[float, float]:
-    """The val loss, and the accuracy over every rank's val images (torchmetrics syncs it)."""
+def evaluate(model, loader, criterion, metrics: dict) -> dict:
+    """The val loss and accuracy over every rank's val images: torchmetrics sums each rank's
+    state when it computes."""
     model.eval()
-    total, batches = 0.0, 0
     for xb, yb in loader:
         logits = model(xb)
-        total, batches = total + criterion(logits, yb).item(), batches + 1
-        accuracy.update(logits.argmax(dim=1), yb)
-    value = accuracy.compute().item()
-    accuracy.reset()
-    return total / max(batches, 1), value
+        metrics["val_loss"].update(criterion(logits, yb), weight=len(yb))  # the batch's mean
+        metrics["val_accuracy"].update(logits.argmax(dim=1), yb)
+    values = {name: metric.compute().item() for name, metric in metrics.items()}
+    for metric in metrics.values():
+        metric.reset()
+    return values
 
 
 def train_loop_per_worker(config):
@@ -88,26 +92,27 @@ def train_loop_per_worker(config):
         net.load_state_dict(resumed.weights)
         start_epoch, history = resumed.epoch + 1, resumed.history
     model = prepare_model(net)
-    optimizer = optim.Adam(model.parameters(), lr=config["lr"])
+    optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
     if resumed:
         optimizer.load_state_dict(resumed.train_state["optimizer"])
-    criterion = nn.CrossEntropyLoss()
+    criterion = torch.nn.CrossEntropyLoss()
 
     train_loader = build_dataloader(card, "train", config["batch_size"], train=True)
     val_loader = build_dataloader(card, "val", config["batch_size"], train=False)
     device = get_device()
-    accuracy = MulticlassAccuracy(num_classes=len(card.classes), sync_on_compute=True).to(device)
+    val_metrics = {
+        "val_loss": MeanMetric().to(device),
+        "val_accuracy": MulticlassAccuracy(len(card.classes), average="micro").to(device),
+    }
 
     for epoch in range(start_epoch, config["epochs"]):
         if ray.train.get_context().get_world_size() > 1:
             train_loader.sampler.set_epoch(epoch)
         train_loss = train_one_epoch(model, train_loader, optimizer, criterion)
-        val_loss, val_accuracy = evaluate(model, val_loader, criterion, accuracy)
         metrics = {
             "epoch": epoch,
             "train_loss": train_loss,
-            "val_loss": val_loss,
-            "val_accuracy": val_accuracy,
+            **evaluate(model, val_loader, criterion, val_metrics),
         }
         history = [*history, metrics]
         if ray.train.get_context().get_world_rank() == 0:
@@ -134,7 +139,7 @@ def main():
         train_loop_per_worker,
         train_loop_config={"card": card.to_dict(), **vars(args)},
         scaling_config=ray.train.ScalingConfig(num_workers=args.num_workers),
-        run_config=api.run_config(args.storage_path, args.name, metric=card.metric),
+        run_config=api.run_config(args.storage_path, args.name, metric=card.metric, mode=card.mode),
     )
     trainer.fit()
     summary = api.finish_run(args.storage_path, args.name)

@@ -3,12 +3,14 @@ inference, export, serving, the registry and the chain's later steps (docs/own-l
 
 On the driver:
 
-    card = api.ModelCard.for_dataset("s3://bucket/ray-cv/dataset", model="resnet18")
+    card = api.ModelCard.for_dataset(
+        "s3://bucket/ray-cv/dataset", model="resnet18", metric="val_f1", mode="max"
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"card": card.to_dict(), "lr": 1e-3},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=api.run_config("s3://bucket/ray-cv/runs", "my-run", metric=card.metric),
+        run_config=api.run_config("s3://bucket/ray-cv/runs", "my-run", metric="val_f1", mode="max"),
     )
     trainer.fit()
     api.finish_run("s3://bucket/ray-cv/runs", "my-run")
@@ -19,7 +21,7 @@ In `train_loop_per_worker(config)`, every rank, once per epoch:
     card = api.ModelCard.from_dict(config["card"])
     resumed = api.resume()            # None, or the weights, train state and history to go on
     ...
-    history.append(metrics)           # epoch, train_loss, val_loss, val_accuracy, anything else
+    history.append(metrics)           # epoch, train_loss, val_loss, val_accuracy, val_f1, ...
     api.report(metrics, model=model, card=card, history=history, train_state={...})
 
 A run is the one documented in docs/own-loop.md: `<storage_path>/<name>/` with Ray Train's
@@ -29,7 +31,9 @@ summary.json, history.csv and curves.png written by `finish_run` (RUN_FORMAT).
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import importlib
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -45,11 +49,13 @@ from pipeline.model.checkpoint import (
     SCORES,
     CheckpointMeta,
     ModelSpec,
+    Score,
     config_score,
     load_train_state,
     load_weights,
     read_meta,
     save_checkpoint,
+    score_of,
 )
 from pipeline.model.networks import unwrap
 from pipeline.model.runs import RUN_FORMAT, checkpoint_dir_name, latest_checkpoint, write_reports
@@ -60,6 +66,7 @@ __all__ = [
     "RUN_FORMAT",
     "ModelCard",
     "Resumed",
+    "checkpoint_score",
     "finish_run",
     "register_run",
     "report",
@@ -73,6 +80,28 @@ REPORTED = ("epoch", "train_loss", "val_loss", "val_accuracy")
 RECORDED = ("classes", "image_size", "input_size", "interpolation", "mean", "std")
 RECORDED += ("dataset_fingerprint", "dataset_version")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+# cloudpickle ships a loop defined in the user's script by value, with each module held in
+# sys.modules as `<a module the loop names>.<a name its code uses>`: a loop naming `torch` and
+# any `.classes` (the card's) ships `torch.classes`, a module no pickler takes. Shipped as the
+# name to import it by, the loop runs as the tutorial writes it.
+copyreg.pickle(type(torch.classes), lambda module: (importlib.import_module, (module.__name__,)))
+
+
+def checkpoint_score(metric: str, mode: str | None = None) -> Score:
+    """What ranks a run's checkpoints: val_loss, val_accuracy or last in their own order, or
+    any metric the loop reports with its `mode` ("max": the highest is best, or "min")."""
+    own = SCORES.get(metric)
+    if mode not in (None, "min", "max"):
+        raise ValueError(f"mode={mode!r}: give 'max' (the highest {metric} is best) or 'min'")
+    if own is not None and mode not in (None, own.mode):
+        raise ValueError(f"mode={mode!r}: metric={metric!r} has its own order; leave mode out")
+    if own is None and mode is None:
+        raise ValueError(
+            f"metric={metric!r} needs its direction: add mode='max' (the highest is best) or "
+            "mode='min'"
+        )
+    return score_of(metric, mode)
 
 
 @dataclass(frozen=True)
@@ -91,12 +120,12 @@ class ModelCard:
     dataset: str | None = None  # the bundle's dataset it was trained on (its URI), if any
     dataset_version: str = ""
     dataset_fingerprint: str = ""
-    metric: str = "val_loss"  # what ranks its checkpoints: val_loss, val_accuracy or last
+    metric: str = "val_loss"  # what ranks its checkpoints: val_loss, val_accuracy, last, any
+    mode: Literal["min", "max"] | None = None  # another metric's best: its highest, or lowest
     config: dict[str, Any] = field(default_factory=dict)  # your settings, recorded as they are
 
     def __post_init__(self):
-        if self.metric not in SCORES:
-            raise ValueError(f"metric={self.metric!r}: give one of {', '.join(SCORES)}")
+        checkpoint_score(self.metric, self.mode)
         if "num_classes" in self.kwargs:
             raise ValueError("kwargs: num_classes comes from classes, not from kwargs")
 
@@ -136,7 +165,8 @@ class ModelCard:
 
     def meta(self, metrics: dict, history: list[dict]) -> CheckpointMeta:
         """metadata.json of the checkpoint of epoch `metrics["epoch"]`."""
-        config = {**self.config, "checkpoint": {"metric": self.metric}}
+        ranked = {"metric": self.metric} | ({"mode": self.mode} if self.mode else {})
+        config = {**self.config, "checkpoint": ranked}
         if self.dataset:
             config["dataset"] = self.dataset  # inference of it reads the version trained on
         return CheckpointMeta(
@@ -150,12 +180,19 @@ class ModelCard:
 
 
 def run_config(
-    storage_path: str, name: str, *, metric: str = "val_loss", num_to_keep: int | None = 2, **rest
+    storage_path: str,
+    name: str,
+    *,
+    metric: str = "val_loss",
+    mode: Literal["min", "max"] | None = None,
+    num_to_keep: int | None = 2,
+    **rest,
 ) -> ray.train.RunConfig:
     """Ray Train's RunConfig for a run at `<storage_path>/<name>` (a path every node shares, or
-    s3://...) that keeps its `num_to_keep` best checkpoints by `metric`, as the train job does;
-    `rest`: RunConfig's other arguments (failure_config, ...)."""
-    score = SCORES[metric]
+    s3://...) that keeps its `num_to_keep` best checkpoints by `metric` (in `mode`, for a metric
+    of your own: `checkpoint_score`), as the train job does; `rest`: RunConfig's other
+    arguments (failure_config, ...)."""
+    score = checkpoint_score(metric, mode)
     runs = Location.parse(storage_path)
     return ray.train.RunConfig(
         name=name,
@@ -181,9 +218,10 @@ def report(
     """`ray.train.report` of the epoch's `metrics` from every rank; rank 0 attaches the
     checkpoint `epoch_NNNN` (the bare model's weights, `train_state` for resuming: tensors and
     plain values, and metadata.json with `history`, every epoch's metrics up to this one)."""
-    missing = [k for k in REPORTED if k not in metrics]
+    needed = [*REPORTED, *([card.metric] if card.metric not in (*REPORTED, "last") else [])]
+    missing = [k for k in needed if k not in metrics]
     if missing:
-        raise ValueError(f"metrics lack {missing}: report {', '.join(REPORTED)} every epoch")
+        raise ValueError(f"metrics lack {missing}: report {', '.join(needed)} every epoch")
     if ray.train.get_context().get_world_rank() != 0:
         ray.train.report(metrics)
         return
