@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -210,7 +211,6 @@ def test_a_py_module_loads_only_where_the_runtime_env_ships_it(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path / "working_dir")  # the py_modules lie outside it
     uris = [f"gcs://{shipped.name}.zip"]
     assert py_module_dirs(uris, sys.path) == [shipped]
-    assert py_module_dirs([f"gcs://{shipped.name}.whl"], sys.path) == [shipped]
     assert py_module_dirs(["local:///opt/nets"], sys.path) == [Path("/opt/nets")]
     # A zip on storage: Ray names its folder by the URI's hash.
     on_s3 = Path("/n", PY_MODULES_FILES, "s3_66b4d4c8e2d678e580b921a9cbd34d8d23c720fb")
@@ -246,6 +246,42 @@ def test_a_py_module_loads_only_where_the_runtime_env_ships_it(tmp_path, monkeyp
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(json.loads(proc.stdout.splitlines()[-1])[0]) <= set(CLASSES)
+
+
+def wheel(out: Path, name: str, files: dict[str, str], requires: tuple[str, ...] = ()) -> Path:
+    """A wheel of distribution `name`, version 1.0, holding `files` and requiring `requires`."""
+    info = f"{name.replace('-', '_')}-1.0.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n"
+    files = {
+        **files,
+        f"{info}/METADATA": metadata + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    path = out / f"{name.replace('-', '_')}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for file, text in files.items():
+            z.writestr(file, text)
+    return path
+
+
+def test_a_wheel_py_module_admits_its_own_modules_not_its_dependencies(tmp_path, monkeypatch):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    mine = wheel(wheels, "wheel-net", {"wheelnet/__init__.py": NETWORK}, requires=("netdep",))
+    wheel(wheels, "netdep", {"netdep/__init__.py": NETWORK})
+    # As Ray installs a .whl py_module: `pip install <wheel> --target=<its folder>`, on the path.
+    folder = tmp_path / "runtime_resources" / PY_MODULES_FILES / mine.name.removesuffix(".whl")
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index"]
+    subprocess.run([*pip, f"--find-links={wheels}", str(mine), f"--target={folder}"], check=True)
+    assert {"wheelnet", "netdep"} <= {p.name for p in folder.iterdir()}  # its dependency beside it
+    monkeypatch.syspath_prepend(str(folder))
+    shipped = py_module_dirs([f"gcs://{mine.name}"], sys.path)
+    check_model_code(ModelSpec(name="wheelnet:build"), code_root=tmp_path / "job", shipped=shipped)
+    with pytest.raises(ConfigError, match=r"names module netdep \(\S+/netdep/__init__\.py\)"):
+        check_model_code(
+            ModelSpec(name="netdep:build"), code_root=tmp_path / "job", shipped=shipped
+        )
 
 
 # --- a network in a package, as an MLflow model ------------------------------------------------

@@ -9,10 +9,12 @@ Pretrained weights go into all of it but the head: the tensors whose shapes foll
 
 from __future__ import annotations
 
+import csv
 import difflib
 import importlib
 import importlib.util
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib.machinery import PathFinder
@@ -571,7 +573,7 @@ def check_model_code(
     files = None if module.split(".")[0] in BUNDLE_PACKAGES else _module_files(module)
     # An installed package is no code of the job's, even where its environment lies below the
     # working dir (a checkout's .venv). A py_module is the user's by their runtime env, wherever
-    # Ray unpacked it (a wheel is installed there, beside no environment's packages).
+    # Ray unpacked it; of a wheel, its own files only, not the dependencies pip put beside them.
     installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     outside = [
         f
@@ -609,10 +611,11 @@ def shipped_module_dirs() -> list[Path]:
 
 
 def py_module_dirs(uris: Sequence[str], path: Sequence[str]) -> list[Path]:
-    """The local folders of the py_modules `uris` of a runtime env: a `local://` one is its
-    path; one Ray downloads (gcs://_ray_pkg_<hash>.zip as uploaded, a .whl, s3://.../pkg.zip)
+    """Where the user's code of the py_modules `uris` of a runtime env lies: a `local://` one
+    is its path; one Ray downloads (gcs://_ray_pkg_<hash>.zip as uploaded, s3://.../pkg.zip)
     is unpacked into a folder below PY_MODULES_FILES named by Ray from the URI, which Ray puts
-    on `path`."""
+    on `path`; a .whl is pip-installed into such a folder with its dependencies, and only the
+    files of its own distribution are the user's (`wheel_files`)."""
     from pipeline.core.ray_internals import get_local_dir_from_uri, get_local_dir_uri_path
 
     dirs = []
@@ -621,12 +624,37 @@ def py_module_dirs(uris: Sequence[str], path: Sequence[str]) -> list[Path]:
             dirs.append(local)
             continue
         name = get_local_dir_from_uri(uri, PY_MODULES_FILES).name
-        dirs += [
+        folders = [
             Path(p)
             for p in path
             if Path(p).name == name and Path(p).parent.name == PY_MODULES_FILES
         ]
+        if uri.endswith(".whl"):
+            dirs += [file for folder in folders for file in wheel_files(folder, uri)]
+        else:
+            dirs += folders
     return dirs
+
+
+def wheel_files(folder: Path, wheel: str) -> list[Path]:
+    """The files that `pip install <wheel> --target <folder>` (Ray's install of a .whl
+    py_module) put there from the wheel itself, as its RECORD lists them: not those of the
+    dependencies pip installed beside them, which are no code the user shipped."""
+    # A wheel's file name and its .dist-info folder start with the distribution's name, its
+    # dashes escaped: mynet-1.0-py3-none-any.whl, mynet-1.0.dist-info.
+    dist = _distribution(wheel.rsplit("/", 1)[-1])
+    for info in folder.glob("*.dist-info"):
+        if _distribution(info.name) == dist and (record := info / "RECORD").is_file():
+            rows = csv.reader(record.read_text().splitlines())
+            own = [row[0] for row in rows if row and not row[0].startswith(("..", "/"))]
+            return [folder / f for f in own if not f.startswith(f"{info.name}/")]
+    return []
+
+
+def _distribution(file_name: str) -> str:
+    """The normalised distribution name that a wheel's or a .dist-info folder's name starts
+    with (PEP 503: case, dots, dashes and underscores alike)."""
+    return re.sub(r"[-_.]+", "-", file_name.split("-", 1)[0]).lower()
 
 
 def _module_files(module: str) -> list[Path] | None:
