@@ -5,17 +5,23 @@ ending with exactly the weights of a run never stopped, which ran with decode=gp
 
 from __future__ import annotations
 
+import logging
+import shutil
 import threading
 import uuid
 from io import BytesIO
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import ray
+import ray.train
 import torch
 from helpers import armed_runtime_env, held_worker, history, in_background, kill_worker, train_job
 
 from pipeline.core import faults
 from pipeline.core.config import load_config
+from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.model.checkpoint import (
@@ -25,16 +31,17 @@ from pipeline.model.checkpoint import (
     ModelInput,
     load_train_state,
     load_weights,
+    read_meta,
     save_checkpoint,
 )
 from pipeline.model.networks import build_model
+from pipeline.model.runs import checkpoint_dir_name, latest_step_checkpoint
 from pipeline.train.checkpointer import (
     STEPS,
     Checkpointer,
     State,
     StepWriter,
     checkpoint_meta,
-    latest_step_checkpoint,
     step_checkpoints,
     step_dir_name,
 )
@@ -229,9 +236,10 @@ def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_goes_on_at_its_step
         save_checkpoint(directory, model.state_dict(), meta, state)
 
     step_checkpoint(1, 8)
-    # Ray's latest checkpoint is epoch 0's: epoch 1 goes on after its step 8, whole.
+    # Epoch 1 goes on after its step 8, whole.
     w = worker(tiny_dataset, run_dir, world=2)
-    found, meta = Checkpointer(w).inside_epoch(1)
+    found = newest(w)
+    meta = read_meta(found)
     assert (meta.epoch, meta.step) == (1, 8)
     state_now = resumed(w, found)
     assert (state_now.loop.epoch, state_now.loop.step, state_now.loop.carried) == (1, 8, so_far)
@@ -243,22 +251,33 @@ def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_goes_on_at_its_step
     # order is the data's (test_loader counts its rows).
     for world, change in ((1, ()), (2, ("scaling.loader_workers=3",))):
         other = worker(tiny_dataset, run_dir, world=world, overrides=change)
-        found, _ = Checkpointer(other).inside_epoch(1)
-        state_now = resumed(other, found)
+        state_now = resumed(other, newest(other))
         assert state_now.loop.step == 8 and state_now.loop.carried == so_far, change
         assert state_now.loader.stream.asked == (1, 8), change
     # Another global batch orders the epoch's steps otherwise: it starts over.
     rebatched = worker(tiny_dataset, run_dir, world=2, overrides=("global_batch_size=64",))
-    assert Checkpointer(rebatched).inside_epoch(1) is None
+    assert newest(rebatched) is None
     # Another seed orders the epoch's rows otherwise: it starts over.
     reseeded = worker(tiny_dataset, run_dir, world=2, overrides=("seed=1",))
-    assert Checkpointer(reseeded).inside_epoch(1) is None
-    # An epoch checkpoint after it (Ray's latest is epoch 1's): it is stale.
-    assert Checkpointer(w).inside_epoch(2) is None
-    # A step checkpoint of the next epoch, taken while epoch 1's own checkpoint was uploading,
-    # which a kill kept out of Ray's record: epoch 1 resumes from its own step checkpoint.
+    assert newest(reseeded) is None
+    # A step checkpoint of the next epoch, taken while epoch 1's own checkpoint was uploading (a
+    # kill kept that out of Ray's record, or its upload is slow): the newest, whichever Ray has.
     step_checkpoint(2, 4)
-    assert Checkpointer(w).inside_epoch(1)[1].step == 8
+    assert newest(w).name == step_dir_name(2, 4)
+    # Epoch 2's own checkpoint, whole: newer than any inside it, and it ends epoch 2.
+    step_checkpoint(2, 10)
+    epoch_checkpoint = tmp_path / "r" / "epoch_0002"
+    shutil.copytree(tmp_path / "r" / STEPS / step_dir_name(2, 10), epoch_checkpoint)
+    assert newest(w) == run_dir.child("epoch_0002")
+    # Without its metadata it is not whole: the one before it is the newest.
+    (epoch_checkpoint / METADATA).unlink()
+    assert newest(w).name == step_dir_name(2, 10)
+    assert newest(rebatched) is None
+
+
+def newest(w: Worker) -> Location | None:
+    """The checkpoint a restore of `w` tries first."""
+    return next(Checkpointer(w).candidates(), None)
 
 
 def test_an_epoch_checkpoint_resumes_at_the_next_epochs_start(tiny_dataset, tmp_path):
@@ -279,6 +298,113 @@ def test_an_epoch_checkpoint_resumes_at_the_next_epochs_start(tiny_dataset, tmp_
     assert state_now.loop.history == [{"epoch": 0, "val_loss": 1.0}]
     assert state_now.loader.stream.asked == (1, 0)
     assert state_now.optim.scheduler.last_epoch == 1
+
+
+class RayRecord:
+    """Stands in for Ray Train's worker API in `Checkpointer.restore`: Ray's latest checkpoint
+    (`latest`, a directory name) and the reports made."""
+
+    Checkpoint = ray.train.Checkpoint
+
+    def __init__(self, run_dir: Location, latest: str | None = None):
+        self.run_dir, self.latest, self.reports = run_dir, latest, []
+
+    def get_checkpoint(self):
+        return ray.train.Checkpoint(self.run_dir.child(self.latest).path) if self.latest else None
+
+    def report(self, metrics, checkpoint=None, checkpoint_dir_name=None, **options):
+        upload = options.get("checkpoint_upload_fn")
+        recorded = upload(checkpoint, checkpoint_dir_name).path if upload else None
+        self.reports.append((metrics["epoch"], recorded))
+
+    def get_context(self):
+        storage = SimpleNamespace(
+            build_checkpoint_path_from_name=lambda name: self.run_dir.child(name).path,
+            storage_filesystem=self.run_dir.fs,
+        )
+        return SimpleNamespace(get_storage=lambda: storage)
+
+
+NO_TOTALS = {"loss_sum": 0.0, "images": 0, "seconds": 0.0}
+
+
+def run_of_checkpoints(w: Worker, *taken: tuple[int, int | None]) -> dict[tuple, Path]:
+    """Checkpoints of `w`'s run on local storage, each (epoch, step) with its own weights (all
+    parameters filled with a number of its own): step None for an epoch's own."""
+    model = build_model(len(w.manifest.classes))
+    optim = OptimState(model, w.cfg, precision="fp32", device=torch.device("cpu"))
+    written = {}
+    for i, (epoch, step) in enumerate(taken):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(i)
+        history = [{"epoch": e, "val_loss": 1.0 / (e + 1)} for e in range(epoch + (step is None))]
+        metrics = history[-1] if step is None else {"epoch": epoch, "step": step, "workers": 1}
+        done, at = (epoch + 1, 0) if step is None else (epoch, step)
+        state = {
+            "optim": optim.state_dict(),
+            "loop": {"epoch": done, "step": at, "history": history, "totals": NO_TOTALS},
+            "loader": {"epoch": done, "step": at, "layout": epoch_layout(w.cfg, w.world)},
+        }
+        name = (
+            checkpoint_dir_name(epoch) if step is None else f"{STEPS}/{step_dir_name(epoch, step)}"
+        )
+        directory = Path(w.run_dir.path) / name
+        directory.mkdir(parents=True)
+        meta = checkpoint_meta(w, metrics, history=history, step=step)
+        save_checkpoint(directory, model.state_dict(), meta, state)
+        written[(epoch, step)] = directory
+    return written
+
+
+def restored(w: Worker) -> State:
+    model = build_model(len(w.manifest.classes))
+    optim = OptimState(model, w.cfg, precision="fp32", device=torch.device("cpu"))
+    loader = EpochLoader([], Stream(), layout=epoch_layout(w.cfg, w.world))
+    state = State(model, optim, LoopState(), loader)
+    Checkpointer(w).restore(state)
+    return state
+
+
+def test_a_resume_goes_on_from_the_newest_checkpoint_on_storage_and_brings_rays_record_in_line(
+    tiny_dataset, tmp_path, monkeypatch, caplog
+):
+    """Epoch 0's checkpoint is on storage but not in Ray's record (its upload had not returned
+    when rank 0 was lost); the loop trained on into epoch 1 and wrote its step-10 and step-20
+    checkpoints, the step-20 one then damaged, and a killed write left its temporary copy."""
+    run_dir = Location.parse(str(tmp_path / "r"))
+    w = worker(tiny_dataset, run_dir, world=1, overrides=("checkpoint.every_steps=10",))
+    written = run_of_checkpoints(w, (0, 20), (0, 40), (0, None), (1, 10), (1, 20))
+    cut = written[(1, 20)] / WEIGHTS
+    cut.write_bytes(cut.read_bytes()[:1000])
+    partial = tmp_path / "r" / STEPS / f".{step_dir_name(1, 30)}.tmp-20261129T120000-1a2b3c4d"
+    partial.mkdir()
+    (partial / WEIGHTS).write_bytes(b"half a file")
+    record = RayRecord(run_dir)
+    monkeypatch.setattr(ray, "train", record)
+
+    with caplog.at_level(logging.INFO, logger="pipeline.train.checkpointer"):
+        state = restored(w)
+    # Epoch 1 goes on after its step 10: the damaged step-20 checkpoint gives way, said so.
+    assert (state.loop.epoch, state.loop.step) == (1, 10)
+    assert all(torch.all(p == 3) for p in state.model.parameters())
+    assert f"{cut.as_posix()} is damaged" in caplog.text
+    assert "resuming from the run's checkpoint before it" in caplog.text
+    # Ray records epoch 0's checkpoint where it is, with its metrics; the kill's copy is gone.
+    assert record.reports == [(0, str(written[(0, None)]))]
+    assert not partial.exists()
+    assert written[(1, 10)].exists() and written[(0, 40)].exists()  # pruned by the next save
+
+    # Ray's record has caught up: nothing more to record on the next restore.
+    record.latest, record.reports = "epoch_0000", []
+    state = restored(w)
+    assert (state.loop.epoch, state.loop.step) == (1, 10) and record.reports == []
+
+    # Every checkpoint damaged: the run is not trained again from scratch without a word.
+    for directory in written.values():
+        (directory / WEIGHTS).write_bytes(b"not a torch file")
+    with pytest.raises(InputError, match=r"has checkpoints, and none of them reads"):
+        restored(w)
 
 
 @pytest.fixture(scope="module")

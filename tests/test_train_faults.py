@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
+import uuid
+from pathlib import Path
 
 import pytest
 from corpus import damage_stored_image
@@ -26,10 +27,8 @@ from harness.cluster import LocalCluster
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.data.dataset import committed_versions, read_manifest
-from pipeline.model.checkpoint import read_meta
-from pipeline.model.runs import (
-    SNAPSHOT,
-)
+from pipeline.model.checkpoint import METADATA, read_meta
+from pipeline.model.runs import SNAPSHOT, STEPS, latest_step_checkpoint, load_result
 
 pytestmark = pytest.mark.slow
 # One worker where what a test proves is not about several: each worker is a process that
@@ -49,37 +48,76 @@ PREPROCESS_OTHER = [
 ]
 
 
-def test_a_kill_between_upload_and_record_trains_the_epoch_again(
+# 481 train images at 16 a step: a checkpoint every 10 steps of an epoch's 30.
+STEPS_OF_TEN = ("epochs=2", "global_batch_size=16", "checkpoint.every_steps=10", ONE_WORKER)
+
+
+def held_upload_and_two_step_checkpoints(cluster, tiny_dataset, tmp_path, name: str, **submit):
+    """A run whose epoch 0 checkpoint is whole on storage and its upload held (Ray not yet told:
+    the `checkpoint_uploaded` point), while rank 0 trains on and writes epoch 1's step-10 and
+    step-20 checkpoints: returns the job, the held worker's pid and the run directory."""
+    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
+    args = (f"name={name}", *STEPS_OF_TEN)
+    job = in_background(
+        train_job, cluster, tiny_dataset, tmp_path, *args, runtime_env=env, **submit
+    )
+    pid = held_worker(marker, job)
+    run = tmp_path / name
+    newest = run / STEPS / "epoch_0001_step_000020"
+    wait_for(lambda: (newest / METADATA).exists() or job.done(), "epoch 1's step-20 checkpoint")
+    assert read_meta(Location.parse(str(run / "epoch_0000"))).epoch == 0
+    assert not (run / SNAPSHOT).exists()  # Ray has recorded nothing
+    return job, pid, run
+
+
+def newest_step_checkpoint(run: Path) -> Path:
+    """The newest whole checkpoint inside an epoch of a run no process of which is training:
+    epoch 1's step-20 checkpoint, or a later one where the loop went on while it was stopped."""
+    newest = latest_step_checkpoint(Location.parse(str(run)))
+    assert newest is not None and newest.name >= "epoch_0001_step_000020", newest
+    return Path(newest.path)
+
+
+def goes_on_from(newest: Path, proc, run: Path) -> None:
+    """The job resumed from `newest`, the newest checkpoint on storage, recorded epoch 0's, and
+    trained each epoch once."""
+    assert proc.returncode == 0, proc.stdout
+    step = int(newest.name.rsplit("_", 1)[1])
+    resumed = f"resumed from checkpoint {newest}: epoch 1, continuing after its step {step}"
+    assert resumed in proc.stdout, proc.stdout
+    assert f"checkpoint {run / 'epoch_0000'} is on storage and not in Ray's record" in proc.stdout
+    assert [r["epoch"] for r in history(run)] == [0, 1]
+    recorded = load_result(Location.parse(str(run)))
+    assert sorted(Path(c.path).name for c, _ in recorded.best_checkpoints) == [
+        "epoch_0000",
+        "epoch_0001",
+    ]
+    assert [m["epoch"] for _, m in recorded.best_checkpoints] == [0, 1]
+    assert list((run / STEPS).iterdir()) == []  # gone once their epochs' checkpoints were in
+
+
+def test_a_kill_while_an_upload_is_unrecorded_goes_on_from_the_newest_checkpoint_on_storage(
     cluster_2cpu, tiny_dataset, tmp_path
 ):
-    run = tmp_path / "orphan"
-    env, marker = armed_runtime_env(tmp_path, faults.CHECKPOINT_UPLOADED)
-    args = ("name=orphan", "epochs=2", "checkpoint.num_to_keep=2", ONE_WORKER)  # keeps epoch_0000
-    job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, runtime_env=env)
-    pid = held_worker(marker, job)
-    # Held inside report: epoch 0's checkpoint is whole on storage, and Ray has no record of
-    # it (it writes its snapshot with the first checkpoint it records).
-    orphan = run / "epoch_0000"
-    assert read_meta(Location.parse(str(orphan))).epoch == 0
-    assert not (run / SNAPSHOT).exists()
-    files = sorted(p.name for p in orphan.iterdir())
-    killed_at = kill_worker(cluster_2cpu, pid)
-    wait_for(lambda: latest_recorded(run) is not None or job.done(), "a checkpoint after it")
-    recovered_s = time.time() - killed_at
-    proc = job.result()
-    assert proc.returncode == 0, proc.stdout
-    done_s = time.time() - killed_at
-    print(f"orphan: kill -> next checkpoint {recovered_s:.0f} s, -> job done {done_s:.0f} s")
-    # Nothing recorded, nothing to resume from: the new workers start from scratch...
-    assert "resumed from checkpoint" not in proc.stdout
-    assert proc.stdout.count("training epochs 0 to 1") == 2
-    assert [r["epoch"] for r in history(run)] == [0, 1]
-    # ...and report epoch 0 under the same name: Ray's upload writes the new checkpoint over the
-    # orphan, file by file, into the existing directory, and records it.
-    assert sorted(p.name for p in orphan.iterdir()) == files
-    assert all(p.stat().st_mtime > killed_at for p in orphan.iterdir())
-    assert read_meta(Location.parse(str(orphan))).metrics == history(run)[0]
-    assert latest_recorded(run) == "epoch_0001"
+    job, pid, run = held_upload_and_two_step_checkpoints(cluster_2cpu, tiny_dataset, tmp_path, "r")
+    kill_worker(cluster_2cpu, pid)
+    newest = newest_step_checkpoint(run)  # before the new workers write one
+    goes_on_from(newest, job.result(), run)
+
+
+def test_a_job_stopped_while_an_upload_is_unrecorded_goes_on_from_it_when_submitted_again(
+    cluster_2cpu, tiny_dataset, tmp_path
+):
+    submission_id = f"train-{uuid.uuid4().hex[:8]}"
+    job, _, run = held_upload_and_two_step_checkpoints(
+        cluster_2cpu, tiny_dataset, tmp_path, "r", submission_id=submission_id
+    )
+    assert cluster_2cpu.stop_job(submission_id) == "STOPPED"
+    job.result()
+    newest = newest_step_checkpoint(run)
+    goes_on_from(
+        newest, train_job(cluster_2cpu, tiny_dataset, tmp_path, "name=r", *STEPS_OF_TEN), run
+    )
 
 
 def test_a_kill_with_max_failures_0_fails_the_job(cluster_2cpu, tiny_dataset, tmp_path):

@@ -225,7 +225,9 @@ def read_meta(checkpoint: Location) -> CheckpointMeta:
         meta = CheckpointMeta.model_validate_json(data)
     except ValidationError as e:  # not JSON, fields missing or of the wrong type
         problems = validation_problems(e)
-        raise InputError(f"{path.uri} is not valid checkpoint metadata ({problems})") from None
+        raise DamagedCheckpoint(
+            f"{path.uri} is not valid checkpoint metadata ({problems})"
+        ) from None
     return meta
 
 
@@ -272,10 +274,20 @@ def load_tensors(file: Location):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        raise InputError(f"{file.uri} is damaged: {first_line(e)}. {_DAMAGED_HINT}") from None
+        raise DamagedCheckpoint(
+            f"{file.uri} is damaged: {first_line(e)}. {_DAMAGED_HINT}"
+        ) from None
 
 
-_DAMAGED_HINT = "Use another checkpoint of the run (its checkpoint_* directories), or train again"
+class DamagedCheckpoint(InputError):
+    """A checkpoint whose files are there but cannot be read: cut short, or changed in place. A
+    resume goes on from the run's checkpoint before it."""
+
+
+_DAMAGED_HINT = (
+    "Use another checkpoint of the run (its epoch_NNNN directories, and those inside an epoch "
+    "below steps/), or train again"
+)
 
 
 def check_weights(checkpoint: Location, meta: CheckpointMeta) -> None:
@@ -288,4 +300,4 @@ def check_weights(checkpoint: Location, meta: CheckpointMeta) -> None:
             with retry(lambda f=file: f.fs.open_input_file(f.path), f"opening {file.uri}") as f:
                 zipfile.ZipFile(f)
         except zipfile.BadZipFile as e:  # torch.save writes a zip archive
-            raise InputError(f"{file.uri} is damaged: {e}. {_DAMAGED_HINT}") from None
+            raise DamagedCheckpoint(f"{file.uri} is damaged: {e}. {_DAMAGED_HINT}") from None

@@ -16,6 +16,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import posixpath
 import re
@@ -95,6 +96,44 @@ def latest_step_checkpoint(run_dir: Location, epoch: int | None = None) -> Locat
         if epoch in (None, found) and directory.child(METADATA).exists():
             return directory
     return None
+
+
+EPOCH_NAME = re.compile(r"epoch_(\d{4,})")
+
+
+def run_checkpoints(run_dir: Location) -> list[tuple[int, int | None, Location]]:
+    """(epoch, step, directory) of the run's whole checkpoints on storage (their metadata, written
+    last, is there), of both kinds, newest first: an epoch's own checkpoint (step None) after
+    those inside it. Whether Ray's record names them or not: Ray records an epoch's checkpoint
+    only once its upload returns, and the loop trains on meanwhile."""
+    found: list[tuple[int, int | None, Location]] = list(step_checkpoints(run_dir))
+    for info in run_dir.list_dirs():
+        if match := EPOCH_NAME.fullmatch(info.base_name):
+            found.append((int(match[1]), None, run_dir.child(info.base_name)))
+    whole = [f for f in found if f[2].child(METADATA).exists()]
+    return sorted(whole, key=lambda f: (f[0], math.inf if f[1] is None else f[1]), reverse=True)
+
+
+def epoch_of(path: str) -> int:
+    """The epoch of an epoch checkpoint's path (`.../epoch_0007`)."""
+    match = EPOCH_NAME.fullmatch(posixpath.basename(path.rstrip("/")))
+    assert match, f"{path} is not an epoch checkpoint's path"
+    return int(match[1])
+
+
+# A checkpoint being written to local disk, or the one it replaces (pipeline.train.saving): left
+# behind by a writer killed midway.
+PARTIAL = re.compile(r"\.epoch_\d{4,}(_step_\d{6,})?\.(tmp|old)-\S+")
+
+
+def remove_partial_writes(run_dir: Location) -> None:
+    """Remove what checkpoint writes killed midway left in the run: called as a new attempt
+    starts, when no writer of the run is alive (a second train job of a run is refused)."""
+    for directory in (run_dir, run_dir.child(STEPS)):
+        for info in directory.list_dirs():
+            if PARTIAL.fullmatch(info.base_name):
+                log.info("removing %s, left by a checkpoint write cut short", info.path)
+                directory.child(info.base_name).delete()
 
 
 def load_result(run_dir: Location) -> ray.train.Result:

@@ -15,11 +15,10 @@ checkpoint is on storage.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,10 +27,12 @@ import ray.train
 import torch
 
 from pipeline.core import faults
+from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import (
     EMA,
     CheckpointMeta,
+    DamagedCheckpoint,
     ModelSpec,
     load_train_state,
     load_weights,
@@ -43,7 +44,9 @@ from pipeline.model.runs import (
     STEPS,
     check_resumable,
     checkpoint_dir_name,
-    latest_step_checkpoint,
+    epoch_of,
+    remove_partial_writes,
+    run_checkpoints,
     step_checkpoints,
     step_dir_name,
 )
@@ -96,6 +99,12 @@ class StepWriter:
         with self.lock:
             self.done_epoch = max(epoch, self.done_epoch if self.done_epoch is not None else -1)
         self.prune()
+
+    def on_storage(self, epoch: int) -> None:
+        """A restored run's epochs up to `epoch` are done: their checkpoints inside them go with
+        the next prune (not now: the other ranks may be reading the run's checkpoints)."""
+        with self.lock:
+            self.done_epoch = max(epoch, self.done_epoch if self.done_epoch is not None else -1)
 
     def prune(self, *, keep: int | None = None) -> None:
         """Remove the checkpoints of epochs whose epoch checkpoints are on storage, and with
@@ -179,57 +188,114 @@ class Checkpointer:
         self.uploaded.set()
         self.state: State | None = None
 
-    @staticmethod
-    def resuming() -> bool:
-        """Whether Ray holds a checkpoint of this run: its weights need not be fetched."""
-        return ray.train.get_checkpoint() is not None
+    def resuming(self) -> bool:
+        """Whether the run has a checkpoint this attempt goes on from: its weights need not be
+        fetched."""
+        return next(self.candidates(), None) is not None
+
+    def candidates(self) -> Iterator[Location]:
+        """The run's whole checkpoints on storage that this attempt can go on from, newest
+        first, whether Ray's record names them yet or not: epoch checkpoints, and checkpoints
+        inside an epoch taken with this seed, global batch and dataset version (what the
+        epoch's order is a function of). Read lazily: a restore reads the newest alone."""
+        for _, step, where in run_checkpoints(self.w.run_dir):
+            if step is None or self.fits(where):
+                yield where
 
     def restore(self, state: State) -> None:
-        """Load into `state` the run's newest checkpoint: the newest whole one inside the epoch
-        after Ray's latest (taken with this seed on this dataset version), else Ray's latest;
-        with none, `state` stays as built. Then `after_step` and `save_epoch` save it."""
+        """Load into `state` the run's newest checkpoint (`candidates`); one that is damaged
+        gives way to the one before it, logged. With none, `state` stays as built. Ray's record
+        is then brought in line with the epoch checkpoints on storage (`record_stored`), and
+        `after_step` and `save_epoch` save the state from here on."""
         self.state = state
-        checkpoint = ray.train.get_checkpoint()
-        held = checkpoint.as_directory() if checkpoint else contextlib.nullcontext()
-        with held as directory:
-            meta = read_meta(Location.parse(directory)) if checkpoint else None
-            inside = self.inside_epoch(meta.epoch + 1 if meta else 0) if self.every else None
-            if inside is not None:
-                self._load(*inside)
-            elif checkpoint:
-                self._load(Location.parse(directory), meta, uri=checkpoint.path)
+        if self.w.rank == 0:
+            remove_partial_writes(self.w.run_dir)
+        damaged: list[str] = []
+        for where in self.candidates():
+            try:
+                meta = read_meta(where)
+                self._load(where, meta)
+            except DamagedCheckpoint as e:
+                damaged.append(where.uri)
+                if self.w.rank == 0:
+                    log.warning("%s: resuming from the run's checkpoint before it", e)
+                continue
+            self.record_stored(resumed=meta)
+            return
+        if damaged:
+            raise InputError(
+                f"run {self.w.run_dir.uri} has checkpoints, and none of them reads "
+                f"({', '.join(damaged)}): pass a new name= to train a new run, or remove the "
+                "damaged ones once their damage is understood"
+            )
 
-    def inside_epoch(self, epoch: int) -> tuple[Location, CheckpointMeta] | None:
-        """The newest whole checkpoint inside `epoch`, if this attempt can go on from it.
-
-        Of `epoch` only: older ones are from before the epoch checkpoint already there; newer
-        ones (the next epoch's, taken while this epoch's checkpoint was being uploaded, which
-        did not get into Ray's record) continue from an epoch that has no checkpoint."""
+    def fits(self, found: Location) -> bool:
+        """Whether this attempt can go on from `found`, a checkpoint inside an epoch: taken with
+        this seed and global batch on this dataset version. One that does not read fits: the
+        restore that tries it says what is wrong with it."""
         w = self.w
-        found = latest_step_checkpoint(w.run_dir, epoch=epoch)
-        if found is None:
-            return None
-        meta = read_meta(found)
+        try:
+            meta = read_meta(found)
+        except DamagedCheckpoint:
+            return True
         said = f"the checkpoint of epoch {meta.epoch} step {meta.step} was taken"
         for key in ("seed", "global_batch_size"):  # what the epoch's order is a function of
             if meta.config[key] != getattr(w.cfg, key):
                 if w.rank == 0:
                     log.warning(
-                        "%s with %s=%s, this attempt has %s=%s: epoch %d starts over from its "
-                        "start (the %s orders its rows)",
+                        "%s with %s=%s, this attempt has %s=%s: it is passed over, and epoch %d "
+                        "starts over from its start (the %s orders its rows)",
                         *(said, key, meta.config[key], key, getattr(w.cfg, key), meta.epoch, key),
                     )
-                return None
+                return False
         if meta.dataset_version != w.manifest.version:
             if w.rank == 0:
                 log.warning(
                     "%s on dataset version %s, this attempt trains on version %s "
-                    "(switch_dataset=true): epoch %d starts over from its start (its rows are "
-                    "another version's)",
+                    "(switch_dataset=true): it is passed over, and epoch %d starts over from its "
+                    "start (its rows are another version's)",
                     *(said, meta.dataset_version, w.manifest.version, meta.epoch),
                 )
-            return None
-        return found, meta
+            return False
+        return True
+
+    def record_stored(self, *, resumed: CheckpointMeta) -> None:
+        """Report to Ray the epoch checkpoints on storage that its record lacks, up to the one
+        `resumed` from (or the epoch before the one it is inside), oldest first, each with its
+        own metrics: their uploads returned after the worker that wrote them was lost, or never
+        did. Ray then ranks and keeps them as if recorded when written. Every rank reports each
+        one, as `save_epoch` does; rank 0 names the checkpoint, which is already in place."""
+        w = self.w
+        done = resumed.epoch if resumed.step is None else resumed.epoch - 1
+        recorded = ray.train.get_checkpoint()
+        last = epoch_of(recorded.path) if recorded is not None else -1
+        stored = [
+            where
+            for epoch, step, where in run_checkpoints(w.run_dir)
+            if step is None and last < epoch <= done
+        ]
+        for where in reversed(stored):
+            metrics = read_meta(where).metrics
+            if w.rank != 0:
+                ray.train.report(metrics)
+                continue
+            log.info(
+                "checkpoint %s is on storage and not in Ray's record (its upload did not "
+                "return): recorded now",
+                where.uri,
+            )
+            storage = ray.train.get_context().get_storage()
+            path = storage.build_checkpoint_path_from_name(where.name)
+            in_place = ray.train.Checkpoint(path, filesystem=storage.storage_filesystem)
+            ray.train.report(
+                metrics,
+                checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp(prefix="epoch-")),
+                checkpoint_dir_name=where.name,
+                checkpoint_upload_fn=lambda _c, _n, found=in_place: found,
+                delete_local_checkpoint_after_upload=True,  # the (empty) directory given here
+            )
+        if self.writer is not None and done >= 0:
+            self.writer.on_storage(done)
 
     def _load(self, where: Location, meta: CheckpointMeta, *, uri: str | None = None) -> None:
         w, uri = self.w, uri or where.uri

@@ -41,15 +41,22 @@ from pipeline.data.dataset import (
     committed_versions,
     read_manifest,
 )
-from pipeline.model.checkpoint import CheckpointMeta, ModelInput, config_score, read_meta
+from pipeline.model.checkpoint import (
+    CheckpointMeta,
+    DamagedCheckpoint,
+    ModelInput,
+    config_score,
+    read_meta,
+)
 from pipeline.model.runs import (
     RUN_SUMMARY,
     DivergedRun,
     check_resumable,
+    epoch_of,
     latest_checkpoint,
-    latest_step_checkpoint,
     mark_training,
     resume_changes,
+    run_checkpoints,
     write_reports,
 )
 from pipeline.train.config import TrainConfig, is_hook
@@ -91,12 +98,34 @@ def pick_dataset_version(
     return wanted
 
 
+def recorded_latest(run_dir: Location) -> tuple[Location | None, CheckpointMeta | None]:
+    """Ray's latest checkpoint of the run and its metadata; where that metadata is damaged, the
+    newest epoch checkpoint before it that reads (the workers go on from there)."""
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        return None, None
+    try:
+        return latest, read_meta(latest)
+    except DamagedCheckpoint as e:
+        log.warning("%s: the run goes on from the checkpoint before it", e)
+    for epoch, step, where in run_checkpoints(run_dir):
+        if step is None and epoch < epoch_of(latest.path):
+            with contextlib.suppress(DamagedCheckpoint):
+                return where, read_meta(where)
+    return None, None
+
+
 def newest_meta(run_dir: Location, meta: CheckpointMeta | None) -> CheckpointMeta | None:
-    """The metadata of the run's newest checkpoint of either kind: one inside the epoch after
-    the epoch checkpoint `meta` (a run stopped mid-epoch, inside its first perhaps, before any
-    epoch checkpoint), else `meta`. Its dataset version is the one the run goes on with."""
-    inside = latest_step_checkpoint(run_dir, epoch=0 if meta is None else meta.epoch + 1)
-    return read_meta(inside) if inside is not None else meta
+    """The metadata of the run's newest whole checkpoint on storage, of either kind, that reads
+    (the workers resume from it: pipeline.train.checkpointer), else `meta`, that of Ray's latest.
+    It may be newer than Ray's latest: a run stopped mid-epoch, or while an epoch's checkpoint
+    was uploading. Its dataset version is the one the run goes on with."""
+    for _, _, where in run_checkpoints(run_dir):
+        try:
+            return read_meta(where)
+        except DamagedCheckpoint as e:
+            log.warning("%s: the run goes on from the checkpoint before it", e)
+    return meta
 
 
 def with_partitions(cfg: TrainConfig, newest: CheckpointMeta | None) -> TrainConfig:
@@ -240,8 +269,7 @@ def _train(
 ) -> dict:
     started = time.monotonic()
     run_dir = runs.child(cfg.name)
-    latest = latest_checkpoint(run_dir)
-    meta = read_meta(latest) if latest is not None else None
+    latest, meta = recorded_latest(run_dir)
     if meta is not None:
         cfg = recorded_mode(cfg, meta.config)  # a resume keeps the run's: resume_changes checks
     cfg = with_partitions(cfg, newest_meta(run_dir, meta))
