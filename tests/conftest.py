@@ -285,13 +285,37 @@ def pytest_xdist_make_scheduler(config, log):
             collection = self.registered_collections[node]
             node.send_runtest_some([collection.index(i) for i, done in work.items() if not done])
 
+        def remove_node(self, node) -> str | None:
+            """A worker that crashed (a test past its timeout ends its process): xdist reports
+            the test it was running as failed, and the rest of its unit goes to the next worker
+            free, the crashed test not again (xdist's own puts it back: a hang would crash one
+            worker after another)."""
+            workload = self.assigned_work.pop(node)
+            pending = [i for unit in workload.values() for i, done in unit.items() if not done]
+            if not pending:
+                return None
+            crashed = pending[0]  # a worker runs its unit's tests in order
+            for scope, unit in workload.items():
+                if crashed in unit:
+                    unit[crashed] = True
+                if not all(unit.values()):
+                    self.workqueue[scope] = unit
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
         def _reschedule(self, node) -> None:
-            if node.shutting_down:
-                return
-            if self._next_unit(node) is None:
-                node.shutdown()
-            elif self._pending_of(self.assigned_work[node]) <= 2:  # xdist's: work in hand
-                self._assign_work_unit(node)
+            """Units for `node` until it holds more than two tests (xdist's: work in hand), or
+            none are left for it and it is told to finish. A worker starts a test only once it
+            holds the next one or is told to finish: a worker that replaced a crashed one, given
+            a unit of one test, would otherwise wait for ever."""
+            while not node.shutting_down:
+                if self._next_unit(node) is None:
+                    node.shutdown()
+                elif self._pending_of(self.assigned_work[node]) <= 2:
+                    self._assign_work_unit(node)
+                else:
+                    return
 
     return UnitScheduling(config, log)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import faulthandler
 import io
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -310,19 +312,41 @@ def start_task(cmd: list[str], cluster: LocalCluster) -> tuple[subprocess.Popen,
     return proc, lines, in_background(read)
 
 
+# How long `ray.init` may take in all before the test's process is ended with every thread's
+# stack: under load it once waited 12 minutes inside Ray's core worker, where no Python timeout
+# reaches.
+RAY_INIT_LIMIT_S = 300
+
+
 def local_ray(attempts: int = 4) -> None:
     """`ray.init` of an in-process Ray instance of 2 CPUs. Ray waits a fixed 30 s for its raylet
-    to register, which a loaded machine can exceed: it is started again, up to `attempts`."""
+    to register, which a loaded machine can exceed: it is started again, up to `attempts`. A start
+    that takes longer than RAY_INIT_LIMIT_S in all ends the process, stacks first (xdist reports
+    the test failed and goes on with a new worker)."""
     import ray
 
-    for attempt in range(1, attempts + 1):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-            return
-        except Exception as e:
-            if attempt == attempts or "timed out during startup" not in str(e):
-                raise
-            ray.shutdown()
+    watchdog = threading.Timer(RAY_INIT_LIMIT_S, stacks_and_exit, ["ray.init", RAY_INIT_LIMIT_S])
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        for attempt in range(1, attempts + 1):
+            try:
+                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+                return
+            except Exception as e:
+                if attempt == attempts or "timed out during startup" not in str(e):
+                    raise
+                ray.shutdown()
+    finally:
+        watchdog.cancel()
+
+
+def stacks_and_exit(what: str, limit_s: float) -> None:
+    """Every thread's stack to stderr, then end the process: `what` took over `limit_s`."""
+    print(f"{what} still waiting after {limit_s:.0f} s: ending this process", file=sys.__stderr__)
+    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    sys.__stderr__.flush()
+    os._exit(1)
 
 
 def generated_dataset(out: Path, *overrides: str):
