@@ -57,6 +57,7 @@ from pipeline.model.checkpoint import (
 from pipeline.model.runs import RUN_FORMAT, RUN_SUMMARY, SNAPSHOT, mark_training, resume_changes
 from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
+from pipeline.train import run_lock
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import check_dataset, check_hooks, check_model, pick_dataset_version
 from pipeline.train.torch_input import RowGroupStream
@@ -402,6 +403,16 @@ def newer_run(tmp_path, _):
     resolve_checkpoint(Location.parse(str(tmp_path)))
 
 
+def held_run(tmp_path, dataset):
+    """A train job's run that another live train job holds (pipeline.train.run_lock)."""
+    run = Location.parse(str(tmp_path / "runs" / "r"))
+    os.makedirs(run.path)
+    holder = {"job_id": "01000000", "started_ms": 1, "submission_id": "raysubmit_first"}
+    run.child(run_lock.LOCK).write_bytes(json.dumps({**holder, "host": "h", "since": 0}).encode())
+    me = {"job_id": "02000000", "started_ms": 2, "submission_id": None}
+    run_lock.take(run, me, lambda job: job["job_id"] == "01000000", ending_s=0)
+
+
 def training_run(tmp_path, _):
     run = Location.parse(str(tmp_path / "run"))
     run.child(SNAPSHOT).write_bytes(b"{}")
@@ -623,6 +634,13 @@ CASES = [
         "this run cannot resume with these changes:\n  checkpoint.metric: val_accuracy -> "
         "val_loss (the checkpoints kept so far were chosen by the run's metric",
         changed_metric,
+    ),
+    Case(
+        "a train job of a run that another train job still trains (wait for it, or "
+        "`ray job stop <id>` it and submit again to resume)",
+        2,
+        "run <path> is being trained by train job <id> (on <host> since <time>)",
+        held_run,
     ),
     Case(
         "an inference `model=` run that a train job trains again",
@@ -1005,6 +1023,14 @@ CASES = [
         cut_weights,
         cli=cut_weights_given,
         on_cluster=True,
+    ),
+    Case(
+        "a run none of whose checkpoints reads (each cut short or changed in place): a resume "
+        "goes on from the newest one that reads, and never starts the run over",
+        1,
+        "run <path> has checkpoints, and none of them reads",
+        test="tests/test_steps.py::"
+        "test_a_resume_goes_on_from_the_newest_checkpoint_on_storage_and_brings_rays_record_in_line",
     ),
     Case(
         "a dataset of other classes than the checkpoint resumed",
