@@ -91,6 +91,19 @@ def test_a_job_ends_holding_no_lock_it_lost(tmp_path, quick):
     assert read_lock(run)["job_id"] == "02000000"
 
 
+def test_a_job_refused_before_it_trains_leaves_no_run_behind(tmp_path, quick):
+    # A new run's job that stops at a pre-flight check: the directory its lock made goes with
+    # the lock; a run that was there before stays.
+    run = Location.parse(str(tmp_path / "r"))
+    with pytest.raises(ConfigError), hold_run(run, me=job("01000000"), alive=lambda j: False):
+        raise ConfigError("a pre-flight check")
+    assert not (tmp_path / "r").exists()
+    (tmp_path / "r").mkdir()
+    with hold_run(run, me=job("01000000"), alive=lambda j: False):
+        pass
+    assert (tmp_path / "r").is_dir()
+
+
 # --- two train drivers of one Ray instance ------------------------------------------------------
 
 # A second driver of the test's Ray instance that trains run `held` (its workers stood in for:

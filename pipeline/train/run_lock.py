@@ -84,6 +84,7 @@ def hold_run(
     """Within: this job (`me`, default `this_job()`) holds the run. A run another live job
     (`alive`, default `job_alive`) holds raises ConfigError, naming that job and how to go on."""
     me, alive = me or this_job(), alive or job_alive
+    new = not run_dir.exists()  # a job refused before it trains leaves no run behind
     take(run_dir, me, alive, ending_s=ENDING_S)
     if me["job_id"] is not None:  # outside Ray no other job can be told apart from this one
         time.sleep(SETTLE_S)
@@ -94,6 +95,8 @@ def hold_run(
         yield me
     finally:
         release(run_dir, me)
+        if new and run_dir.is_dir() and not run_dir.list_dirs() and not run_dir.list_files():
+            run_dir.delete()
 
 
 def take(run_dir: Location, me: dict, alive: Callable[[dict], bool], *, ending_s: float) -> None:
