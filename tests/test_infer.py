@@ -163,9 +163,13 @@ def test_a_run_that_fails_leaves_the_previous_output_as_it_was(
     # and the run fails partway, with predictions of other shards perhaps staged already.
     out = tmp_path / "out"
     shutil.copytree(val_predictions[0], out)
-    before = committed(out)
     broken = tmp_path / "broken"
     shutil.copytree(tiny_dataset, broken)
+    # The output of an earlier run on this input (the dataset before its damage): an output
+    # holds the predictions of one input.
+    summary = json.loads((out / SUMMARY).read_text())
+    (out / SUMMARY).write_text(json.dumps({**summary, "input": str(broken)}, indent=2))
+    before = committed(out)
     shards = sorted(broken.glob("data/*/val/*.parquet"))
     damaged = bytearray(shards[-1].read_bytes())
     damaged[4:68] = b"\xff" * 64  # past the leading magic bytes: the first page's header

@@ -34,8 +34,8 @@ from pipeline.data.dataset import (
 from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import parity_dataset
 from pipeline.model.checkpoint import save_checkpoint
+from pipeline.model.runs import STEPS, checkpoint_dir_name, step_dir_name
 from pipeline.model.source import trained_version
-from pipeline.train.checkpointer import STEPS, step_dir_name
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import newest_meta, pick_dataset_version
 
@@ -218,9 +218,13 @@ def test_a_run_stopped_inside_its_first_epoch_goes_on_with_that_checkpoints_vers
     assert (pinned.epoch, pinned.step, pinned.dataset_version) == (0, 4, OLDER)
     with pytest.raises(ConfigError, match=rf"trained on version {OLDER} .* which is still stored"):
         pick_dataset_version(train_config(tmp_path), root, pinned, run=run.uri)
-    # Once epoch 0 has its checkpoint, the one inside it is older than that.
+    # Once epoch 0 has its checkpoint on storage, the one inside it is older than that, whether
+    # or not Ray has recorded it yet.
     after = checkpoint_meta(epoch=0, dataset_version=NEWER)
-    assert newest_meta(run, after) is after
+    epoch_0 = Path(run.child(checkpoint_dir_name(0)).path)
+    epoch_0.mkdir()
+    save_checkpoint(epoch_0, {}, after, {})
+    assert newest_meta(run, None) == after
 
 
 def test_a_dataset_is_the_same_however_its_path_is_spelled(tmp_path, monkeypatch):
