@@ -15,6 +15,7 @@ checkpoint is on storage.
 
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 import threading
@@ -188,6 +189,12 @@ class Checkpointer:
         self.uploaded.set()
         self.state: State | None = None
 
+    @functools.cached_property
+    def stored(self) -> list[tuple[int, int | None, Location]]:
+        """The run's whole checkpoints on storage (runs.run_checkpoints), listed once: as an
+        attempt starts, no writer of the run is alive to add one."""
+        return run_checkpoints(self.w.run_dir)
+
     def resuming(self) -> bool:
         """Whether the run has a checkpoint this attempt goes on from: its weights need not be
         fetched."""
@@ -198,7 +205,7 @@ class Checkpointer:
         first, whether Ray's record names them yet or not: epoch checkpoints, and checkpoints
         inside an epoch taken with this seed, global batch and dataset version (what the
         epoch's order is a function of). Read lazily: a restore reads the newest alone."""
-        for _, step, where in run_checkpoints(self.w.run_dir):
+        for _, step, where in self.stored:
             if step is None or self.fits(where):
                 yield where
 
@@ -270,9 +277,7 @@ class Checkpointer:
         recorded = ray.train.get_checkpoint()
         last = epoch_of(recorded.path) if recorded is not None else -1
         stored = [
-            where
-            for epoch, step, where in run_checkpoints(w.run_dir)
-            if step is None and last < epoch <= done
+            where for epoch, step, where in self.stored if step is None and last < epoch <= done
         ]
         for where in reversed(stored):
             metrics = read_meta(where).metrics

@@ -272,7 +272,8 @@ def _train(
     latest, meta = recorded_latest(run_dir)
     if meta is not None:
         cfg = recorded_mode(cfg, meta.config)  # a resume keeps the run's: resume_changes checks
-    cfg = with_partitions(cfg, newest_meta(run_dir, meta))
+    newest = newest_meta(run_dir, meta)
+    cfg = with_partitions(cfg, newest)
     changes = resume_changes(meta.config, cfg) if meta is not None else []
     if meta is not None:
         for change in changes:
@@ -290,7 +291,7 @@ def _train(
             if tracking is not None:
                 tracking.finish(run_dir, summary)
             return summary
-    version = pick_dataset_version(cfg, dataset, newest_meta(run_dir, meta), run=run_dir.uri)
+    version = pick_dataset_version(cfg, dataset, newest, run=run_dir.uri)
     manifest = check_dataset(cfg, dataset, version)
     if meta is not None:
         check_resumable(meta, manifest, checkpoint=latest.uri, dataset=dataset.uri)
