@@ -24,8 +24,8 @@ from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 # unpacks a downloaded one into (its name from the URI), or a local:// one's own path.
 from ray._private.runtime_env.packaging import get_local_dir_from_uri, get_local_dir_uri_path
 
-# The capacity wait's, as above; and inference's resume (pipeline.infer.batch), which asks the
-# GCS's job table whether the job that wrote a partial version still runs.
+# The capacity wait's, as above; and the job table's readers (pipeline.core.job_table), which
+# ask the GCS whether the job that holds a run or wrote a partial version still runs.
 from ray._private.state import state as gcs_state
 from ray.autoscaler.v2.sdk import get_cluster_resource_state
 from ray.autoscaler.v2.utils import is_autoscaler_v2

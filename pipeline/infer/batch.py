@@ -24,9 +24,9 @@ import torch
 
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.errors import InputError
+from pipeline.core.job_table import job_running, job_started_ms
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.plots import plot_confusion
-from pipeline.core.ray_internals import gcs_state
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError, decode_image
 from pipeline.infer.config import InferConfig
@@ -310,17 +310,13 @@ def this_job() -> dict:
     """The running job, as Ray's job table names it: its id, and its start to tell it from a job
     of the same id on another cluster."""
     job_id = ray.get_runtime_context().get_job_id()
-    started = next((j["StartTime"] for j in gcs_state.job_table() if j["JobID"] == job_id), None)
-    return {"id": job_id, "started_ms": started}
+    return {"id": job_id, "started_ms": job_started_ms(job_id)}
 
 
 def job_alive(job: dict) -> bool:
     """Whether `job` (this_job's record) still runs on this cluster. A job of another cluster
     counts as ended: one inference job per output at a time (docs/infer.md)."""
-    return any(
-        j["JobID"] == job.get("id") and j["StartTime"] == job.get("started_ms") and not j["IsDead"]
-        for j in gcs_state.job_table()
-    )
+    return job_running(job.get("id"), job.get("started_ms"))
 
 
 def driver_usage() -> dict:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import ray
 
 from pipeline.core.errors import ConfigError
-from pipeline.core.ray_internals import gcs_state
+from pipeline.core.job_table import job_running, job_started_ms
 from pipeline.core.storage import Location
 from pipeline.model.runs import job_holder
 
@@ -40,10 +40,7 @@ def this_job() -> dict:
     job = {"job_id": None, "started_ms": None, **job_holder(), "since": time.time()}
     if ray.is_initialized():
         job_id = ray.get_runtime_context().get_job_id()
-        started = next(
-            (j["StartTime"] for j in gcs_state.job_table() if j["JobID"] == job_id), None
-        )
-        job.update(job_id=job_id, started_ms=started)
+        job.update(job_id=job_id, started_ms=job_started_ms(job_id))
     return job
 
 
@@ -51,10 +48,7 @@ def job_alive(job: dict) -> bool:
     """Whether the job a lock names still runs on this cluster (none can be asked outside Ray)."""
     if job.get("job_id") is None or not ray.is_initialized():
         return False
-    return any(
-        j["JobID"] == job["job_id"] and j["StartTime"] == job.get("started_ms") and not j["IsDead"]
-        for j in gcs_state.job_table()
-    )
+    return job_running(job["job_id"], job.get("started_ms"))
 
 
 def same_job(a: dict, b: dict) -> bool:
