@@ -23,10 +23,13 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt) $(LOCK)
 lock: $(STAMP)
 	$(PY) -m scripts.lock $(if $(UPGRADE),--upgrade)
 
-## platforms/: the Anyscale and KubeRay files, written from runtime_env.yaml, the lock, configs/
-## and cluster.yaml (docs/anyscale.md, docs/kubernetes.md); tests/test_platforms.py checks them.
+## platforms/: the Anyscale and KubeRay files and the Dockerfile, rendered from a values file
+## (default platforms/values.yaml, the documented example; docs/platforms.md):
+## `make platforms VALUES=team.yaml OUT=~/ray-cv-platforms`.
+VALUES ?= platforms/values.yaml
+OUT    ?= platforms
 platforms: $(STAMP)
-	$(PY) -m scripts.platforms
+	$(PY) -m scripts.platforms --values $(VALUES) --out $(OUT)
 
 ## Start a local Ray cluster, submit the jobs to it with `ray job submit`, stop it.
 demo: $(STAMP)

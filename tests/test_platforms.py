@@ -1,7 +1,9 @@
-"""The Anyscale and KubeRay files under platforms/, checked by what can check them here: they are
-what `make platforms` writes now; their entrypoints load with the jobs' own config loading;
-the KubeRay manifests validate against the pinned CRDs (OpenAPI schema, unknown fields, CEL
-rules); the Anyscale files load with the `anyscale` package's own models (its own venv)."""
+"""The Anyscale and KubeRay files, rendered from a team's values, checked by what can check them
+here: the committed files are the rendering of platforms/values.yaml; a team's values reach
+every pod (namespace, registry, nodes, /dev/shm, GPUs); their entrypoints load with the jobs'
+own config loading; the KubeRay files validate against the pinned CRDs (OpenAPI schema, unknown
+fields, CEL rules), the operator's own rules and Kubernetes' schemas; the Anyscale files load
+with the `anyscale` package's own models (its own venv). tests/test_platform_jobs.py runs them."""
 
 from __future__ import annotations
 
@@ -10,10 +12,9 @@ import hashlib
 import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
-import celpy
-import jsonschema
 import pytest
 import yaml
 
@@ -22,62 +23,284 @@ from jobs.submit import BUNDLE_ROOT, CONFIGS
 from pipeline.core.config import validate_config
 from pipeline.core.errors import ConfigError
 from pipeline.serve.config import ServeConfig
-from scripts.platforms import OUT, main
+from scripts.platforms.__main__ import main
+from scripts.platforms.render import EXAMPLE, OUT
+from scripts.platforms.validate import CRDS, KINDS, Refused, check, check_crd, documents
+from scripts.platforms.values import load_values
 
-CRDS = OUT / "kuberay" / "crds"
-KINDS = {"RayJob": "rayjobs", "RayService": "rayservices", "RayCronJob": "raycronjobs"}
 ARTIFACTS = "s3://anyscale-artifacts/org_1/cld_1/artifact_storage"  # as Anyscale sets it
+# A team's values, as a platform team on GKE writes them.
+TEAM = {
+    "name": "vision",
+    "storage": "gs://acme-ml/vision",
+    "image": {
+        "registry": "europe-docker.pkg.dev/acme/ml",
+        "repository": "vision-ray",
+        "tag": "2026.11.1",
+        "pull_secrets": ["acme-registry"],
+    },
+    "head": {"cpus": 4, "memory_gi": 16, "instance_types": {"gcp": "n2-standard-8"}},
+    "worker_groups": [
+        {
+            "name": "cpu",
+            "cpus": 15,
+            "memory_gi": 60,
+            "max_nodes": 8,
+            "instance_types": {"gcp": "n2-standard-16"},
+        },
+        {
+            "name": "l4",
+            "cpus": 7,
+            "memory_gi": 28,
+            "gpus": 1,
+            "max_nodes": 4,
+            "instance_types": {"gcp": "g2-standard-8"},
+            "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
+            "tolerations": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}],
+        },
+    ],
+    "jobs": {
+        "set": [
+            "train.epochs=30",
+            "train.model.name=custom_model.tiny_cnn:build",
+            "train.model.weights=null",
+        ]
+    },
+    "package": {"path": "examples/custom_model"},
+    "kubernetes": {
+        "namespace": "ml-vision",
+        "service_account": "vision-runner",
+        "node_selector": {"pool": "ml"},
+        "tolerations": [{"key": "dedicated", "value": "ml", "effect": "NoExecute"}],
+        "priority_class": "batch-low",
+        "ray_cron_job": True,
+    },
+    "anyscale": {"cloud": "acme-gcp", "storage": "gs://acme-ml/vision-anyscale"},
+}
 
 
-def platform_files() -> list[Path]:
-    """Every committed file under platforms/ but the vendored CRDs."""
-    return sorted(p for p in OUT.rglob("*") if p.is_file() and CRDS not in p.parents)
+def render(tmp_path: Path, values: dict, *overrides: str) -> Path:
+    """The files `make platforms VALUES=<values>` writes, under tmp_path/out."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    out = tmp_path / "out"
+    assert main(["--values", str(path), "--out", str(out), *overrides]) == 0
+    return out
+
+
+def files(root: Path) -> list[Path]:
+    """Every rendered file under root (not the vendored CRDs nor the values)."""
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and CRDS not in p.parents and p != root / EXAMPLE.name
+    )
+
+
+def manifests(root: Path) -> list[dict]:
+    """Every object of the KubeRay files, and the RayJob a ConfigMap holds for the CronJob."""
+    found = [d for p in sorted((root / "kuberay").glob("*.yaml")) for d in documents(p)]
+    for d in list(found):
+        if d["kind"] == "ConfigMap":
+            found += [yaml.safe_load(text) for text in d["data"].values()]
+    return found
+
+
+def clusters(root: Path) -> list[dict]:
+    """The RayCluster spec of every RayJob, RayCronJob and RayService."""
+    specs = [m["spec"] for m in manifests(root) if m["apiVersion"] == "ray.io/v1"]
+    specs = [s.get("jobTemplate", s) for s in specs]
+    return [s.get("rayClusterSpec") or s["rayClusterConfig"] for s in specs]
+
+
+def anyscale_jobs(root: Path) -> list[tuple[Path, dict]]:
+    """(file, job config) of every Anyscale job file and the schedule's."""
+    found = [(p, load(p)) for p in sorted((root / "anyscale" / "jobs").glob("*.yaml"))]
+    schedule = root / "anyscale" / "schedule.yaml"
+    return [*found, (schedule, load(schedule)["job_config"])]
 
 
 def load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def manifests() -> list[Path]:
-    return sorted((OUT / "kuberay").glob("*.yaml"))
-
-
-def anyscale_jobs() -> list[tuple[Path, dict]]:
-    """(file, job config) of every Anyscale job file and schedule."""
-    found = [(p, load(p)) for p in sorted((OUT / "anyscale" / "jobs").glob("*.yaml"))]
-    return found + [(p, load(p)["job_config"]) for p in (OUT / "anyscale").glob("*schedule.yaml")]
-
-
 # One source of truth ----------------------------------------------------------------------------
 
 
-def test_committed_files_are_what_make_platforms_writes(tmp_path):
-    main(["--out", str(tmp_path)])
-    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    assert written == [p.relative_to(OUT) for p in platform_files()], (
+def test_committed_files_are_the_rendering_of_the_example_values(tmp_path):
+    assert main(["--out", str(tmp_path)]) == 0
+    written = [p.relative_to(tmp_path) for p in files(tmp_path)]
+    assert written == [p.relative_to(OUT) for p in files(OUT)], (
         "platforms/ holds other files than `make platforms` writes: run it, commit the result"
     )
     for path in written:
         assert (OUT / path).read_text() == (tmp_path / path).read_text(), (
-            f"platforms/{path} is not what `make platforms` writes from runtime_env.yaml, "
-            "requirements/cluster.lock, configs/ and cluster.yaml now: run it, commit the result"
+            f"platforms/{path} is not what `make platforms` renders from platforms/values.yaml, "
+            "runtime_env.yaml, requirements/cluster.lock and configs/ now: run it, commit it"
         )
 
 
-def test_the_files_carry_runtime_env_and_the_lock():
-    runtime_env = load(BUNDLE_ROOT / "runtime_env.yaml")
-    for path, job in anyscale_jobs():
-        assert {k: job[k] for k in runtime_env} == runtime_env, path
-    for path in manifests():
-        spec = load(path)["spec"]
+def test_every_key_of_the_values_is_in_the_example_and_the_docs():
+    from pipeline.core.config import describe_keys
+    from scripts.platforms.values import Values
+
+    example = yaml.safe_load(EXAMPLE.read_text())
+    docs = (BUNDLE_ROOT / "docs" / "platforms.md").read_text()
+    for key, *_ in describe_keys(Values):
+        assert key.split(".")[0] in example, f"platforms/values.yaml has no {key}"
+        assert f"`{key}`" in docs, f"docs/platforms.md says nothing of {key}"
+
+
+# A team's values, everywhere ----------------------------------------------------------------------
+
+
+def test_a_teams_values_reach_every_pod(tmp_path):
+    out = render(tmp_path, TEAM)
+    objects = manifests(out)
+    assert {m["metadata"]["namespace"] for m in objects} == {"ml-vision"}
+    ray_pods = 0
+    for cluster in clusters(out):
+        head = cluster["headGroupSpec"]
+        for group in [head, *cluster["workerGroupSpecs"]]:
+            pod = group["template"]["spec"]
+            (container,) = pod["containers"]
+            ray_pods += 1
+            assert pod["serviceAccountName"] == "vision-runner"
+            assert pod["priorityClassName"] == "batch-low"
+            assert pod["imagePullSecrets"] == [{"name": "acme-registry"}]
+            assert pod["nodeSelector"]["pool"] == "ml"
+            assert {
+                "key": "dedicated",
+                "operator": "Equal",
+                "value": "ml",
+                "effect": "NoExecute",
+            } in (pod["tolerations"])
+            # A memory-backed /dev/shm of half the pod's memory.
+            memory = int(container["resources"]["limits"]["memory"].removesuffix("Gi"))
+            (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+            assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{memory * 512}Mi"}
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+            gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+            if group is not head and group["groupName"] == "l4":
+                assert gpus == "1" and container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+                assert (
+                    container["image"] == "europe-docker.pkg.dev/acme/ml/vision-ray:2026.11.1-gpu"
+                )
+                assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-l4"
+                assert {
+                    "key": "nvidia.com/gpu",
+                    "operator": "Equal",
+                    "value": "present",
+                    "effect": "NoSchedule",
+                } in (pod["tolerations"])
+            else:
+                assert gpus is None
+                assert container["image"] == "europe-docker.pkg.dev/acme/ml/vision-ray:2026.11.1"
+    # 6 RayJobs, the CronJob's RayJob, the RayCronJob, the RayService: a head and two groups.
+    assert ray_pods == (len(CONFIGS) + 3) * 3
+    # The storage and the team's package in every job; the package as py_modules.
+    for m in objects:
+        spec = m.get("spec", {})
         spec = spec.get("jobTemplate", spec)
-        if "runtimeEnvYAML" in spec:
-            assert yaml.safe_load(spec["runtimeEnvYAML"]) == runtime_env, path
-    lock = (BUNDLE_ROOT / "requirements" / "cluster.lock").read_text()
-    (ray,) = [line.split("==")[1].split()[0] for line in lock.splitlines() if line[:5] == "ray=="]
-    assert f"FROM rayproject/ray:{ray}-" in (OUT / "kuberay" / "Dockerfile").read_text()
-    pins = (OUT / "anyscale" / "requirements.txt").read_text()
-    assert f"\nray=={ray}\n" in pins and "--hash" not in pins
+        if "entrypoint" in spec:
+            assert "gs://acme-ml/vision/" in spec["entrypoint"]
+            env = yaml.safe_load(spec["runtimeEnvYAML"])
+            assert env["py_modules"] == ["./examples/custom_model"]
+    dockerfile = (out / "Dockerfile").read_text()
+    assert "COPY examples/custom_model examples/custom_model\n" in dockerfile
+    assert "-t europe-docker.pkg.dev/acme/ml/vision-ray:2026.11.1-gpu ." in dockerfile
+    assert "BASE=anyscale/ray:" in dockerfile and "-cu128 -t " in dockerfile
+    # Anyscale: the GCP compute configs only, the cloud, the CUDA image, the bucket.
+    assert sorted(p.name for p in (out / "anyscale").glob("compute-*")) == [
+        "compute-gcp-spot.yaml",
+        "compute-gcp.yaml",
+    ]
+    assert load(out / "anyscale" / "compute-gcp.yaml")["cloud"] == "acme-gcp"
+    for path, job in anyscale_jobs(out):
+        assert job["image_uri"].endswith(":2026.11.1-anyscale"), path
+        assert job["registry_login_secret"] == "acme-registry"
+        assert job["py_modules"] == ["./examples/custom_model"]
+        assert "gs://acme-ml/vision-anyscale/" in job["entrypoint"]
+    service = load(out / "anyscale" / "service.yaml")
+    assert service["applications"][0]["args"]["allow_modules"] == ["custom_model"]
+
+
+def test_no_node_installs_packages_when_it_starts(tmp_path):
+    for out in (OUT, render(tmp_path, TEAM)):
+        for path, job in anyscale_jobs(out):
+            assert "requirements" not in job and "containerfile" not in job, path
+        assert "requirements" not in load(out / "anyscale" / "service.yaml")
+        for m in manifests(out):
+            spec = m.get("spec", {})
+            spec = spec.get("jobTemplate", spec)
+            env = yaml.safe_load(spec.get("runtimeEnvYAML", "{}"))
+            assert not {"pip", "uv", "conda"} & set(env), m["metadata"]
+        lock = (BUNDLE_ROOT / "requirements" / "cluster.lock").read_text()
+        (ray,) = re.findall(r"^ray==([\w.]+)", lock, re.MULTILINE)
+        dockerfile = (out / "Dockerfile").read_text()
+        assert f"ARG BASE=rayproject/ray:{ray}-py310\n" in dockerfile
+        assert (
+            "RUN pip install --no-cache-dir --require-hashes -r /tmp/cluster.lock\n" in dockerfile
+        )
+
+
+def test_the_example_has_a_cuda_image_where_a_group_has_gpus(tmp_path):
+    example = yaml.safe_load(EXAMPLE.read_text())
+    for cluster in clusters(OUT):
+        for group in cluster["workerGroupSpecs"]:
+            (container,) = group["template"]["spec"]["containers"]
+            gpus = "nvidia.com/gpu" in container["resources"]["limits"]
+            assert container["image"].endswith("-gpu") == gpus
+    assert "anyscale/ray:" in (OUT / "Dockerfile").read_text()
+    cpu_only = example | {"worker_groups": example["worker_groups"][:1]}
+    dockerfile = (render(tmp_path, cpu_only) / "Dockerfile").read_text()
+    assert "-cu128" not in dockerfile and "-gpu " not in dockerfile
+
+
+# Values the platform refuses fail when rendered, naming the value --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"storage": "/mnt/shared/ray-cv"}, "storage: '/mnt/shared/ray-cv' is not a bucket URI"),
+        ({"name": "vision-team-of-the-computer-vision-group"}, "values name='vision-team-of-"),
+        ({"kubernetes": {"namespace": "ML_Vision"}}, "kubernetes.namespace: 'ML_Vision'"),
+        (
+            {"image": {"registry": "acme registry"}},
+            "image: 'acme registry/vision-ray:2026.11.1' is no image",
+        ),
+        ({"jobs": {"schedule": "nightly"}}, "jobs.schedule: 'nightly' is not a cron"),
+        ({"jobs": {"set": ["train.epochz=3"]}}, "epochz"),
+        ({"package": {"path": "teamnet"}}, "package.path: teamnet is not below the bundle root"),
+    ],
+)
+def test_a_value_the_platform_refuses_fails_when_rendered_naming_it(
+    tmp_path, change, named, capsys
+):
+    values = {k: copy.deepcopy(v) for k, v in TEAM.items()}
+    for key, value in change.items():
+        values[key] = values[key] | value if isinstance(value, dict) else value
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    assert main(["--values", str(path), "--out", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert named in error and error.count("\n") == 1, error
+    assert not (tmp_path / "out").exists(), "a refused rendering wrote files"
+
+
+def test_a_refused_manifest_names_the_value_it_came_from():
+    values = load_values(EXAMPLE, ["kubernetes.service_account=runner"])
+    manifest = yaml.safe_load((OUT / "kuberay" / "rayjob-train.yaml").read_text())
+    manifest["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"][
+        "serviceAccountName"
+    ] = 7
+    with pytest.raises(Refused, match="serviceAccountName"):
+        check(manifest)
+    from scripts.platforms.render import blame
+
+    assert blame(values, Refused(".x", "too long", "ray-cv-preprocess")) == "name"
+    assert blame(values, Refused(".x", "bad", "runner")) == "kubernetes.service_account"
 
 
 # Entrypoints and the jobs' own config loading ---------------------------------------------------
@@ -94,6 +317,13 @@ def is_operator(word: str) -> bool:
     return bool(word) and set(word) <= set("();<>|&")
 
 
+def expand(line: str) -> str:
+    """`line` with its ${NAME:?message} and $NAME expanded from the environment, as sh does;
+    KeyError for an unset one."""
+    line = re.sub(r"\$\{(\w+):\?[^}]*\}", lambda m: os.environ[m[1]], line)
+    return re.sub(r"\$(\w+)", lambda m: os.environ[m[1]], line)
+
+
 def check_entrypoint(entrypoint: str, *, pasted: bool = False) -> list[str]:
     """Load each command's config as its job would (its argument parser, then its files and
     overrides, from the bundle root); returns the job modules. Raises as the job would fail.
@@ -101,8 +331,7 @@ def check_entrypoint(entrypoint: str, *, pasted: bool = False) -> list[str]:
     `pasted`: KubeRay's submitter pastes the entrypoint into its own bash line, `ray job submit
     ... -- <entrypoint> ; fi ; ray job logs ...`, so an operator there would be its shell's; one
     `bash -c '...'` word holds a chain."""
-    words = shell_words(os.path.expandvars(entrypoint))
-    assert "$" not in " ".join(words), f"an environment variable left unset: {entrypoint}"
+    words = shell_words(expand(entrypoint))
     if pasted:
         assert not [w for w in words if is_operator(w)], f"the submitter's shell: {entrypoint}"
         if words[:2] == ["bash", "-c"] and len(words) == 3:
@@ -132,21 +361,28 @@ def in_bundle(monkeypatch):
     monkeypatch.setenv("ANYSCALE_ARTIFACT_STORAGE", ARTIFACTS)
 
 
-def test_every_entrypoint_loads_with_its_jobs_config(in_bundle):
-    entrypoints = [(p, job["entrypoint"], False) for p, job in anyscale_jobs()]
-    for path in manifests():
-        spec = load(path)["spec"]
+def entrypoints(root: Path) -> list[tuple[str, str, bool]]:
+    """(where, entrypoint, pasted by KubeRay's submitter) of every job of both platforms."""
+    found = [(p.name, job["entrypoint"], False) for p, job in anyscale_jobs(root)]
+    for m in manifests(root):
+        spec = m.get("spec", {})
         spec = spec.get("jobTemplate", spec)
         if "entrypoint" in spec:
-            entrypoints.append((path, spec["entrypoint"], True))
-    steps = {
-        path.name: check_entrypoint(entrypoint, pasted=pasted)
-        for path, entrypoint, pasted in entrypoints
-    }
-    assert steps["rayjob-train.yaml"] == ["train"]
-    assert steps["schedule.yaml"] == steps["raycronjob.yaml"] == ["preprocess", "train", "infer"]
-    assert {s for found in steps.values() for s in found} == set(CONFIGS)
-    assert len(entrypoints) == 5 * 3 + 3  # 2 Anyscale profiles and KubeRay, 3 chains
+            name = m["metadata"].get("name") or m["metadata"]["generateName"]
+            found.append((f"{m['kind']} {name}", spec["entrypoint"], True))
+    return found
+
+
+def test_every_entrypoint_loads_with_its_jobs_config(in_bundle, tmp_path):
+    for out in (OUT, render(tmp_path, TEAM)):
+        steps = {
+            where: check_entrypoint(line, pasted=pasted) for where, line, pasted in entrypoints(out)
+        }
+        chain = ["check", "preprocess", "train", "infer"]
+        assert steps["schedule.yaml"] == chain
+        assert steps["RayJob ray-cv-chain-" if out == OUT else "RayJob vision-chain-"] == chain
+        assert {s for found in steps.values() for s in found} == set(CONFIGS)
+    assert len(steps) == 2 * (len(CONFIGS) + 1) + 1  # both platforms' jobs and chains, RayCronJob
 
 
 def test_a_typo_in_an_entrypoint_fails_as_the_job_would(in_bundle):
@@ -156,15 +392,34 @@ def test_a_typo_in_an_entrypoint_fails_as_the_job_would(in_bundle):
     with pytest.raises(ConfigError):
         check_entrypoint(job["entrypoint"].replace("configs/train.yaml", "configs/train.yml"))
     # A chain that KubeRay's submitter would split: its later steps would run in the submitter.
-    cron = load(OUT / "kuberay" / "raycronjob.yaml")["spec"]["jobTemplate"]["entrypoint"]
+    (chain,) = [line for where, line, _ in entrypoints(OUT) if where == "RayJob ray-cv-chain-"]
     with pytest.raises(AssertionError, match="the submitter's shell"):
-        check_entrypoint(shlex.split(cron)[2], pasted=True)
+        check_entrypoint(shlex.split(chain)[2], pasted=True)
+
+
+def test_anyscale_jobs_refuse_an_unset_artifact_storage_before_anything_runs(tmp_path):
+    """The job's shell (sh, as Ray runs an entrypoint) stops at the variable: exit 2 and one
+    line naming it and the value to set, before any job's code runs."""
+    job = load(OUT / "anyscale" / "jobs" / "preprocess.yaml")
+    line = job["entrypoint"].replace("python -m", "echo python -m", 1)
+    env = {k: v for k, v in os.environ.items() if k != "ANYSCALE_ARTIFACT_STORAGE"}
+    unset = subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True, check=False)
+    assert unset.returncode == 2 and unset.stdout == ""
+    assert (
+        "ANYSCALE_ARTIFACT_STORAGE: is not set: set anyscale.storage in the values" in unset.stderr
+    )
+    env["ANYSCALE_ARTIFACT_STORAGE"] = ARTIFACTS
+    run = subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0 and f"output={ARTIFACTS}/ray-cv/dataset" in run.stdout
+    schedule = load(OUT / "anyscale" / "schedule.yaml")["job_config"]["entrypoint"]
+    assert schedule.index("${ANYSCALE_ARTIFACT_STORAGE:?") < schedule.index("&&")
 
 
 def test_the_serve_apps_args_load_as_the_application_does(in_bundle):
     service = load(OUT / "anyscale" / "service.yaml")
-    rayservice = yaml.safe_load(load(OUT / "kuberay" / "rayservice.yaml")["spec"]["serveConfigV2"])
-    for app in service["applications"] + rayservice["applications"]:
+    (rayservice,) = [m for m in manifests(OUT) if m["kind"] == "RayService"]
+    served = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    for app in service["applications"] + served["applications"]:
         assert app["import_path"] == "pipeline.serve.app:build_app"
         cfg = validate_config(ServeConfig, app["args"])
         assert cfg.model.endswith("/ray-cv/runs/resnet18-food101-lite")
@@ -181,135 +436,83 @@ def test_the_serve_model_names_environment_variables(monkeypatch):
         validate_config(ServeConfig, {"model": "$ANYSCALE_ARTIFACT_STORAGE/runs/x"})
 
 
-# KubeRay: the CRDs' schemas and CEL rules -------------------------------------------------------
+# KubeRay and Kubernetes: the schemas, CEL rules and the operator's rules -------------------------
 
 
-def crd_schema(kind: str) -> dict:
-    crd = yaml.load((CRDS / f"ray.io_{KINDS[kind]}.yaml").read_text(), Loader=yaml.CSafeLoader)
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
+def test_every_kuberay_object_validates(tmp_path):
+    for out in (OUT, render(tmp_path, TEAM)):
+        kinds = [m["kind"] for m in manifests(out)]
+        for m in manifests(out):
+            check(m)
+        assert kinds.count("RayJob") == len(CONFIGS) + 1  # and the chain's, in the ConfigMap
+        assert {
+            "CronJob",
+            "Role",
+            "RoleBinding",
+            "ServiceAccount",
+            "ConfigMap",
+            "RayService",
+        } <= set(kinds)
+    assert "RayCronJob" in kinds and "RayCronJob" not in [m["kind"] for m in manifests(OUT)]
 
 
-def closed(schema: dict) -> dict:
-    """The schema with additionalProperties false on every object that lists its properties
-    and keeps no unknown fields: the API server prunes (drops) unknown fields, which jsonschema
-    would let through, so a misspelt field would be lost without a word."""
-    schema = copy.deepcopy(schema)
-
-    def close(node):
-        if isinstance(node, dict):
-            if (
-                "properties" in node
-                and "additionalProperties" not in node
-                and not node.get("x-kubernetes-preserve-unknown-fields")
-            ):
-                node["additionalProperties"] = False
-            for value in node.values():
-                close(value)
-        elif isinstance(node, list):
-            for value in node:
-                close(value)
-
-    close(schema)
-    return schema
-
-
-def cel_rules(schema: dict, value, where: str = ""):
-    """(where, rule, message, value) for every x-kubernetes-validations rule whose field the
-    value holds. Transition rules (oldSelf) apply to updates only, so not to a new object."""
-    for rule in schema.get("x-kubernetes-validations", []):
-        if "oldSelf" not in rule["rule"]:
-            yield where, rule["rule"], rule.get("message", ""), value
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if key in schema.get("properties", {}):
-                yield from cel_rules(schema["properties"][key], item, f"{where}.{key}")
-            elif isinstance(schema.get("additionalProperties"), dict):
-                yield from cel_rules(schema["additionalProperties"], item, f"{where}.{key}")
-    elif isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            yield from cel_rules(schema["items"], item, f"{where}[{i}]")
+def test_finished_clusters_go_and_failed_ones_keep_their_head():
+    for m in manifests(OUT):
+        if m["kind"] not in ("RayJob", "RayCronJob"):
+            continue
+        spec = m["spec"].get("jobTemplate", m["spec"])
+        rules = {
+            (r["condition"].get("jobStatus") or r["condition"]["jobDeploymentStatus"]): r
+            for r in spec["deletionStrategy"]["deletionRules"]
+        }
+        assert rules["SUCCEEDED"] == {
+            "policy": "DeleteCluster",
+            "condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": 0},
+        }
+        assert (
+            rules["FAILED"]["condition"]["ttlSeconds"]
+            == rules["Failed"]["condition"]["ttlSeconds"]
+            == 86400
+        )
+        # No rule deletes the RayJob: its submitter Job, with the driver's log, stays.
+        assert {r["policy"] for r in rules.values()} == {"DeleteCluster"}
+        assert spec["shutdownAfterJobFinishes"] is False
 
 
-def check_manifest(manifest: dict, schemas: dict) -> int:
-    """Raise where the manifest breaks its CRD's schema or a CEL rule; returns the rules run."""
-    assert manifest["apiVersion"] == "ray.io/v1", manifest["apiVersion"]
-    schema, validator = schemas[manifest["kind"]]
-    validator.validate(manifest)
-    env = celpy.Environment()
-    ran = 0
-    for where, rule, message, value in cel_rules(schema, manifest):
-        verdict = env.program(env.compile(rule)).evaluate({"self": celpy.json_to_cel(value)})
-        assert bool(verdict) is True, f"{where}: {message} ({rule})"
-        ran += 1
-    return ran
-
-
-@pytest.fixture(scope="module")
-def schemas():
-    """{kind: (its CRD's schema, a validator of the schema closed to unknown fields)}."""
-    found = {kind: crd_schema(kind) for kind in KINDS}
-    return {k: (s, jsonschema.Draft4Validator(closed(s))) for k, s in found.items()}
-
-
-def test_manifests_validate_against_the_pinned_kuberay_crds(schemas):
-    kinds, rules = {}, 0
-    for path in manifests():
-        manifest = load(path)
-        kinds[path.name] = manifest["kind"]
-        rules += check_manifest(manifest, schemas)
-    # The CEL rules of these CRDs guard fields the manifests leave out (deletionStrategy,
-    # managedBy), so none applies here; the next test shows each one refusing.
-    assert rules == 0
-    assert sorted(set(kinds.values())) == sorted(KINDS)
-    assert sum(k == "RayJob" for k in kinds.values()) == len(CONFIGS)
-
-
-def test_the_crd_check_refuses_unknown_fields_and_broken_rules(schemas):
+def test_the_checks_refuse_unknown_fields_broken_rules_and_the_operators_rules():
     job = load(OUT / "kuberay" / "rayjob-train.yaml")
-    check_manifest(job, schemas)
-    bad = copy.deepcopy(job)
-    bad["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["maxReplica"] = 4  # misspelt
-    with pytest.raises(jsonschema.ValidationError, match="maxReplica"):
-        check_manifest(bad, schemas)
-    bad = copy.deepcopy(job)
-    bad["spec"]["backoffLimit"] = "2"
-    with pytest.raises(jsonschema.ValidationError):
-        check_manifest(bad, schemas)
-    # Schema-valid, but the CRD's CEL rule wants onSuccess and onFailure together.
-    bad = copy.deepcopy(job)
-    bad["spec"]["deletionStrategy"] = {"onSuccess": {"policy": "DeleteCluster"}}
-    with pytest.raises(AssertionError, match="BOTH onSuccess and onFailure"):
-        check_manifest(bad, schemas)
-    bad = copy.deepcopy(job)
-    bad["spec"]["managedBy"] = "someone-else"
-    with pytest.raises(AssertionError, match="managedBy"):
-        check_manifest(bad, schemas)
+    check(job)
 
+    def refused(change, match):
+        bad = copy.deepcopy(job)
+        change(bad["spec"])
+        with pytest.raises(Refused, match=match):
+            check(bad)
 
-# The operator's own checks, in Go and no part of the CRDs (ray-operator/controllers/ray/utils/
-# validation.go and constant.go at v1.7.0), that these manifests could break.
-MAX_NAME = {"RayJob": 47, "RayService": 47, "RayCronJob": 36}
-TOKEN_AUTH_RAY = (2, 52, 0)
-
-
-def test_manifests_pass_the_operators_own_checks():
-    for path in manifests():
-        manifest = load(path)
-        name, kind = manifest["metadata"]["name"], manifest["kind"]
-        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name), f"{path.name}: not DNS-1035"
-        assert len(name) <= MAX_NAME[kind], f"{path.name}: name longer than {MAX_NAME[kind]}"
-        spec = manifest["spec"].get("jobTemplate", manifest["spec"])
-        cluster = spec.get("rayClusterSpec") or spec["rayClusterConfig"]
-        if cluster.get("authOptions", {}).get("mode") == "token":
-            version = tuple(int(part) for part in cluster["rayVersion"].split("."))
-            assert version >= TOKEN_AUTH_RAY, f"{path.name}: token auth needs Ray 2.52+"
-        for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
-            params = group.get("rayStartParams", {})
-            in_params = any(params.get(k) for k in ("num-cpus", "num-gpus", "memory", "resources"))
-            assert not (in_params and group.get("resources")), f"{path.name}: resources twice"
-        if "backoffLimit" in spec:
-            assert spec["backoffLimit"] > 0 and spec["activeDeadlineSeconds"] > 0, path.name
+    refused(lambda s: s["rayClusterSpec"]["workerGroupSpecs"][0].update(maxReplica=4), "maxReplica")
+    refused(lambda s: s.update(backoffLimit="2"), "is not of type 'integer'")
+    refused(lambda s: s.update(managedBy="someone-else"), "managedBy")
+    refused(
+        lambda s: s["deletionStrategy"]["deletionRules"][0]["condition"].update(
+            jobDeploymentStatus="Failed"
+        ),
+        "cannot be used together",
+    )
+    refused(lambda s: s.update(shutdownAfterJobFinishes=True), "excludes deletionRules")
+    refused(
+        lambda s: s["deletionStrategy"]["deletionRules"][1].update(policy="DeleteWorkers"),
+        "DeleteWorkers with autoscaling",
+    )
+    (cron,) = [m for m in manifests(OUT) if m["kind"] == "CronJob"]
+    bad = copy.deepcopy(cron)
+    bad["spec"]["jobTemplate"]["spec"]["template"]["spec"]["restartPolicy"] = ["Never"]
+    with pytest.raises(Refused, match="restartPolicy"):
+        check(bad)
+    bad = copy.deepcopy(cron)
+    bad["spec"]["jobTemplate"]["spec"]["template"]["spec"]["nodeSelectr"] = {}
+    with pytest.raises(Refused, match="nodeSelectr"):
+        check(bad)
+    assert check_crd(job) == 8  # deletionStrategy's 2 CEL rules, 2 for each of 3 conditions
 
 
 def test_vendored_crds_are_the_pinned_release():
@@ -328,26 +531,27 @@ def test_vendored_crds_are_the_pinned_release():
 def test_anyscale_files_load_with_the_anyscale_packages_models(tmp_path):
     from harness.anyscale_venv import load as load_with_anyscale
 
+    team = render(tmp_path, TEAM)
     models = {}
-    for path in platform_files():
-        rel = str(path.relative_to(BUNDLE_ROOT))
-        if path.parent.name == "jobs":
-            models[rel] = "JobConfig"
-        elif path.name.startswith("compute"):
-            models[rel] = "ComputeConfig"
-        elif path.name == "service.yaml" and path.parent.name == "anyscale":
-            models[rel] = "ServiceConfig"
-        elif path.name.endswith("schedule.yaml"):
-            models[rel] = "ScheduleConfig"
+    for root in (OUT, team):
+        for path in files(root / "anyscale"):
+            model = (
+                "JobConfig"
+                if path.parent.name == "jobs"
+                else "ComputeConfig"
+                if path.name.startswith("compute")
+                else "ServiceConfig"
+                if path.name == "service.yaml"
+                else "ScheduleConfig"
+            )
+            models[str(path)] = model
     # One wrong on purpose: the check must be able to fail.
     broken = tmp_path / "compute.yaml"
     broken.write_text(
-        (OUT / "anyscale" / "compute-spot.yaml").read_text().replace("PREFER_SPOT", "CHEAP")
+        (OUT / "anyscale" / "compute-aws-spot.yaml").read_text().replace("PREFER_SPOT", "CHEAP")
     )
     results = load_with_anyscale({**models, str(broken): "ComputeConfig"})
     assert "CHEAP" in results.pop(str(broken))
     assert results == dict.fromkeys(models, "ok")
-    assert len(models) == 10 + 2 + 2 + 1  # jobs of 2 profiles, compute, schedules, service
-    compute = {f"ray-cv{'-spot' if 'spot' in p else ''}" for p in models if "compute" in p}
-    for path, job in anyscale_jobs():
-        assert job["compute_config"] in compute, path
+    # Jobs, four compute configs (AWS, GCP), a schedule and a service; the team's: GCP only.
+    assert len(models) == (len(CONFIGS) + 4 + 2) + (len(CONFIGS) + 2 + 2)

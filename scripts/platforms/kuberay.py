@@ -1,0 +1,252 @@
+"""The KubeRay files: a RayJob per job, the chain on a schedule (a CronJob that creates a RayJob,
+which needs no feature gate, and the RayCronJob where its gate is on), a RayService, all in the
+team's namespace, on its nodes, with its image."""
+
+from __future__ import annotations
+
+import shlex
+
+from scripts.platforms.common import (
+    MAX_RETRIES,
+    SERVE,
+    TIMEOUT_S,
+    chain,
+    chain_timeout,
+    dump,
+    entrypoints,
+    image,
+    runtime_env,
+    serve_config,
+    to_yaml,
+)
+from scripts.platforms.values import Node, Toleration, Values
+
+WORKDIR = "/home/ray/ray-cv"  # the bundle in the image (platforms/Dockerfile)
+LABELS = {"app.kubernetes.io/part-of": "ray-cv"}
+SHM_SHARE = 2  # /dev/shm is 1/SHM_SHARE of a pod's memory: the object store and loader batches
+
+
+def toleration(t: Toleration) -> dict:
+    found = {"key": t.key, "operator": "Equal" if t.value is not None else "Exists"}
+    return found | ({"value": t.value} if t.value is not None else {}) | {"effect": t.effect}
+
+
+def pod(values: Values, lock: str, node: Node, container: str, gpus: int = 0) -> dict:
+    """A Ray pod's template: the node's requests as limits too (Guaranteed QoS: the kubelet
+    evicts such a pod last), a memory-backed /dev/shm, and the team's placement and pull rules."""
+    k8s = values.kubernetes
+    resources = {"cpu": str(node.cpus), "memory": f"{node.memory_gi}Gi"}
+    if gpus:
+        resources["nvidia.com/gpu"] = str(gpus)
+    spec: dict = {"serviceAccountName": k8s.service_account}
+    if k8s.priority_class:
+        spec["priorityClassName"] = k8s.priority_class
+    if values.image.pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in values.image.pull_secrets]
+    if selector := k8s.node_selector | node.node_selector:
+        spec["nodeSelector"] = selector
+    if tolerations := [toleration(t) for t in (*k8s.tolerations, *node.tolerations)]:
+        spec["tolerations"] = tolerations
+    spec["containers"] = [
+        {
+            "name": container,
+            "image": image(values, lock, "gpu" if gpus else ""),
+            "resources": {"requests": resources, "limits": resources},
+            # Docker's 64 MiB /dev/shm would fail the loader's worker processes and push the
+            # object store to disk at real image sizes.
+            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        }
+    ]
+    shm = f"{node.memory_gi * 1024 // SHM_SHARE}Mi"
+    spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    return {"spec": spec}
+
+
+def ray_cluster(values: Values, lock: str, ray: str) -> dict:
+    groups = [
+        {
+            "groupName": g.name,
+            "replicas": g.min_nodes,
+            "minReplicas": g.min_nodes,
+            "maxReplicas": g.max_nodes,
+            "rayStartParams": {},
+            "template": pod(values, lock, g, "ray-worker", g.gpus),
+        }
+        for g in values.worker_groups
+    ]
+    return {
+        "rayVersion": ray,
+        # RAY_AUTH_MODE=token and the token (a Secret the operator makes) in every Ray
+        # container and the submitter, as `ray up` gives every node cluster.yaml's token.
+        "authOptions": {"mode": "token"},
+        "enableInTreeAutoscaling": True,
+        "autoscalerOptions": {"idleTimeoutSeconds": 60},
+        "headGroupSpec": {
+            # num-cpus 0: no task runs on the head, which runs the drivers.
+            "rayStartParams": {"num-cpus": "0"},
+            "template": pod(values, lock, values.head, "ray-head"),
+        },
+        "workerGroupSpecs": groups,
+    }
+
+
+def deletion_rules(values: Values) -> dict:
+    """A finished job's cluster goes at once; a failed one's stays `keep_failed_hours` (its head
+    with the logs and the dashboard: the autoscaler has taken the idle workers away). The RayJob
+    and its submitter Job stay, so `kubectl logs job/<name>` has the driver's log after both."""
+    keep = values.kubernetes.keep_failed_hours * 3600
+    return {
+        "deletionRules": [
+            {"policy": "DeleteCluster", "condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": 0}},
+            {"policy": "DeleteCluster", "condition": {"jobStatus": "FAILED", "ttlSeconds": keep}},
+            # Never submitted, or past activeDeadlineSeconds: no Ray job status to go by.
+            {
+                "policy": "DeleteCluster",
+                "condition": {"jobDeploymentStatus": "Failed", "ttlSeconds": keep},
+            },
+        ]
+    }
+
+
+def rayjob_spec(values: Values, entrypoint: str, cluster: dict, step: str) -> dict:
+    deadline = chain_timeout(values) if step == "chain" else TIMEOUT_S[step]
+    return {
+        "entrypoint": entrypoint,
+        # Uploaded by the submitter pod from the image's copy of the bundle (its WORKDIR), as
+        # `ray job submit --runtime-env runtime_env.yaml` does from a laptop.
+        "runtimeEnvYAML": to_yaml(runtime_env(values)),
+        "submissionMode": "K8sJobMode",
+        # Deletion by the rules below, which exclude shutdownAfterJobFinishes.
+        "shutdownAfterJobFinishes": False,
+        "deletionStrategy": deletion_rules(values),
+        # A retry is a new cluster and the same command: the step resumes (jobs.submit's doc).
+        "backoffLimit": MAX_RETRIES,
+        "activeDeadlineSeconds": deadline,
+        "rayClusterSpec": cluster,
+    }
+
+
+def rayjob(values: Values, name: str, spec: dict, *, generate: bool = False) -> dict:
+    metadata = {"generateName": f"{name}-"} if generate else {"name": name}
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": metadata | {"namespace": values.kubernetes.namespace, "labels": LABELS},
+        "spec": spec,
+    }
+
+
+def in_one_word(command: str) -> str:
+    """KubeRay's submitter pastes the entrypoint into a bash line of its own (`ray job submit
+    ... -- <entrypoint> ; ...`): a bare && would run the later steps in the submitter pod. In
+    one word, `ray job submit` passes it on whole."""
+    return shlex.join(["bash", "-c", command])
+
+
+def schedule(values: Values, chain_job: dict) -> list[dict]:
+    """The chain on a schedule with no feature gate: a CronJob whose pod creates the chain's
+    RayJob (a new name each time, generateName) with kubectl, allowed to by a Role of its own."""
+    ns, name = values.kubernetes.namespace, f"{values.name}-scheduler"
+    meta = {"name": name, "namespace": ns, "labels": LABELS}
+    pod_spec: dict = {
+        "serviceAccountName": name,
+        "restartPolicy": "Never",
+        "containers": [
+            {
+                "name": "create-rayjob",
+                "image": values.kubernetes.kubectl_image,
+                "command": ["kubectl", "create", "-f", "/etc/ray-cv/rayjob.yaml"],
+                "volumeMounts": [{"name": "rayjob", "mountPath": "/etc/ray-cv"}],
+            }
+        ],
+        "volumes": [{"name": "rayjob", "configMap": {"name": f"{values.name}-chain"}}],
+    }
+    if values.kubernetes.priority_class:
+        pod_spec["priorityClassName"] = values.kubernetes.priority_class
+    if values.kubernetes.node_selector:
+        pod_spec["nodeSelector"] = dict(values.kubernetes.node_selector)
+    if values.kubernetes.tolerations:
+        pod_spec["tolerations"] = [toleration(t) for t in values.kubernetes.tolerations]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [{"apiGroups": ["ray.io"], "resources": ["rayjobs"], "verbs": ["create"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{values.name}-chain", "namespace": ns, "labels": LABELS},
+            "data": {"rayjob.yaml": to_yaml(chain_job)},
+        },
+        {
+            "apiVersion": "batch/v1",
+            "kind": "CronJob",
+            "metadata": {"name": f"{values.name}-chain", "namespace": ns, "labels": LABELS},
+            "spec": {
+                "schedule": values.jobs.schedule,
+                "timeZone": values.jobs.timezone,
+                # A night's chain is one RayJob; its train step refuses a run another holds.
+                "concurrencyPolicy": "Forbid",
+                "jobTemplate": {"spec": {"backoffLimit": 2, "template": {"spec": pod_spec}}},
+            },
+        },
+    ]
+
+
+def files(values: Values, lock: str, ray: str) -> dict[str, str]:
+    cluster = ray_cluster(values, lock, ray)
+    commands = entrypoints(values, values.storage)
+    found = {
+        f"kuberay/rayjob-{step}.yaml": dump(
+            rayjob(values, f"{values.name}-{step}", rayjob_spec(values, command, cluster, step))
+        )
+        for step, command in commands.items()
+    }
+    chain_spec = rayjob_spec(values, in_one_word(chain(commands, values)), cluster, "chain")
+    found["kuberay/schedule.yaml"] = dump(
+        *schedule(values, rayjob(values, f"{values.name}-chain", chain_spec, generate=True))
+    )
+    if values.kubernetes.ray_cron_job:
+        found["kuberay/raycronjob.yaml"] = dump(
+            {
+                "apiVersion": "ray.io/v1",
+                "kind": "RayCronJob",
+                "metadata": {
+                    "name": f"{values.name}-chain",
+                    "namespace": values.kubernetes.namespace,
+                    "labels": LABELS,
+                },
+                "spec": {
+                    "schedule": values.jobs.schedule,
+                    "timeZone": values.jobs.timezone,
+                    "jobTemplate": chain_spec,
+                },
+            }
+        )
+    serve = serve_config(values.storage, values)
+    (app,) = serve["applications"]
+    # The Serve app imports pipeline/ from the image (PYTHONPATH): a RayService uploads nothing.
+    app["runtime_env"] = {"env_vars": runtime_env(values)["env_vars"]}
+    found["kuberay/rayservice.yaml"] = dump(
+        {
+            "apiVersion": "ray.io/v1",
+            "kind": "RayService",
+            "metadata": {
+                "name": f"{values.name}-{SERVE}",
+                "namespace": values.kubernetes.namespace,
+                "labels": LABELS,
+            },
+            "spec": {"serveConfigV2": to_yaml(serve), "rayClusterConfig": cluster},
+        }
+    )
+    return found
