@@ -73,6 +73,8 @@ TEAM = {
         "node_selector": {"pool": "ml"},
         "tolerations": [{"key": "dedicated", "value": "ml", "effect": "NoExecute"}],
         "priority_class": "batch-low",
+        "pod_labels": {"team": "vision"},
+        "env": {"GOOGLE_CLOUD_PROJECT": "acme"},
         "ray_cron_job": True,
     },
     "anyscale": {"cloud": "acme-gcp", "storage": "gs://acme-ml/vision-anyscale"},
@@ -175,6 +177,8 @@ def test_a_teams_values_reach_every_pod(tmp_path):
                 "value": "ml",
                 "effect": "NoExecute",
             } in (pod["tolerations"])
+            assert group["template"]["metadata"]["labels"] == {"team": "vision"}
+            assert container["env"] == [{"name": "GOOGLE_CLOUD_PROJECT", "value": "acme"}]
             # A memory-backed /dev/shm of half the pod's memory.
             memory = int(container["resources"]["limits"]["memory"].removesuffix("Gi"))
             (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
@@ -196,6 +200,21 @@ def test_a_teams_values_reach_every_pod(tmp_path):
             else:
                 assert gpus is None
                 assert container["image"] == "europe-docker.pkg.dev/acme/ml/vision-ray:2026.11.1"
+    # The pods that submit the jobs and the schedule's pod are placed and pulled the same way.
+    submitters = [
+        m["spec"].get("jobTemplate", m["spec"])["submitterPodTemplate"]["spec"]
+        for m in objects
+        if m["kind"] in ("RayJob", "RayCronJob")
+    ]
+    assert len(submitters) == len(CONFIGS) + 2
+    for pod in submitters:
+        assert pod["imagePullSecrets"] == [{"name": "acme-registry"}]
+        assert pod["nodeSelector"] == {"pool": "ml"} and pod["priorityClassName"] == "batch-low"
+        assert pod["containers"][0]["image"] == "europe-docker.pkg.dev/acme/ml/vision-ray:2026.11.1"
+    (cron,) = [m for m in objects if m["kind"] == "CronJob"]
+    scheduler = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    assert scheduler["nodeSelector"] == {"pool": "ml"}
+    assert scheduler["serviceAccountName"] == "vision-scheduler"
     # 6 RayJobs, the CronJob's RayJob, the RayCronJob, the RayService: a head and two groups.
     assert ray_pods == (len(CONFIGS) + 3) * 3
     # The storage and the team's package in every job; the package as py_modules.
@@ -273,6 +292,14 @@ def test_the_example_has_a_cuda_image_where_a_group_has_gpus(tmp_path):
         ({"jobs": {"schedule": "nightly"}}, "jobs.schedule: 'nightly' is not a cron"),
         ({"jobs": {"set": ["train.epochz=3"]}}, "epochz"),
         ({"package": {"path": "teamnet"}}, "package.path: teamnet is not below the bundle root"),
+        (
+            {"head": {"cpus": 4, "memory_gi": 16, "instance_types": {}}},
+            "values instance_types: no cloud has a machine type for every node",
+        ),
+        (
+            {"kubernetes": {"keep_failed_hours": 200, "keep_jobs_days": 2}},
+            "kubernetes.keep_jobs_days: a RayJob goes after its cluster",
+        ),
     ],
 )
 def test_a_value_the_platform_refuses_fails_when_rendered_naming_it(
@@ -464,6 +491,7 @@ def test_finished_clusters_go_and_failed_ones_keep_their_head():
         rules = {
             (r["condition"].get("jobStatus") or r["condition"]["jobDeploymentStatus"]): r
             for r in spec["deletionStrategy"]["deletionRules"]
+            if r["policy"] == "DeleteCluster"
         }
         assert rules["SUCCEEDED"] == {
             "policy": "DeleteCluster",
@@ -474,8 +502,11 @@ def test_finished_clusters_go_and_failed_ones_keep_their_head():
             == rules["Failed"]["condition"]["ttlSeconds"]
             == 86400
         )
-        # No rule deletes the RayJob: its submitter Job, with the driver's log, stays.
-        assert {r["policy"] for r in rules.values()} == {"DeleteCluster"}
+        # The RayJob, with its submitter Job and the driver's log, goes a week later.
+        selves = [
+            r for r in spec["deletionStrategy"]["deletionRules"] if r["policy"] == "DeleteSelf"
+        ]
+        assert [r["condition"]["ttlSeconds"] for r in selves] == [7 * 86400] * 3
         assert spec["shutdownAfterJobFinishes"] is False
 
 
@@ -512,7 +543,7 @@ def test_the_checks_refuse_unknown_fields_broken_rules_and_the_operators_rules()
     bad["spec"]["jobTemplate"]["spec"]["template"]["spec"]["nodeSelectr"] = {}
     with pytest.raises(Refused, match="nodeSelectr"):
         check(bad)
-    assert check_crd(job) == 8  # deletionStrategy's 2 CEL rules, 2 for each of 3 conditions
+    assert check_crd(job) == 14  # deletionStrategy's 2 CEL rules, 2 for each of 6 conditions
 
 
 def test_vendored_crds_are_the_pinned_release():

@@ -44,9 +44,10 @@ def chain_timeout(values: Values) -> int:
 
 def entrypoints(values: Values, root: str) -> dict[str, str]:
     """{step: the job's command line}, each path under `root`, as `jobs.submit` runs them."""
-    jobs = plan(
-        root, profile=values.jobs.profile, sets=list(values.jobs.set), recipe=values.jobs.recipe
-    )
+    sets = list(values.jobs.set)
+    if values.package.path and not any(s.startswith("check.packages=") for s in sets):
+        sets.append(f"check.packages=[{values.package.import_name}]")  # on every node
+    jobs = plan(root, profile=values.jobs.profile, sets=sets, recipe=values.jobs.recipe)
     return {job.step: shlex.join(job.entrypoint) for job in jobs}
 
 
@@ -96,7 +97,7 @@ def serve_config(root: str, values: Values) -> dict:
     if values.package.path:
         # The service imports the team's package from the image (the Dockerfile installs it):
         # installed code, so the checkpoint's network may come from it only by name.
-        app["args"]["allow_modules"] = [values.package.module]
+        app["args"]["allow_modules"] = [values.package.import_name]
     timeout = serve["http_options"]["request_timeout_s"]
     return {"applications": serve["applications"], "http_options": {"request_timeout_s": timeout}}
 

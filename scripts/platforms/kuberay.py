@@ -31,27 +31,45 @@ def toleration(t: Toleration) -> dict:
     return found | ({"value": t.value} if t.value is not None else {}) | {"effect": t.effect}
 
 
-def pod(values: Values, lock: str, node: Node, container: str, gpus: int = 0) -> dict:
-    """A Ray pod's template: the node's requests as limits too (Guaranteed QoS: the kubelet
-    evicts such a pod last), a memory-backed /dev/shm, and the team's placement and pull rules."""
+def placement(values: Values, node: Node | None = None) -> dict:
+    """The team's pod spec fields: identity, priority, pull secrets, nodes and taints."""
     k8s = values.kubernetes
-    resources = {"cpu": str(node.cpus), "memory": f"{node.memory_gi}Gi"}
-    if gpus:
-        resources["nvidia.com/gpu"] = str(gpus)
     spec: dict = {"serviceAccountName": k8s.service_account}
     if k8s.priority_class:
         spec["priorityClassName"] = k8s.priority_class
     if values.image.pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in values.image.pull_secrets]
-    if selector := k8s.node_selector | node.node_selector:
+    own = node or Node(cpus=1, memory_gi=1)
+    if selector := k8s.node_selector | own.node_selector:
         spec["nodeSelector"] = selector
-    if tolerations := [toleration(t) for t in (*k8s.tolerations, *node.tolerations)]:
+    if tolerations := [toleration(t) for t in (*k8s.tolerations, *own.tolerations)]:
         spec["tolerations"] = tolerations
+    return spec
+
+
+def metadata(values: Values) -> dict:
+    labels = values.kubernetes.pod_labels
+    return {"metadata": {"labels": dict(labels)}} if labels else {}
+
+
+def env(values: Values) -> dict:
+    found = values.kubernetes.env
+    return {"env": [{"name": k, "value": v} for k, v in found.items()]} if found else {}
+
+
+def pod(values: Values, lock: str, node: Node, container: str, gpus: int = 0) -> dict:
+    """A Ray pod's template: the node's requests as limits too (Guaranteed QoS: the kubelet
+    evicts such a pod last), a memory-backed /dev/shm, and the team's placement and pull rules."""
+    resources = {"cpu": str(node.cpus), "memory": f"{node.memory_gi}Gi"}
+    if gpus:
+        resources["nvidia.com/gpu"] = str(gpus)
+    spec = placement(values, node)
     spec["containers"] = [
         {
             "name": container,
             "image": image(values, lock, "gpu" if gpus else ""),
             "resources": {"requests": resources, "limits": resources},
+            **env(values),
             # Docker's 64 MiB /dev/shm would fail the loader's worker processes and push the
             # object store to disk at real image sizes.
             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
@@ -59,7 +77,19 @@ def pod(values: Values, lock: str, node: Node, container: str, gpus: int = 0) ->
     ]
     shm = f"{node.memory_gi * 1024 // SHM_SHARE}Mi"
     spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
-    return {"spec": spec}
+    return {**metadata(values), "spec": spec}
+
+
+def submitter(values: Values, lock: str) -> dict:
+    """The pod that runs `ray job submit` from the image: placed and pulled as the Ray pods
+    are; the operator gives it its command, the token and the dashboard's address."""
+    spec = placement(values)
+    spec["restartPolicy"] = "Never"
+    resources = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+    spec["containers"] = [
+        {"name": "ray-job-submitter", "image": image(values, lock), "resources": resources}
+    ]
+    return {**metadata(values), "spec": spec}
 
 
 def ray_cluster(values: Values, lock: str, ray: str) -> dict:
@@ -93,22 +123,26 @@ def ray_cluster(values: Values, lock: str, ray: str) -> dict:
 def deletion_rules(values: Values) -> dict:
     """A finished job's cluster goes at once; a failed one's stays `keep_failed_hours` (its head
     with the logs and the dashboard: the autoscaler has taken the idle workers away). The RayJob
-    and its submitter Job stay, so `kubectl logs job/<name>` has the driver's log after both."""
+    and its submitter Job stay `keep_jobs_days`: `kubectl logs job/<name>` has the driver's log
+    after the cluster is gone, and a scheduled chain's RayJobs do not pile up."""
     keep = values.kubernetes.keep_failed_hours * 3600
+    days = values.kubernetes.keep_jobs_days * 86400
+    # Never submitted, or past activeDeadlineSeconds: no Ray job status to go by.
+    deployment = {"jobDeploymentStatus": "Failed"}
     return {
         "deletionRules": [
             {"policy": "DeleteCluster", "condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": 0}},
             {"policy": "DeleteCluster", "condition": {"jobStatus": "FAILED", "ttlSeconds": keep}},
-            # Never submitted, or past activeDeadlineSeconds: no Ray job status to go by.
-            {
-                "policy": "DeleteCluster",
-                "condition": {"jobDeploymentStatus": "Failed", "ttlSeconds": keep},
-            },
+            {"policy": "DeleteCluster", "condition": deployment | {"ttlSeconds": keep}},
+            # The RayJob itself, and with it its submitter and the driver's log, days later.
+            {"policy": "DeleteSelf", "condition": {"jobStatus": "SUCCEEDED", "ttlSeconds": days}},
+            {"policy": "DeleteSelf", "condition": {"jobStatus": "FAILED", "ttlSeconds": days}},
+            {"policy": "DeleteSelf", "condition": deployment | {"ttlSeconds": days}},
         ]
     }
 
 
-def rayjob_spec(values: Values, entrypoint: str, cluster: dict, step: str) -> dict:
+def rayjob_spec(values: Values, lock: str, entrypoint: str, cluster: dict, step: str) -> dict:
     deadline = chain_timeout(values) if step == "chain" else TIMEOUT_S[step]
     return {
         "entrypoint": entrypoint,
@@ -116,6 +150,7 @@ def rayjob_spec(values: Values, entrypoint: str, cluster: dict, step: str) -> di
         # `ray job submit --runtime-env runtime_env.yaml` does from a laptop.
         "runtimeEnvYAML": to_yaml(runtime_env(values)),
         "submissionMode": "K8sJobMode",
+        "submitterPodTemplate": submitter(values, lock),
         # Deletion by the rules below, which exclude shutdownAfterJobFinishes.
         "shutdownAfterJobFinishes": False,
         "deletionStrategy": deletion_rules(values),
@@ -148,7 +183,7 @@ def schedule(values: Values, chain_job: dict) -> list[dict]:
     RayJob (a new name each time, generateName) with kubectl, allowed to by a Role of its own."""
     ns, name = values.kubernetes.namespace, f"{values.name}-scheduler"
     meta = {"name": name, "namespace": ns, "labels": LABELS}
-    pod_spec: dict = {
+    pod_spec = placement(values) | {
         "serviceAccountName": name,
         "restartPolicy": "Never",
         "containers": [
@@ -161,12 +196,6 @@ def schedule(values: Values, chain_job: dict) -> list[dict]:
         ],
         "volumes": [{"name": "rayjob", "configMap": {"name": f"{values.name}-chain"}}],
     }
-    if values.kubernetes.priority_class:
-        pod_spec["priorityClassName"] = values.kubernetes.priority_class
-    if values.kubernetes.node_selector:
-        pod_spec["nodeSelector"] = dict(values.kubernetes.node_selector)
-    if values.kubernetes.tolerations:
-        pod_spec["tolerations"] = [toleration(t) for t in values.kubernetes.tolerations]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {
@@ -208,11 +237,13 @@ def files(values: Values, lock: str, ray: str) -> dict[str, str]:
     commands = entrypoints(values, values.storage)
     found = {
         f"kuberay/rayjob-{step}.yaml": dump(
-            rayjob(values, f"{values.name}-{step}", rayjob_spec(values, command, cluster, step))
+            rayjob(
+                values, f"{values.name}-{step}", rayjob_spec(values, lock, command, cluster, step)
+            )
         )
         for step, command in commands.items()
     }
-    chain_spec = rayjob_spec(values, in_one_word(chain(commands, values)), cluster, "chain")
+    chain_spec = rayjob_spec(values, lock, in_one_word(chain(commands, values)), cluster, "chain")
     found["kuberay/schedule.yaml"] = dump(
         *schedule(values, rayjob(values, f"{values.name}-chain", chain_spec, generate=True))
     )

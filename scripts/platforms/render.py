@@ -24,7 +24,7 @@ def dockerfile(values: Values, lock: str) -> str:
     it starts, and the bundle's code, which KubeRay's submitter uploads as the job's working
     dir (and the team's package as its py_modules) and a RayService imports."""
     builds = [
-        f"#   docker build -f platforms/Dockerfile --build-arg BASE={base} "
+        f"#   docker build -f DOCKERFILE --build-arg BASE={base} "
         f"-t {image(values, lock, flavour)} .\n"
         for flavour, base in bases(values, lock).items()
         if flavour != "gpu" or values.gpus
@@ -41,7 +41,8 @@ def dockerfile(values: Values, lock: str) -> str:
         path += f":{kuberay.WORKDIR}/{PurePosixPath(package).parent}"
     digest = hashlib.sha256(lock.encode()).hexdigest()
     return HEADER + (
-        "# From the bundle root, then `docker push` each:\n"
+        "# From the bundle root, DOCKERFILE this file's path (platforms/Dockerfile for the\n"
+        "# example; Docker reads Dockerfile.dockerignore beside it), then `docker push` each:\n"
         + "".join(builds)
         + f"ARG BASE={bases(values, lock)['']}\n"
         "FROM ${BASE}\n"
@@ -54,6 +55,18 @@ def dockerfile(values: Values, lock: str) -> str:
         "COPY configs/ configs/\n"
         "COPY jobs/ jobs/\n"
         "COPY pipeline/ pipeline/\n" + copy_package + f"ENV PYTHONPATH={path}\n"
+    )
+
+
+def dockerignore(values: Values) -> str:
+    """The build context is the bundle root: only what the Dockerfile copies goes to the
+    builder, not the venvs, data and docs beside it."""
+    keep = ["requirements/", "configs/", "jobs/", "pipeline/", "runtime_env.yaml", "pyproject.toml"]
+    keep += [values.package.path] if values.package.path else []
+    return (
+        "# Written by `make platforms` (scripts/platforms/): Docker reads it for the Dockerfile\n"
+        "# beside it, whose build context is the bundle root.\n"
+        "*\n" + "".join(f"!{path}\n" for path in keep) + "**/__pycache__/\n"
     )
 
 
@@ -95,11 +108,20 @@ def generate(values: Values) -> dict[str, str]:
             f"values package.path: {values.package.path} is not below the bundle root "
             f"{BUNDLE_ROOT}: put the package's folder (or .whl) there"
         )
-    assert set(CONFIGS) <= set(TIMEOUT_S), "a job without a time limit"
+    assert set(CONFIGS) == set(TIMEOUT_S), "a job without a time limit"
+    nodes = [values.head, *values.worker_groups]
+    if not any(
+        all(getattr(n.instance_types, cloud) for n in nodes) for cloud in anyscale.PROVIDERS
+    ):
+        raise ConfigError(
+            "values instance_types: no cloud has a machine type for every node (head and each "
+            "worker group): give instance_types.aws or instance_types.gcp to all of them"
+        )
     files = {
         **anyscale.files(values, lock),
         **kuberay.files(values, lock, ray_version(lock)),
         "Dockerfile": dockerfile(values, lock),
+        "Dockerfile.dockerignore": dockerignore(values),
     }
     for path, text in files.items():
         if not path.startswith("kuberay/"):

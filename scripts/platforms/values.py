@@ -161,11 +161,18 @@ class Package(Strict):
         "bundle root, shipped with every job as py_modules; empty: none.",
     )
 
+    module: str = Field(
+        "",
+        description="Its import name; empty: the folder's name, or the wheel's distribution "
+        "name with '-' as '_'.",
+    )
+
     @property
-    def module(self) -> str:
-        """The import name: the folder's name, or the wheel's distribution name."""
+    def import_name(self) -> str:
+        if self.module:
+            return self.module
         name = PurePosixPath(self.path).name
-        return name.split("-")[0] if name.endswith(".whl") else name
+        return name.split("-")[0].replace(".", "_") if name.endswith(".whl") else name
 
 
 class Kubernetes(Strict):
@@ -176,8 +183,18 @@ class Kubernetes(Strict):
     node_selector: dict[str, str] = Field({}, description="Every Ray pod's nodeSelector.")
     tolerations: tuple[Toleration, ...] = Field((), description="Every Ray pod's tolerations.")
     priority_class: str = Field("", description="The pods' priorityClassName; empty: none.")
+    pod_labels: dict[str, str] = Field(
+        {}, description="Labels of every Ray pod, e.g. azure.workload.identity/use: 'true'."
+    )
+    env: dict[str, str] = Field({}, description="Environment of every Ray container.")
     keep_failed_hours: int = Field(
         24, ge=0, description="How long a failed job's cluster (its head: logs, dashboard) stays."
+    )
+    keep_jobs_days: int = Field(
+        7,
+        ge=1,
+        description="How long a finished or failed RayJob (its status, its submitter's log) "
+        "stays before it deletes itself.",
     )
     ray_cron_job: bool = Field(
         False,
@@ -188,6 +205,15 @@ class Kubernetes(Strict):
         "registry.k8s.io/kubectl:v1.32.4",
         description="The CronJob's image that creates the chain's RayJob.",
     )
+
+    @model_validator(mode="after")
+    def _jobs_outlive_their_clusters(self) -> Kubernetes:
+        if self.keep_jobs_days * 24 < self.keep_failed_hours:
+            raise ValueError(
+                "kubernetes.keep_jobs_days: a RayJob goes after its cluster (KubeRay's rule), so "
+                f"keep it at least keep_failed_hours ({self.keep_failed_hours} h)"
+            )
+        return self
 
 
 class Anyscale(Strict):
