@@ -36,7 +36,6 @@ VALUES = {
     "jobs": {
         "profile": "demo",
         "set": [
-            "check.packages=[custom_model]",
             "preprocess.source.synthetic.images_per_class=12",
             "preprocess.source.synthetic.raw_size=32",
             "preprocess.image_size=32",
