@@ -46,6 +46,13 @@ PERMANENT_MARKS = (
     "AccessDenied",
     "InvalidAccessKeyId",
     "SignatureDoesNotMatch",
+    # Google Cloud Storage's status codes (google::cloud::Status(PERMISSION_DENIED: ...)), and
+    # Azure's error codes ("Azure Error: [AuthorizationFailure] 403 ...") for a refused request.
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+    "[AuthenticationFailed]",
+    "[AuthorizationFailure]",
+    "[AuthorizationPermissionMismatch]",
     "Path does not exist",
     "No such file",
     *PARQUET_DAMAGE_MARKS,

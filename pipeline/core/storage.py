@@ -101,7 +101,7 @@ class Location:
                 f"cannot open {uri}: {str(e).partition(chr(10))[0]}; HDFS needs Java and libhdfs "
                 "on every node (JAVA_HOME, ARROW_LIBHDFS_DIR)"
             ) from None
-        return cls(fs, path.rstrip("/"), uri)
+        return cls(_with_environment(fs, uri), path.rstrip("/"), uri)
 
     def child(self, *parts: str) -> Location:
         return Location(self.fs, posixpath.join(self.path, *parts), join_uri(self.uri, *parts))
@@ -179,6 +179,33 @@ class Location:
         selector = pafs.FileSelector(self.path, allow_not_found=True)
         infos = retry(lambda: self.fs.get_file_info(selector), f"listing {self.uri}")
         return sorted((i for i in infos if i.type == pafs.FileType.Directory), key=lambda i: i.path)
+
+
+# What the nodes' environment adds to a gs:// or abfs:// URI's filesystem, as AWS_ENDPOINT_URL
+# and AWS_ACCESS_KEY_ID do to an s3:// one; pyarrow reads neither variable itself.
+GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
+AZURE_KEY_ENV = "AZURE_STORAGE_ACCOUNT_KEY"
+
+
+def _with_environment(fs: pafs.FileSystem, uri: str) -> pafs.FileSystem:
+    """`fs` pointed where the environment says, unless `uri` said otherwise. With
+    STORAGE_EMULATOR_HOST (`http://host:port`), gs:// goes to that emulator, unauthenticated,
+    as Google's own clients do; with AZURE_STORAGE_ACCOUNT_KEY, abfs:// signs its requests with
+    that key (Azurite's, or an account's that takes keys) instead of Azure's default credential
+    chain. The filesystem is rebuilt from its own arguments, the ones pickling uses."""
+    query = uri.partition("?")[2]
+    host = os.environ.get(GCS_EMULATOR_ENV)
+    if isinstance(fs, pafs.GcsFileSystem) and host and "endpoint_override=" not in query:
+        scheme, _, authority = host.rstrip("/").rpartition("://")
+        options = fs.__reduce__()[1][0]
+        options.update(anonymous=True, scheme=scheme or "http", endpoint_override=authority)
+        return pafs.GcsFileSystem(**options)
+    if isinstance(fs, pafs.AzureFileSystem) and "credential_kind=" not in query:
+        options = fs.__reduce__()[1][0]
+        key = os.environ.get(AZURE_KEY_ENV)
+        if key and not any(options[k] for k in ("sas_token", "client_id")):
+            return pafs.AzureFileSystem(**{**options, "account_key": key})
+    return fs
 
 
 def partial_prefix(name: str) -> str:

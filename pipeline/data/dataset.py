@@ -258,12 +258,20 @@ def read_row_group(
 
 class Reads:
     """A file's reads for pyarrow, which keep storage's error apart: pyarrow raises a failed
-    read and bytes that do not parse alike (an OSError), but only the first may pass."""
+    read and bytes that do not parse alike (an OSError), but only the first may pass.
+
+    pyarrow learns a Python file's size by seeking to its end and back. GCS's file opens a
+    ranged read at each seek, which the service refuses at the end (HTTP 416,
+    apache/arrow#38854), so a position at or past the end is kept here, never sought."""
 
     def __init__(self, file: pa.NativeFile):
         self.file, self.failed = file, None
+        self.size = file.size()
+        self.beyond: int | None = None  # the position, when at or past the end
 
     def read(self, n: int = -1) -> pa.Buffer:
+        if self.beyond is not None:
+            return pa.py_buffer(b"")
         try:
             return self.file.read_buffer(n if n >= 0 else None)
         except OSError as e:
@@ -271,10 +279,12 @@ class Reads:
             raise
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        return self.file.seek(pos, whence)
+        target = (0, self.tell(), self.size)[whence] + pos
+        self.beyond = target if target >= self.size else None
+        return target if self.beyond is not None else self.file.seek(target)
 
     def tell(self) -> int:
-        return self.file.tell()
+        return self.beyond if self.beyond is not None else self.file.tell()
 
     @property
     def closed(self) -> bool:
