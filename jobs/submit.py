@@ -5,6 +5,7 @@
     python -m jobs.submit --address ... --root ... --recipe finetune all
     python -m jobs.submit --address ... --root ... export
     python -m jobs.submit --address ... --root ... --profile demo tune
+    python -m jobs.submit --address ... --root ... --check all
     python -m jobs.submit --address ... --root ... --py-module ~/src/mynet \
         --set train.model.name=mynet:build all
 
@@ -17,7 +18,9 @@ dataset's val split: at <run name>-<input name>[-<split>]-<hash of the input>), 
 run's best checkpoint at <root>/runs/<run name>/export/<checkpoint name>.
 `--recipe NAME` layers configs/recipes/NAME.yaml over the train step's config.
 `all` runs preprocess, train and infer; export and tune (a sweep of the train job, its trials
-runs under <root>/runs/<sweep name>; docs/tune.md) run only when named.
+runs under <root>/runs/<sweep name>; docs/tune.md) run only when named. `check`, the cluster
+check of the train step's config with storage <root> and the dataset at <root>/dataset
+(docs/check.md), runs when named, or first with `--check`, before the steps named.
 So each step can be retried on its own: preprocessing is a no-op when its dataset is up to date,
 training resumes its run or says it is complete, inference replaces its output, and an export
 already there is left as it is. Run as
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import logging
 import secrets
 import shlex
@@ -55,6 +59,7 @@ from pathlib import Path
 import yaml
 
 from jobs.follow import Patience, Submission, follow, stop, submit
+from pipeline.check.config import CheckConfig, train_config
 from pipeline.core.config import keys_help, load_config
 from pipeline.core.errors import EXIT_CODES, ClusterError, ConfigError, failure, first_line
 from pipeline.core.logs import CURRENT_DATASET_LINE, setup_logging
@@ -67,14 +72,17 @@ from pipeline.tune.config import SweepConfig
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
 CONFIGS = {
+    "check": CheckConfig,
     "preprocess": PreprocessConfig,
     "train": TrainConfig,
     "infer": InferConfig,
     "export": ExportConfig,
     "tune": SweepConfig,
 }
-# The chain, in order: what `all` runs. An export and a sweep run only when named.
+# The chain, in order: what `all` runs. An export and a sweep run only when named; the cluster
+# check when named, or first with --check.
 STEPS = ("preprocess", "train", "infer")
+CHECK = "check"
 STOPPED_EXIT = 4
 # Lines of Ray's own that the streamed logs leave out. Ray's core worker logs this once per
 # driver that starts a Ray Data actor pool, whose actors take their arguments by reference
@@ -137,6 +145,15 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
     ]
     load("export")
     load("tune")
+    # The check measures the cluster against the train step as the chain runs it.
+    args["check"] = [
+        f"storage={root}",
+        f"dataset={dataset}",
+        f"train={json.dumps(files['train'])}",
+        *([f"train_overrides={json.dumps(overrides['train'])}"] if overrides["train"] else []),
+        *overrides["check"],
+    ]
+    train_config(load("check"), root=BUNDLE_ROOT)
     return [
         Job(
             step,
@@ -335,7 +352,8 @@ def _sigterm_as_interrupt():
 def steps_help() -> str:
     """The steps in order, and each one's settings for `--set STEP.KEY=VALUE`."""
     sections = [
-        f"steps, in this order: {', '.join(STEPS)} (or all); export and tune only when named"
+        f"steps, in this order: {', '.join(STEPS)} (or all); export and tune only when named;"
+        f" {CHECK} (the cluster check, docs/check.md) when named, or first with --check"
     ]
     for step, cls in CONFIGS.items():
         sections.append(
@@ -401,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         help="how long to follow a job while its cluster does not answer before exit 3; the "
         "job may run on (default %(default).0f)",
     )
+    add(
+        "--check",
+        action="store_true",
+        help="run the cluster check (the check step) first; the steps only if it passes",
+    )
     parser.add_argument("step", choices=[*CONFIGS, "all"])
     args = parser.parse_args(argv)
     setup_logging()
@@ -434,7 +457,8 @@ def run_chain(args: argparse.Namespace) -> int:
     patience = Patience(submit_s=args.submit_timeout_s, reconnect_s=args.reconnect_timeout_s)
     version = None
     for job in jobs:
-        if args.step == job.step or (args.step == "all" and job.step in STEPS):
+        first = args.check and job.step == CHECK  # plan() lists the check first
+        if first or args.step == job.step or (args.step == "all" and job.step in STEPS):
             if job.step == "train" and version is not None:
                 job = pin_dataset(job, version)
             log: list[str] = []

@@ -141,6 +141,26 @@ def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
     assert {"dataset=s3://b/x/dataset", "storage_path=s3://b/x/runs"} <= set(submitted["tune"])
 
 
+def test_check_runs_first_and_a_failed_check_submits_nothing_after_it(monkeypatch):
+    submitted, codes = [], {"check": 0}
+
+    def submit(address, job, env_vars=None, log=None, patience=None, py_modules=()):
+        submitted.append(job.step)
+        return codes.get(job.step, 0)
+
+    monkeypatch.setattr("jobs.submit.submit_and_wait", submit)
+    args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
+    assert main([*args, "--check", "all"]) == 0
+    assert submitted == ["check", "preprocess", "train", "infer"]
+    submitted.clear()
+    assert main([*args, "check"]) == 0
+    assert submitted == ["check"]
+    submitted.clear()
+    codes["check"] = 3  # a row failed: the cluster cannot run it
+    assert main([*args, "--check", "train"]) == 3
+    assert submitted == ["check"]
+
+
 def test_the_users_package_ships_with_every_job_as_py_modules(tmp_path, monkeypatch, capsys):
     package, wheel = tmp_path / "mynet", tmp_path / "mynet-1.0-py3-none-any.whl"
     package.mkdir()

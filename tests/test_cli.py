@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from harness.cluster import BUNDLE_ROOT
+from pipeline.check.config import CheckConfig
 from pipeline.core.config import describe_keys
 from pipeline.data.config import PreprocessConfig
 from pipeline.export.config import ExportConfig
@@ -30,6 +31,7 @@ def run(*args: str) -> str:
         ("infer", InferConfig),
         ("export", ExportConfig),
         ("tune", SweepConfig),
+        ("check", CheckConfig),
     ],
 )
 def test_job_help_lists_every_key(job, cls):
@@ -55,6 +57,7 @@ def test_chain_help_lists_steps_and_their_keys():
         ("train", TrainConfig),
         ("export", ExportConfig),
         ("tune", SweepConfig),
+        ("check", CheckConfig),
     ]:
         assert f"--set {step}.KEY=VALUE" in text
         assert all(f"  {key} (" in text for key, *_ in describe_keys(cls))
