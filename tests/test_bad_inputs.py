@@ -1267,6 +1267,20 @@ CASES = [
         "models:/<name>/<version> is no registered model version",
         test="tests/test_tracking.py::test_a_registered_version_resolves_to_its_checkpoint",
     ),
+    Case(
+        "a cluster check with a failed row of the cluster's: a node that does not answer, a "
+        "package a node lacks, workers that do not fit ([Cluster check](check.md))",
+        3,
+        "cluster check: <n> of <n> rows failed: <rows>",
+        test="tests/test_check.py::test_a_node_gone_fails_the_nodes_row",
+    ),
+    Case(
+        "a cluster check whose failed rows are all the input's: storage that refuses for good, "
+        "a dataset that is there but unreadable",
+        1,
+        "cluster check: <n> of <n> rows failed: <rows>",
+        test="tests/test_check.py::test_storage_that_refuses_writes_fails_the_storage_row",
+    ),
 ]
 
 
