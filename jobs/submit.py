@@ -145,14 +145,14 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
     ]
     load("export")
     load("tune")
-    # The check measures the cluster against the train step as the chain runs it.
-    args["check"] = [
-        f"storage={root}",
-        f"dataset={dataset}",
-        f"train={json.dumps(files['train'])}",
-        *([f"train_overrides={json.dumps(overrides['train'])}"] if overrides["train"] else []),
-        *overrides["check"],
-    ]
+    # The check measures the cluster against the train step as the chain runs it: its files
+    # (named where the check's config names others) and its --set train.* settings.
+    args["check"] = [f"storage={root}", f"dataset={dataset}"]
+    if load("check").train != tuple(files["train"]):
+        args["check"].append(f"train={json.dumps(files['train'])}")
+    if overrides["train"]:
+        args["check"].append(f"train_overrides={json.dumps(overrides['train'])}")
+    args["check"] += overrides["check"]
     train_config(load("check"), root=BUNDLE_ROOT)
     return [
         Job(

@@ -317,5 +317,7 @@ def test_the_chain_checks_its_own_train_step_first():
         'train_overrides=["epochs=3"]',
         "min_nodes=2",
     ]
+    # The check config's own train file is the train step's: not named again.
+    assert plan("/tmp/root")[0].entrypoint[5:] == ["storage=/tmp/root", "dataset=/tmp/root/dataset"]
     with pytest.raises(ConfigError, match=r"config file \S*/nope\.yaml does not exist"):
         plan("/tmp/root", sets=["check.train=[nope.yaml]"])
