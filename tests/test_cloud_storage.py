@@ -2,6 +2,7 @@
 bundle's reads and writes through Location, the errors it retries and those it does not, and the
 jobs (preprocess -> train, resumed -> infer) with everything on each store."""
 
+import io
 import json
 import os
 from contextlib import contextmanager
@@ -9,6 +10,7 @@ from unittest import mock
 
 import pyarrow.fs as pafs
 import pytest
+import torch
 from helpers import TRAIN
 
 from harness.cloud_storage import AzuriteServer, GcsServer
@@ -109,6 +111,43 @@ def test_gcs_emulator_host_leaves_an_explicit_endpoint_alone(gcs):
 # --- the jobs, with everything on each store --------------------------------------------------
 
 
+def test_a_gcs_folder_without_a_marker_object_lists_and_deletes(gcs):
+    """GCS has no folders: a writer that makes no marker object (Ray Train's uploads) leaves
+    none. pyarrow's listing leaves such a folder out (a resumed run found no checkpoint and
+    trained from scratch), and its delete_dir, having deleted the files below, fails on it."""
+    run = Location.parse(gcs.uri(BUCKET, "markerless"))
+    raw, _ = pafs.FileSystem.from_uri(run.uri)
+    for name in ("epoch_0000/model.pt", "epoch_0000/metadata.json", "summary.json"):
+        with raw.open_output_stream(f"{run.path}/{name}") as f:
+            f.write(b"{}")  # no marker object for epoch_0000/
+    run.child("steps").create_parent()  # markers for the run and...
+    run.child("steps", "x").create_parent()  # ... for steps/, as pyarrow makes them
+    listed = [(i.base_name, i.type) for i in run.fs.get_file_info(pafs.FileSelector(run.path))]
+    assert listed == [
+        ("epoch_0000", pafs.FileType.Directory),
+        ("steps", pafs.FileType.Directory),
+        ("summary.json", pafs.FileType.File),
+    ]
+    assert [i.base_name for i in run.list_dirs()] == ["epoch_0000", "steps"]
+    run.fs.delete_dir(run.child("epoch_0000").path)
+    assert not run.child("epoch_0000").exists()
+    with pytest.raises(OSError, match="No such directory"):
+        run.fs.delete_dir(run.child("epoch_0001").path)  # a folder that is not there still fails
+
+
+def test_a_gcs_file_opened_for_random_access_seeks_to_its_end(gcs):
+    """torch.load's zip reader seeks to a checkpoint's end first, which pyarrow's GCS file
+    turns into a read past the end that GCS answers with 416."""
+    weights = Location.parse(gcs.uri(BUCKET, "seek/model.pt"))
+    saved = io.BytesIO()
+    torch.save({"w": torch.arange(6)}, saved)
+    weights.write_bytes(saved.getvalue())
+    with weights.fs.open_input_file(weights.path) as f:
+        assert f.size() == len(saved.getvalue())
+        assert torch.equal(torch.load(f, weights_only=True)["w"], torch.arange(6))
+        assert f.read_at(4, 0) == saved.getvalue()[:4]
+
+
 @pytest.fixture(scope="module")
 def cluster(gcs, azurite):
     """A 2-CPU cluster whose nodes reach both emulators as a real cluster's reach its cloud's
@@ -118,10 +157,6 @@ def cluster(gcs, azurite):
 
 
 # gs:// as on Google Cloud (the emulator in the nodes' environment); abfs:// at Azurite's address.
-# On gs://, Ray Train's removal of a superseded checkpoint fails (pyarrow's GCS delete_dir raises
-# NOT_FOUND for a directory without a marker object, after deleting its files), and the resumed
-# run then finds its snapshot naming a checkpoint that is gone: strict, so that a fix shows.
-GS_RESUME = pytest.mark.xfail(strict=True, reason="Ray Train's checkpoint removal on GCS")
 CHAINS = {
     "gs": lambda gcs, azurite: f"gs://{BUCKET}/chain",
     "abfs": lambda gcs, azurite: azurite.uri(BUCKET, "chain"),
@@ -135,7 +170,7 @@ def run(cluster: LocalCluster, args: list[str]) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", [pytest.param("gs", marks=GS_RESUME), "abfs"])
+@pytest.mark.parametrize("scheme", ["gs", "abfs"])
 def test_preprocess_train_resume_infer(scheme, gcs, azurite, cluster):
     # This process reaches the stores as the nodes do.
     with environment({**gcs.env, **azurite.env}):

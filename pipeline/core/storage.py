@@ -25,6 +25,7 @@ from typing import TypeVar
 import pyarrow.fs as pafs
 
 from pipeline.core.errors import ConfigError, is_transient
+from pipeline.core.gcs import markerless
 from pipeline.core.uris import check_scheme, join_uri, parent_uri
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class Location:
                 f"cannot open {uri}: {str(e).partition(chr(10))[0]}; HDFS needs Java and libhdfs "
                 "on every node (JAVA_HOME, ARROW_LIBHDFS_DIR)"
             ) from None
-        return cls(_with_environment(fs, uri), path.rstrip("/"), uri)
+        return cls(markerless(_with_environment(fs, uri)), path.rstrip("/"), uri)
 
     def child(self, *parts: str) -> Location:
         return Location(self.fs, posixpath.join(self.path, *parts), join_uri(self.uri, *parts))
