@@ -82,9 +82,12 @@ def test_real_s3_errors_are_told_apart():
             fs.get_file_info(pafs.FileSelector("nowhere/x"))
         with pytest.raises(OSError) as write_missing_bucket:
             fs.open_output_stream("nowhere/x").write(b"x")
+        # A folder made in a missing bucket: pyarrow's own words, no S3 error's.
+        with pytest.raises(OSError) as folder_missing_bucket:
+            fs.create_dir("nowhere/x", recursive=True)
         endpoint = s3.env["AWS_ENDPOINT_URL"]
     permanent = [missing_key, missing_bucket, move_missing_key, list_missing_bucket]
-    permanent.append(write_missing_bucket)
+    permanent += [write_missing_bucket, folder_missing_bucket]
     assert not [e.value for e in permanent if is_transient(e.value)]
     # The same endpoint once its server has stopped: nothing listens on the port.
     down = pafs.S3FileSystem(

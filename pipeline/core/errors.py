@@ -42,6 +42,7 @@ PERMANENT_MARKS = (
     "NO_SUCH_KEY",
     "NoSuchBucket",
     "NoSuchKey",
+    "not found. To create buckets",  # pyarrow's own, making a folder in a missing bucket
     "ACCESS_DENIED",
     "AccessDenied",
     "InvalidAccessKeyId",
