@@ -169,6 +169,10 @@ MINUTES = {
     "head_and_two_nodes": 11.0,
     "main_run": 7.1,
     "tests/test_autoscale.py": 6.2,
+    # Measured alone on this machine's two cores: their jobs, their clusters and emulators.
+    "tests/test_cloud_storage.py": 5.0,
+    "tests/test_platform_jobs.py": 4.6,
+    "tests/test_check.py": 3.5,
     "tests/test_tune.py": 5.4,
     "tests/test_train_faults.py": 4.0,
     "tests/test_deploy.py": 3.4,
@@ -198,6 +202,7 @@ MINUTES = {
 # asks for a cluster (NOT_LIGHT) fails at its setup. Kept with the other workers: the modules
 # that wait on a subprocess against a deadline (test_faults, test_tracking, test_platforms).
 LIGHT = {
+    "tests/test_check_rows.py",
     "tests/test_cli.py",
     "tests/test_cluster_yaml.py",
     "tests/test_config.py",
