@@ -31,7 +31,16 @@ RUN = "platform-run"
 VALUES = {
     "storage": ROOT,
     "image": {"registry": "registry.example.com/ml", "repository": "vision", "tag": "1"},
-    "worker_groups": [{"name": "cpu", "cpus": 2, "memory_gi": 8, "max_nodes": 1}],
+    "head": {"instance_types": {"aws": "m5.xlarge"}},
+    "worker_groups": [
+        {
+            "name": "cpu",
+            "cpus": 2,
+            "memory_gi": 8,
+            "max_nodes": 1,
+            "instance_types": {"aws": "m5.large"},
+        }
+    ],
     "package": {"path": "examples/custom_model"},
     "jobs": {
         "profile": "demo",
