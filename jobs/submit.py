@@ -72,12 +72,12 @@ from pipeline.tune.config import SweepConfig
 
 BUNDLE_ROOT = Path(__file__).resolve().parent.parent  # configs/ and runtime_env.yaml
 CONFIGS = {
-    "check": CheckConfig,
     "preprocess": PreprocessConfig,
     "train": TrainConfig,
     "infer": InferConfig,
     "export": ExportConfig,
     "tune": SweepConfig,
+    "check": CheckConfig,
 }
 # The chain, in order: what `all` runs. An export and a sweep run only when named; the cluster
 # check when named, or first with --check.
@@ -452,12 +452,13 @@ def main(argv: list[str] | None = None) -> int:
 def run_chain(args: argparse.Namespace) -> int:
     """The steps `args` name, one job after another; the first failed job's exit code."""
     jobs = plan(args.root, profile=args.profile, sets=args.set, recipe=args.recipe)
+    jobs.sort(key=lambda job: job.step != CHECK)  # the check, then the steps in their order
     env_vars = parse_env(args.env)
     py_modules = check_py_modules(args.py_module)
     patience = Patience(submit_s=args.submit_timeout_s, reconnect_s=args.reconnect_timeout_s)
     version = None
     for job in jobs:
-        first = args.check and job.step == CHECK  # plan() lists the check first
+        first = args.check and job.step == CHECK
         if first or args.step == job.step or (args.step == "all" and job.step in STEPS):
             if job.step == "train" and version is not None:
                 job = pin_dataset(job, version)

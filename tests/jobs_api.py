@@ -187,7 +187,9 @@ class JobsAPI:
         sent = len(job.log)
         if sent:
             await ws.send_str("".join(job.log))
-        cut = self.drop_after if self.streams == 1 else math.inf
+        # Only the first stream is cut, and only with drop_after.
+        first = self.streams == 1 and self.drop_after is not None
+        cut = self.drop_after if first else math.inf
         while True:
             if sent >= cut and self.after_drop == "hang":
                 self.dropped.set()

@@ -104,14 +104,15 @@ def test_plan_keeps_the_roots_query_after_every_path():
         "input",
         "model",
         "output",
+        "storage",  # the check's: the root itself
         "storage_path",
     ]
     for arg in paths:
         uri = arg.partition("=")[2]
         path, _, query = uri.partition("?")
         assert query == "endpoint_override=minio.internal:9000&scheme=http", arg
-        assert path.startswith("s3://my-bucket/ray-cv/") and "?" not in path, arg
-        assert Location.parse(uri).path.startswith("my-bucket/ray-cv/"), arg
+        assert path.startswith("s3://my-bucket/ray-cv") and "?" not in path, arg
+        assert Location.parse(uri).path.startswith("my-bucket/ray-cv"), arg
 
 
 def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):

@@ -306,10 +306,10 @@ def test_the_train_config_it_reads_takes_the_checks_storage_and_dataset_last():
         train_config(load_config(CheckConfig, None, ["train=[nope.yaml]"]))
 
 
-def test_the_chain_checks_its_own_train_step_first():
+def test_the_chain_checks_its_own_train_step():
     jobs = plan("/tmp/root", sets=["train.epochs=3", "check.min_nodes=2"], recipe="finetune")
-    assert jobs[0].step == CHECK
-    assert jobs[0].entrypoint == [
+    (check,) = [job for job in jobs if job.step == CHECK]
+    assert check.entrypoint == [
         *("python", "-m", "jobs.check", "--config", "configs/check.yaml"),
         "storage=/tmp/root",
         "dataset=/tmp/root/dataset",
@@ -318,6 +318,7 @@ def test_the_chain_checks_its_own_train_step_first():
         "min_nodes=2",
     ]
     # The check config's own train file is the train step's: not named again.
-    assert plan("/tmp/root")[0].entrypoint[5:] == ["storage=/tmp/root", "dataset=/tmp/root/dataset"]
+    (check,) = [job for job in plan("/tmp/root") if job.step == CHECK]
+    assert check.entrypoint[5:] == ["storage=/tmp/root", "dataset=/tmp/root/dataset"]
     with pytest.raises(ConfigError, match=r"config file \S*/nope\.yaml does not exist"):
         plan("/tmp/root", sets=["check.train=[nope.yaml]"])
