@@ -403,7 +403,15 @@ def interrupted_chain(api: JobsAPI, root, signum: int, ready) -> tuple[int, str,
     cmd = [sys.executable, *step_command(api.address, str(root), "preprocess", profile="demo")[1:]]
     out, err = root / "out", root / "err"
     with out.open("w") as stdout, err.open("w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=BUNDLE_ROOT, stdout=stdout, stderr=stderr)
+        # Ctrl-C reaches the chain as at a terminal: a runner started in the background by a
+        # shell without job control ignores SIGINT, and its children inherit that.
+        proc = subprocess.Popen(
+            cmd,
+            cwd=BUNDLE_ROOT,
+            stdout=stdout,
+            stderr=stderr,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         try:
             wait_for(lambda: ready(out.read_text()) or proc.poll() is not None, "the chain", 120)
             proc.send_signal(signum)
