@@ -6,14 +6,13 @@ from __future__ import annotations
 from scripts.platforms.common import (
     MAX_RETRIES,
     SERVE,
-    TIMEOUT_S,
     chain,
-    chain_timeout,
     dump,
     entrypoints,
     image,
     runtime_env,
     serve_config,
+    timeout_s,
 )
 from scripts.platforms.values import ARTIFACTS, Values
 
@@ -81,7 +80,7 @@ def files(values: Values, lock: str) -> dict[str, str]:
             **common,
             "compute_config": compute,
             "max_retries": MAX_RETRIES,
-            "timeout_s": TIMEOUT_S[step] if step != "chain" else chain_timeout(values),
+            "timeout_s": timeout_s(values, step),
         }
 
     root = values.anyscale.storage.replace(ARTIFACTS, _STAND_IN)

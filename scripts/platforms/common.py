@@ -38,8 +38,11 @@ def chain_steps(values: Values) -> tuple[str, ...]:
     return ("check",) * values.jobs.check + STEPS
 
 
-def chain_timeout(values: Values) -> int:
-    return sum(TIMEOUT_S[step] for step in chain_steps(values))
+def timeout_s(values: Values, step: str) -> int:
+    """A job's limit; the chain's is its steps' together."""
+    if step == "chain":
+        return sum(TIMEOUT_S[s] for s in chain_steps(values))
+    return TIMEOUT_S[step]
 
 
 def entrypoints(values: Values, root: str) -> dict[str, str]:

@@ -9,14 +9,13 @@ import shlex
 from scripts.platforms.common import (
     MAX_RETRIES,
     SERVE,
-    TIMEOUT_S,
     chain,
-    chain_timeout,
     dump,
     entrypoints,
     image,
     runtime_env,
     serve_config,
+    timeout_s,
     to_yaml,
 )
 from scripts.platforms.values import Node, Toleration, Values
@@ -32,17 +31,18 @@ def toleration(t: Toleration) -> dict:
 
 
 def placement(values: Values, node: Node | None = None) -> dict:
-    """The team's pod spec fields: identity, priority, pull secrets, nodes and taints."""
+    """The team's pod spec fields: identity, priority, pull secrets, nodes and taints, and a
+    Ray node's own selector and taints over them."""
     k8s = values.kubernetes
     spec: dict = {"serviceAccountName": k8s.service_account}
     if k8s.priority_class:
         spec["priorityClassName"] = k8s.priority_class
     if values.image.pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in values.image.pull_secrets]
-    own = node or Node(cpus=1, memory_gi=1)
-    if selector := k8s.node_selector | own.node_selector:
+    own = (node.node_selector, node.tolerations) if node else ({}, ())
+    if selector := k8s.node_selector | own[0]:
         spec["nodeSelector"] = selector
-    if tolerations := [toleration(t) for t in (*k8s.tolerations, *own.tolerations)]:
+    if tolerations := [toleration(t) for t in (*k8s.tolerations, *own[1])]:
         spec["tolerations"] = tolerations
     return spec
 
@@ -143,7 +143,6 @@ def deletion_rules(values: Values) -> dict:
 
 
 def rayjob_spec(values: Values, lock: str, entrypoint: str, cluster: dict, step: str) -> dict:
-    deadline = chain_timeout(values) if step == "chain" else TIMEOUT_S[step]
     return {
         "entrypoint": entrypoint,
         # Uploaded by the submitter pod from the image's copy of the bundle (its WORKDIR), as
@@ -156,7 +155,7 @@ def rayjob_spec(values: Values, lock: str, entrypoint: str, cluster: dict, step:
         "deletionStrategy": deletion_rules(values),
         # A retry is a new cluster and the same command: the step resumes (jobs.submit's doc).
         "backoffLimit": MAX_RETRIES,
-        "activeDeadlineSeconds": deadline,
+        "activeDeadlineSeconds": timeout_s(values, step),
         "rayClusterSpec": cluster,
     }
 
