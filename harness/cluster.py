@@ -92,7 +92,10 @@ class LocalCluster:
     With `autoscale`, Ray's own autoscaler runs on the head and adds and removes worker nodes
     of those types on this machine (its fake multi-node provider): `{"cpu": {"resources":
     {"CPU": 1}, "max_workers": 2}}` starts none, adds up to 2 one-CPU nodes for the demand it
-    sees, and removes each after `idle_timeout_s` idle."""
+    sees, and removes each after `idle_timeout_s` idle.
+
+    With `metrics`, the head exports its metrics (Ray's and the jobs', docs/metrics.md) on
+    `metrics_port`, for a Prometheus to scrape (harness/prometheus.py)."""
 
     def __init__(
         self,
@@ -101,8 +104,10 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         autoscale: dict[str, dict] | None = None,
         idle_timeout_s: float = 60,
+        metrics: bool = False,
     ):
         self.num_cpus = num_cpus
+        self.metrics = metrics
         self.extra_env = dict(env or {})
         if autoscale is not None:
             self.extra_env |= {
@@ -147,8 +152,9 @@ class LocalCluster:
         }
 
     def _choose_ports(self) -> None:
-        ports = free_ports(4)
-        self.gcs_port, self.dashboard_port, self._client_port, self._agent_port = ports
+        ports = free_ports(5)
+        self.gcs_port, self.dashboard_port, self._client_port, self._agent_port = ports[:4]
+        self.metrics_port = ports[4]
 
     def start(self, timeout_s: float = 90, attempts: int = 3) -> LocalCluster:
         """Start the head; ready once its job API and its job agent answer. A port taken by
@@ -162,6 +168,8 @@ class LocalCluster:
                 f"--ray-client-server-port={self._client_port}",
                 f"--dashboard-agent-listen-port={self._agent_port}",
             ]
+            if self.metrics:
+                args.append(f"--metrics-export-port={self.metrics_port}")
             if self.autoscale is not None:
                 args.append(f"--autoscaling-config={self._autoscaling_config()}")
             self.temp_dir, self._proc, self._log = _ray_start(args, self.num_cpus, self.env)

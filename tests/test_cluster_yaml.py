@@ -17,6 +17,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -304,7 +305,11 @@ def test_the_installed_bundle_has_the_requirements_files_deps(project):
     recorded = {key(Requirement(r)) for r in requires("ray-cv-bundle")}
     declared = {key(Requirement(d)) for d in project["dependencies"]}
     for extra, deps in project["optional-dependencies"].items():
-        declared |= {key(Requirement(f'{d}; extra == "{extra}"')) for d in deps}
+        for dep in map(Requirement, deps):
+            # As setuptools records it: the extra's marker after the requirement's own.
+            own = f"{dep.marker} and " if dep.marker else ""
+            dep.marker = Marker(f'{own}extra == "{extra}"')
+            declared.add(key(dep))
     assert recorded == declared
 
 

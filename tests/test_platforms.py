@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -17,12 +18,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from jobs.cli import job_config, job_parser
 from jobs.submit import BUNDLE_ROOT, CONFIGS
 from pipeline.core.config import validate_config
 from pipeline.core.errors import ConfigError
 from pipeline.serve.config import ServeConfig
+from scripts.platforms import grafana
 from scripts.platforms.__main__ import main
 from scripts.platforms.render import EXAMPLE, OUT
 from scripts.platforms.validate import CRDS, KINDS, Refused, check, check_crd, documents
@@ -75,6 +79,7 @@ TEAM = {
         "priority_class": "batch-low",
         "pod_labels": {"team": "vision"},
         "env": {"GOOGLE_CLOUD_PROJECT": "acme"},
+        "monitor_labels": {"release": "prometheus"},
         "ray_cron_job": True,
     },
     "anyscale": {"cloud": "acme-gcp", "storage": "gs://acme-ml/vision-anyscale"},
@@ -177,7 +182,10 @@ def test_a_teams_values_reach_every_pod(tmp_path):
                 "value": "ml",
                 "effect": "NoExecute",
             } in (pod["tolerations"])
-            assert group["template"]["metadata"]["labels"] == {"team": "vision"}
+            assert group["template"]["metadata"]["labels"] == {
+                "team": "vision",
+                "app.kubernetes.io/part-of": "ray-cv",
+            }
             assert container["env"] == [{"name": "GOOGLE_CLOUD_PROJECT", "value": "acme"}]
             # A memory-backed /dev/shm of half the pod's memory.
             memory = int(container["resources"]["limits"]["memory"].removesuffix("Gi"))
@@ -479,6 +487,7 @@ def test_every_kuberay_object_validates(tmp_path):
             "ServiceAccount",
             "ConfigMap",
             "RayService",
+            "PodMonitor",
         } <= set(kinds)
     assert "RayCronJob" in kinds and "RayCronJob" not in [m["kind"] for m in manifests(OUT)]
 
@@ -546,10 +555,102 @@ def test_the_checks_refuse_unknown_fields_broken_rules_and_the_operators_rules()
     assert check_crd(job) == 14  # deletionStrategy's 2 CEL rules, 2 for each of 6 conditions
 
 
+def test_prometheus_scrapes_every_ray_pod_on_its_metrics_port(tmp_path):
+    for out in (OUT, render(tmp_path, TEAM)):
+        (monitor,) = documents(out / "kuberay" / "podmonitor.yaml")
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        ray_pods = 0
+        for cluster in clusters(out):
+            for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+                # A pod's labels: its template's, and those KubeRay gives every Ray pod.
+                labels = group["template"]["metadata"]["labels"] | {"ray.io/is-ray-node": "yes"}
+                assert selector.items() <= labels.items()
+                (container,) = group["template"]["spec"]["containers"]
+                (port,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
+                exported = group["rayStartParams"]["metrics-export-port"]
+                assert str(port["containerPort"]) == exported == "8080"
+                ray_pods += 1
+        assert ray_pods >= 3 * (len(CONFIGS) + 2)
+        # The submitters are not Ray nodes: KubeRay labels them no ray.io/is-ray-node.
+        assert "ray.io/is-ray-node" in selector
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["metadata"]["namespace"] == "ml-vision"
+    bad = copy.deepcopy(monitor)
+    bad["spec"]["podMetricsEndpoints"][0]["prot"] = "metrics"
+    with pytest.raises(Refused, match="prot"):
+        check(bad)
+
+
+# Grafana: the dashboard -------------------------------------------------------------------------
+
+
+def promql_reads(expr: str) -> tuple[set[str], set[str]]:
+    """(the metrics, the labels) a PromQL expression or a label_values() query reads."""
+    metrics, labels = set(), set()
+    for body in re.findall(r"\{([^}]*)\}", expr):
+        for label, value in re.findall(r'(\w+)\s*=~?\s*"([^"]*)"', body):
+            if label == "__name__":
+                metrics |= set(value.split("|"))
+            else:
+                labels.add(label)
+    rest = re.sub(r"\{[^}]*\}", "", expr)
+    for group in re.findall(r"\bby \(([^)]*)\)", rest):
+        labels |= {label.strip() for label in group.split(",")}
+    rest = re.sub(r"\bby \([^)]*\)", "", rest)
+    if found := re.fullmatch(r"label_values\((.*), (\w+)\)", rest):
+        rest, labels = found[1], labels | {found[2]}
+    metrics |= set(re.findall(r"[A-Za-z_:][\w:]*", rest)) - {"max", "sum"}
+    return metrics, labels
+
+
+def test_the_dashboard_reads_only_the_metrics_the_jobs_publish():
+    board = json.loads((OUT / grafana.PATH).read_text())
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert list(variables) == ["datasource", "run", "output", "job_id"]
+    assert variables["datasource"]["query"] == "prometheus"  # as Ray's dashboards pick theirs
+    queries = [v["query"] for v in variables.values() if v["type"] == "query"]
+    queries += [t["expr"] for p in panels for t in p["targets"]]
+    read = set()
+    for query in queries:
+        metrics, labels = promql_reads(query)
+        assert metrics and metrics <= set(grafana.METRICS), query
+        for metric in metrics:
+            assert labels <= set(grafana.METRICS[metric]), f"{query}: {metric}'s labels"
+        read |= metrics
+    assert read == set(grafana.METRICS), "a metric no panel shows"
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        for target in panel["targets"]:
+            # Every panel follows the variables: the runs' or the outputs', and the jobs'.
+            assert 'job_id=~"$job_id"' in target["expr"], panel["title"]
+            assert '=~"$run"' in target["expr"] or '=~"$output"' in target["expr"]
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    # The SDK's own model (no validator of its own) reads every field back as it wrote it.
+    assert json.loads(json.dumps(Dashboard.from_json(board), cls=JSONEncoder)) == board
+    titles = [p["title"] for p in panels]
+    for title in ("Progress", "Time left", "Images/s", "Input wait", "Step time", "Spend"):
+        assert title in titles
+    docs = (BUNDLE_ROOT / "docs" / "metrics.md").read_text()
+    assert [m for m in grafana.METRICS if f"| `{m}` |" not in docs] == [], "docs/metrics.md"
+
+
+def test_the_dashboards_metrics_are_those_the_jobs_publish():
+    published = pytest.importorskip("pipeline.core.metrics")
+    groups = {published.TRAIN: published.TRAIN_LABELS, published.INFER: published.INFER_LABELS}
+    defined = {
+        published.exported(m): {*labels, *m.labels}
+        for group, labels in groups.items()
+        for m in group
+    }
+    assert defined == {name: set(labels) for name, labels in grafana.METRICS.items()}
+
+
 def test_vendored_crds_are_the_pinned_release():
     readme = (CRDS / "README.md").read_text()
-    for plural in KINDS.values():
-        path = CRDS / f"ray.io_{plural}.yaml"
+    for name in KINDS.values():
+        path = CRDS / name
         data = path.read_bytes()
         blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's object id
         assert f"`{blob}`" in readme, f"{path.name}: not the blob README.md names"

@@ -22,6 +22,9 @@ from scripts.platforms.values import Node, Toleration, Values
 
 WORKDIR = "/home/ray/ray-cv"  # the bundle in the image (platforms/Dockerfile)
 LABELS = {"app.kubernetes.io/part-of": "ray-cv"}
+# Where each Ray node's metrics agent exports Ray's metrics and the jobs' (docs/metrics.md):
+# KubeRay's default port, named `metrics`, written out for the PodMonitor that scrapes it.
+METRICS_PORT = 8080
 SHM_SHARE = 2  # /dev/shm is 1/SHM_SHARE of a pod's memory: the object store and loader batches
 
 
@@ -48,8 +51,8 @@ def placement(values: Values, node: Node | None = None) -> dict:
 
 
 def metadata(values: Values) -> dict:
-    labels = values.kubernetes.pod_labels
-    return {"metadata": {"labels": dict(labels)}} if labels else {}
+    """The pods' labels: the team's, and ours, which the PodMonitor selects Ray pods by."""
+    return {"metadata": {"labels": values.kubernetes.pod_labels | LABELS}}
 
 
 def env(values: Values) -> dict:
@@ -69,6 +72,7 @@ def pod(values: Values, lock: str, node: Node, container: str, gpus: int = 0) ->
             "name": container,
             "image": image(values, lock, "gpu" if gpus else ""),
             "resources": {"requests": resources, "limits": resources},
+            "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
             **env(values),
             # Docker's 64 MiB /dev/shm would fail the loader's worker processes and push the
             # object store to disk at real image sizes.
@@ -99,7 +103,7 @@ def ray_cluster(values: Values, lock: str, ray: str) -> dict:
             "replicas": g.min_nodes,
             "minReplicas": g.min_nodes,
             "maxReplicas": g.max_nodes,
-            "rayStartParams": {},
+            "rayStartParams": {"metrics-export-port": str(METRICS_PORT)},
             "template": pod(values, lock, g, "ray-worker", g.gpus),
         }
         for g in values.worker_groups
@@ -113,7 +117,7 @@ def ray_cluster(values: Values, lock: str, ray: str) -> dict:
         "autoscalerOptions": {"idleTimeoutSeconds": 60},
         "headGroupSpec": {
             # num-cpus 0: no task runs on the head, which runs the drivers.
-            "rayStartParams": {"num-cpus": "0"},
+            "rayStartParams": {"num-cpus": "0", "metrics-export-port": str(METRICS_PORT)},
             "template": pod(values, lock, values.head, "ray-head"),
         },
         "workerGroupSpecs": groups,
@@ -231,6 +235,32 @@ def schedule(values: Values, chain_job: dict) -> list[dict]:
     ]
 
 
+def pod_monitor(values: Values) -> dict:
+    """Prometheus (prometheus-operator's) scrapes every Ray pod of these files, head and
+    workers, on their metrics port: Ray's metrics and the jobs' own. `ray_io_cluster` names
+    each series' cluster, as Ray's own Grafana dashboards filter by it."""
+    cluster = {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"]}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {
+            "name": f"{values.name}-ray",
+            "namespace": values.kubernetes.namespace,
+            "labels": values.kubernetes.monitor_labels | LABELS,
+        },
+        "spec": {
+            # KubeRay's label of its Ray pods (not the submitters), and ours.
+            "selector": {"matchLabels": {"ray.io/is-ray-node": "yes", **LABELS}},
+            "podMetricsEndpoints": [
+                {
+                    "port": "metrics",
+                    "relabelings": [cluster | {"targetLabel": "ray_io_cluster"}],
+                }
+            ],
+        },
+    }
+
+
 def files(values: Values, lock: str, ray: str) -> dict[str, str]:
     cluster = ray_cluster(values, lock, ray)
     commands = entrypoints(values, values.storage)
@@ -267,6 +297,7 @@ def files(values: Values, lock: str, ray: str) -> dict[str, str]:
     (app,) = serve["applications"]
     # The Serve app imports pipeline/ from the image (PYTHONPATH): a RayService uploads nothing.
     app["runtime_env"] = {"env_vars": runtime_env(values)["env_vars"]}
+    found["kuberay/podmonitor.yaml"] = dump(pod_monitor(values))
     found["kuberay/rayservice.yaml"] = dump(
         {
             "apiVersion": "ray.io/v1",

@@ -14,6 +14,11 @@ from scripts.platforms.common import HEADER, LOCK, TIMEOUT_S, bases, image, ray_
 from scripts.platforms.validate import Refused, check
 from scripts.platforms.values import Values
 
+try:
+    from scripts.platforms import grafana
+except ImportError:  # grafana-foundation-sdk is the dev extra's, and needs Python 3.11+
+    grafana = None
+
 OUT = BUNDLE_ROOT / "platforms"
 EXAMPLE = OUT / "values.yaml"
 
@@ -117,9 +122,15 @@ def generate(values: Values) -> dict[str, str]:
             "values instance_types: no cloud has a machine type for every node (head and each "
             "worker group): give instance_types.aws or instance_types.gcp to all of them"
         )
+    if grafana is None:
+        raise ConfigError(
+            "platforms/grafana/: the dashboard is built with grafana-foundation-sdk, which is "
+            "not installed here: `make install` on Python 3.11+ (requirements/dev.txt pins it)"
+        )
     files = {
         **anyscale.files(values, lock),
         **kuberay.files(values, lock, ray_version(lock)),
+        **grafana.files(),
         "Dockerfile": dockerfile(values, lock),
         "Dockerfile.dockerignore": dockerignore(values),
     }

@@ -1,7 +1,8 @@
-"""The KubeRay files against what the API server would check: KubeRay's CRDs (OpenAPI schemas,
-unknown fields refused, CEL rules; vendored in platforms/kuberay/crds/), Kubernetes' own schemas
-for its built-in kinds (the `kubernetes-validate` package), and the operator's checks that are Go
-code, no part of the CRDs (ray-operator/controllers/ray/utils/validation.go at v1.7.0)."""
+"""The KubeRay files against what the API server would check: KubeRay's CRDs and
+prometheus-operator's PodMonitor (OpenAPI schemas, unknown fields refused, CEL rules; vendored in
+platforms/kuberay/crds/), Kubernetes' own schemas for its built-in kinds (the
+`kubernetes-validate` package), and the operator's checks that are Go code, no part of the CRDs
+(ray-operator/controllers/ray/utils/validation.go at v1.7.0)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,23 @@ import yaml
 from jobs.submit import BUNDLE_ROOT
 
 CRDS = BUNDLE_ROOT / "platforms" / "kuberay" / "crds"
-KINDS = {"RayJob": "rayjobs", "RayService": "rayservices", "RayCronJob": "raycronjobs"}
+# {kind: its vendored CRD}
+KINDS = {
+    "RayJob": "ray.io_rayjobs.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+    "RayCronJob": "ray.io_raycronjobs.yaml",
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+}
 KUBERNETES = "1.35.0"  # the API version the built-in kinds are checked against
 MAX_NAME = {"RayJob": 47, "RayService": 47, "RayCronJob": 36}  # utils/constant.go
 TOKEN_AUTH_RAY = (2, 52, 0)
 
 
-def crd_schema(kind: str) -> dict:
-    crd = yaml.load((CRDS / f"ray.io_{KINDS[kind]}.yaml").read_text(), Loader=yaml.CSafeLoader)
+def crd_schema(kind: str) -> tuple[str, dict]:
+    """(the apiVersion, the schema) of the kind's CRD at v1."""
+    crd = yaml.load((CRDS / KINDS[kind]).read_text(), Loader=yaml.CSafeLoader)
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
+    return f"{crd['spec']['group']}/v1", version["schema"]["openAPIV3Schema"]
 
 
 def closed(schema: dict) -> dict:
@@ -56,10 +64,11 @@ def closed(schema: dict) -> dict:
 
 
 @functools.cache
-def schemas() -> dict[str, tuple[dict, jsonschema.Draft4Validator]]:
-    """{kind: (its CRD's schema, a validator of the schema closed to unknown fields)}."""
+def schemas() -> dict[str, tuple[str, dict, jsonschema.Draft4Validator]]:
+    """{kind: (its apiVersion, its CRD's schema, a validator of the schema closed to unknown
+    fields)}."""
     found = {kind: crd_schema(kind) for kind in KINDS}
-    return {k: (s, jsonschema.Draft4Validator(closed(s))) for k, s in found.items()}
+    return {k: (a, s, jsonschema.Draft4Validator(closed(s))) for k, (a, s) in found.items()}
 
 
 def cel_rules(schema: dict, value, where: str = "") -> Iterator[tuple[str, str, str, object]]:
@@ -93,11 +102,11 @@ def _path(parts) -> str:
 
 
 def check_crd(manifest: dict) -> int:
-    """Raise Refused where a ray.io manifest breaks its CRD's schema or a CEL rule; returns the
-    number of CEL rules run."""
-    if manifest.get("apiVersion") != "ray.io/v1":
-        raise Refused(".apiVersion", "not ray.io/v1", manifest.get("apiVersion"))
-    schema, validator = schemas()[manifest["kind"]]
+    """Raise Refused where a manifest of a vendored CRD's kind breaks the CRD's schema or a CEL
+    rule; returns the number of CEL rules run."""
+    api_version, schema, validator = schemas()[manifest["kind"]]
+    if manifest.get("apiVersion") != api_version:
+        raise Refused(".apiVersion", f"not {api_version}", manifest.get("apiVersion"))
     error = jsonschema.exceptions.best_match(validator.iter_errors(manifest))
     if error is not None:
         raise Refused(_path(error.absolute_path), error.message, error.instance)
@@ -160,6 +169,8 @@ def check(manifest: dict) -> int:
         for embedded in _embedded(manifest):
             ran += check(embedded)
         return ran
+    if manifest["kind"] in KINDS:
+        return check_crd(manifest)
     check_builtin(manifest)
     return sum(check(embedded) for embedded in _embedded(manifest))
 

@@ -187,6 +187,11 @@ class Kubernetes(Strict):
         {}, description="Labels of every Ray pod, e.g. azure.workload.identity/use: 'true'."
     )
     env: dict[str, str] = Field({}, description="Environment of every Ray container.")
+    monitor_labels: dict[str, str] = Field(
+        {},
+        description="Labels of the PodMonitor: those your Prometheus picks monitors by, e.g. "
+        "release: <its Helm release> for kube-prometheus-stack.",
+    )
     keep_failed_hours: int = Field(
         24, ge=0, description="How long a failed job's cluster (its head: logs, dashboard) stays."
     )
