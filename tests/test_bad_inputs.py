@@ -19,9 +19,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pyarrow.fs as pafs
 import pytest
+import ray.train
+import ray.train.torch
 import torch
 import torchvision
 from corpus import damage_footer, damage_page_header, damage_stored_image, rewrite_shard
@@ -59,7 +62,13 @@ from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
 from pipeline.train import run_lock
 from pipeline.train.config import TrainConfig
-from pipeline.train.driver import check_dataset, check_hooks, check_model, pick_dataset_version
+from pipeline.train.driver import (
+    check_dataset,
+    check_hooks,
+    check_model,
+    fit,
+    pick_dataset_version,
+)
 from pipeline.train.torch_input import RowGroupStream
 from pipeline.tune.config import SweepConfig
 from pipeline.tune.sweep import pinned_version, sweep
@@ -493,6 +502,30 @@ def tracked_by(uri: str):
         training_tracker(train_config(tmp_path, dataset, f"tracking.uri={uri}"))
 
     return run
+
+
+# What Ray Train's NCCL RAS hang detector raises (ray.train.NCCLHangError), once the retries
+# of its failure policy are used up: its message's first lines.
+NCCL_HANG = (
+    "1 of 1 communicators have a collective mismatch and made no progress for 600 seconds "
+    "(60 polls). This usually means that the collective is deadlocked / hanging. The possible "
+    "reasons for this is: a rank hit a divergent code path.\nTo debug:\n"
+)
+
+
+def nccl_hang_in_fit(tmp_path, dataset):
+    # No NCCL here: a stand-in trainer raises what Ray Train's fit() raises.
+    class Hung:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def fit(self):
+            raise ray.train.NCCLHangError(NCCL_HANG, worker_failures={})
+
+    cfg, dataset = train_config(tmp_path, dataset), Location.parse(str(dataset))
+    runs = Location.parse(f"{tmp_path}/runs")
+    with mock.patch.object(ray.train.torch, "TorchTrainer", Hung), mock.patch.dict(os.environ):
+        fit(cfg, read_manifest(dataset), None, dataset=dataset, runs=runs)
 
 
 CASES = [
@@ -1206,6 +1239,21 @@ CASES = [
         3,
         "training failed and max_failures=0 retries are used up",
         test="tests/test_train_faults.py::test_a_kill_with_max_failures_0_fails_the_job",
+    ),
+    Case(
+        "a training step that makes no progress for `stall.multiple` times the median step, "
+        "and at least `stall.min_s` (every rank's stacks in the log and under `<run>/stalls/`)",
+        3,
+        "training stalled: rank <n> (pid <n>, node <address>) made no progress",
+        test="tests/test_stall.py::"
+        "test_a_rank_stopped_between_steps_ends_the_job_naming_it_with_every_ranks_stacks",
+    ),
+    Case(
+        "a hang that Ray Train's NCCL hang detector finds (`RAY_TRAIN_ENABLE_NCCL_HANG_DETECTOR=1`)"
+        ", through `max_failures`",
+        3,
+        "training hung in NCCL: Ray Train's hang detector found that",
+        run=nccl_hang_in_fit,
     ),
     Case(
         "`use_gpu=true` on a cluster without a GPU, for `capacity_timeout_s`",

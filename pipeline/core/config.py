@@ -63,6 +63,21 @@ class TrackingConfig(Strict):
     experiment: str = Field("ray-cv-bundle", description="MLflow experiment of the job's runs.")
 
 
+class StallConfig(Strict):
+    multiple: float = Field(
+        20,
+        gt=1,
+        description="End the job (exit 3) once a training step or inference batch has made no "
+        "progress for this many times the median one's time, naming the worker.",
+    )
+    min_s: float = Field(
+        300,
+        gt=0,
+        description="Seconds without progress that never count as stalled, whatever the "
+        "multiple: checkpoints and an epoch's first steps are slow.",
+    )
+
+
 def _module_name(value: str) -> str:
     if not all(part.isidentifier() for part in value.split(".")):
         raise ValueError(f"{value!r} is not a module name: give a dotted name such as mynets.vit")

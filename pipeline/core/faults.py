@@ -43,6 +43,9 @@ PREDICTIONS_COMMITTED = "predictions_committed"
 # An inference write task has closed a whole part (rows_per_file predictions), the first of the
 # job's to: some predictions are on storage, the rest not yet.
 PREDICTIONS_PART_WRITTEN = "predictions_part_written"
+# Training rank 1, after its second step of the attempt's second epoch (pipeline.train.stall):
+# the other ranks wait for it in the next step's first collective (DDP's).
+STEP_STALLED = "step_stalled"
 POINTS = (
     CHECKPOINT_UPLOADED,
     CHECKPOINT_REPORTED,
@@ -53,6 +56,7 @@ POINTS = (
     PREDICTIONS_WRITTEN,
     PREDICTIONS_COMMITTED,
     PREDICTIONS_PART_WRITTEN,
+    STEP_STALLED,
 )
 # A held process goes on once `<marker>` + RELEASE exists (harness.faults.release writes it).
 RELEASE = ".release"

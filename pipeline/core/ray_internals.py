@@ -44,10 +44,19 @@ from ray.experimental.internal_kv import (
     internal_kv_get_gcs_client,
 )
 
+# The stall watch (pipeline.train.stall_watch), as Ray Train's own NCCL hang detector does: the
+# stacks of a worker's threads (py-spy's, else Python's), and a callback on the controller's
+# polls of the worker group, which runs a function on each worker while its loop is blocked.
+from ray.train.v2._internal.callbacks.nccl_ras import dump_stack_trace
+
 # The training driver: the time Ray Train gives a worker group to start, and its error past it;
 # a worker's error as the controller holds it: what the worker raised (`_base_exc`) with its
-# traceback's text (the driver ends a run at once on a worker's InputError).
-from ray.train.v2._internal.constants import WORKER_GROUP_START_TIMEOUT_S_ENV_VAR
+# traceback's text (the driver ends a run at once on a worker's InputError). The folder of the
+# run where Ray Train's NCCL hang detector uploads its stack dumps, which the driver names.
+from ray.train.v2._internal.constants import (
+    HANG_DETECTOR_DIRNAME,
+    WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
+)
 from ray.train.v2._internal.exceptions import (
     UserExceptionWithTraceback,
     WorkerGroupStartupTimeoutError,
@@ -58,7 +67,7 @@ from ray.train.v2._internal.execution import context as train_context
 
 # The training driver's callback on the controller, and the states in which the controller
 # waits for room for an elastic run's workers.
-from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller.state import (
     InitializingState,
     ReschedulingState,
@@ -75,6 +84,7 @@ __all__ = [
     "AUTOSCALER_RESOURCE_REQUEST_CHANNEL",
     "CHECKED_AGAINST",
     "CHECKPOINT_MANAGER_LOGGER",
+    "HANG_DETECTOR_DIRNAME",
     "JOB_ID_METADATA_KEY",
     "RAY_JOB_CONFIG_JSON_ENV_VAR",
     "WORKER_GROUP_START_TIMEOUT_S_ENV_VAR",
@@ -85,9 +95,11 @@ __all__ = [
     "RunningState",
     "TaskContext",
     "UserExceptionWithTraceback",
+    "WorkerGroupCallback",
     "WorkerGroupStartupTimeoutError",
     "_internal_kv_get",
     "_internal_kv_put",
+    "dump_stack_trace",
     "gcs_state",
     "get_cluster_resource_state",
     "get_local_dir_from_uri",

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from pipeline.core.config import AbsolutePathOrURI, Strict, TrackingConfig
+from pipeline.core.config import AbsolutePathOrURI, StallConfig, Strict, TrackingConfig
 from pipeline.model.config import ModelConfig
 from pipeline.train.order import default_partitions
 
@@ -333,6 +333,7 @@ class TrainConfig(Strict):
         ),
     )
     checkpoint: CheckpointConfig = CheckpointConfig()
+    stall: StallConfig = StallConfig()
     log_every_s: float = Field(
         30, gt=0, description="Seconds between progress lines within an epoch (rank 0)."
     )

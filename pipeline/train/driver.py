@@ -24,6 +24,7 @@ from ray.train.v2.api.callback import UserCallback
 from pipeline.core.errors import ClusterError, ConfigError, InputError
 from pipeline.core.logs import RAY_TRAIN_LOG_LEVEL
 from pipeline.core.ray_internals import (
+    HANG_DETECTOR_DIRNAME,
     WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
     ControllerCallback,
     InitializingState,
@@ -61,6 +62,7 @@ from pipeline.model.runs import (
 )
 from pipeline.train.config import TrainConfig, is_hook
 from pipeline.train.run_lock import hold_run
+from pipeline.train.stall_watch import StallWatch, TrainingStalled
 
 log = logging.getLogger(__name__)
 
@@ -468,7 +470,7 @@ def fit(
     tracking: EpochSink | None = None,
     callbacks: Sequence[UserCallback] = (),
 ) -> None:
-    from ray.train.v2.api.exceptions import ControllerError, PreemptionError
+    from ray.train.v2.api.exceptions import ControllerError, NCCLHangError, PreemptionError
 
     s, score = cfg.scaling, config_score(cfg.model_dump())
     per_worker = {"CPU": s.cpus_per_worker} | ({"GPU": 1} if s.use_gpu else {})
@@ -493,6 +495,7 @@ def fit(
     # The same bound as for a fixed count: startup_attempts placements of startup_timeout_s each.
     limit_s = startup_attempts(cfg) * s.startup_timeout_s
     waits = [ElasticWaitLimit(limit_s, s.min_workers)] if s.elastic else []
+    watch = StallWatch(runs.child(cfg.name), multiple=cfg.stall.multiple, min_s=cfg.stall.min_s)
     trainer = ray.train.torch.TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -520,7 +523,7 @@ def fit(
             storage_filesystem=runs.fs,
             logging_config=ray.train.LoggingConfig(log_level=RAY_TRAIN_LOG_LEVEL),
             failure_config=failure_config(cfg),
-            callbacks=[*callbacks, *waits, InputErrorsEndTheRun()],
+            callbacks=[*callbacks, *waits, InputErrorsEndTheRun(), watch],
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.checkpoint.num_to_keep,
                 checkpoint_score_attribute=score.key,
@@ -556,12 +559,16 @@ def fit(
             ) from None
         if isinstance(e.controller_failure, WorkerInputError):
             raise InputError(str(e.controller_failure)) from None
+        if isinstance(e.controller_failure, TrainingStalled):
+            raise ClusterError(str(e.controller_failure)) from None
         raise ClusterError(f"training failed: {e}") from None
     except PreemptionError as e:
         raise ClusterError(
             f"training failed: more than max_preemptions={cfg.max_preemptions} node "
             f"preemptions; the last: {e}"
         ) from None
+    except NCCLHangError as e:
+        raise ClusterError(nccl_hang(e, cfg, runs.child(cfg.name))) from None
     except ray.train.TrainingFailedError as e:
         if (cause := worker_input_error(e)) is not None:  # max_failures=0: no retry to stop
             raise InputError(str(cause)) from None
@@ -569,3 +576,16 @@ def fit(
             f"training failed and max_failures={cfg.max_failures} retries are used up; "
             f"the last error: {e}"
         ) from None
+
+
+def nccl_hang(error: Exception, cfg: TrainConfig, run_dir: Location) -> str:
+    """One line for Ray Train's NCCLHangError (its NCCL RAS hang detector, turned on with
+    RAY_TRAIN_ENABLE_NCCL_HANG_DETECTOR=1): what Ray found, and where it put the stacks."""
+    found = str(error).partition(":\n")[2] or str(error)
+    found = found.strip().partition("\n")[0].partition(". ")[0]
+    return (
+        f"training hung in NCCL: Ray Train's hang detector found that {found}, through "
+        f"max_failures={cfg.max_failures} retries. Stacks of every rank and the ncclras "
+        f"reports: {run_dir.child(HANG_DETECTOR_DIRNAME).uri}/. Resubmit to resume from the "
+        "last checkpoint"
+    )

@@ -28,6 +28,7 @@ from pipeline.data.dataset import Manifest, read_manifest
 from pipeline.model.checkpoint import ModelInput
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import batchnorm_layers, build_model, unwrap
+from pipeline.train import stall
 from pipeline.train.augment import batch_mix
 from pipeline.train.checkpointer import Checkpointer, State
 from pipeline.train.config import TrainConfig, is_hook
@@ -114,6 +115,7 @@ def train_loop_per_worker(config: dict) -> None:
     log_start(w, state.loop.epoch)
     for epoch in range(state.loop.epoch, cfg.epochs):
         state.start_epoch(epoch)
+        stall.at_epoch(epoch, state.loop.step)
         t = train_one_epoch(
             model,
             train_loader,
@@ -124,7 +126,7 @@ def train_loop_per_worker(config: dict) -> None:
             progress=progress(w, epoch, len(train_loader)),
             recipe=step_recipe(w, mix, optim, epoch),
             start=state.loop.step,
-            after_step=checkpointer.after_step,
+            after_step=noting_steps(checkpointer.after_step),
         )
         broadcast_buffers(unwrap(model))
         if optim.ema is not None:
@@ -141,7 +143,19 @@ def train_loop_per_worker(config: dict) -> None:
         metrics = epoch_metrics(w, state, t, v)
         state.end_epoch(metrics)
         checkpointer.save_epoch(metrics)
+        stall.progressed("checkpoint")
+        stall.progressed("epoch")
     checkpointer.close()
+
+
+def noting_steps(after_step: Callable) -> Callable:
+    """`after_step`, then the step noted for the stall watch (pipeline.train.stall)."""
+
+    def noted(step: int, totals: Callable) -> None:
+        after_step(step, totals)
+        stall.progressed("step")
+
+    return noted
 
 
 def build(w: Worker, *, weights: str | None) -> torch.nn.Module:
