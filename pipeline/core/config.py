@@ -67,8 +67,8 @@ class StallConfig(Strict):
     multiple: float = Field(
         20,
         gt=1,
-        description="End the job (exit 3) once a training step or inference batch has made no "
-        "progress for this many times the median one's time, naming the worker.",
+        description="End the job (exit 3) once a training step has made no progress for this "
+        "many times the median step's time, naming the rank that holds the others up.",
     )
     min_s: float = Field(
         300,
