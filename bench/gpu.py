@@ -281,7 +281,7 @@ def loader_rates(model, loader, optimizer, criterion, policy, sizes, limit_rate)
         loader.set_epoch(epoch)
         first: list[tuple[float, int]] = []
 
-        def progress(i: int, images: int, first=first) -> None:
+        def progress(i: int, images: int, waited_s: float, first=first) -> None:
             if i == 1:
                 first.append((time.perf_counter(), images))
 

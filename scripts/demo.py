@@ -53,7 +53,7 @@ def main() -> int:
     print(f"Training run:    {summary['run']} ({RUN_SUMMARY}, {HISTORY_CSV}, {CURVES_PNG})")
     print(
         f"  final val accuracy {summary['final_accuracy']:.3f} after {summary['epochs']} epochs; "
-        f"{summary['images_per_s']:.0f} images/s"
+        f"{summary['images_per_s']:.0f} images/s, {summary['worker_hours'] or 0:.3f} worker-hours"
     )
     print(
         f"  best checkpoint {summary['best_checkpoint']} "

@@ -56,7 +56,7 @@ from pipeline.train.driver import (
     startup_attempts,
 )
 from pipeline.train.ema import ModelEMA
-from pipeline.train.epoch import Progress, StepRecipe, evaluate, train_one_epoch
+from pipeline.train.epoch import StepRecipe, evaluate, train_one_epoch
 from pipeline.train.loaders import train_data
 from pipeline.train.optim import build_optimizer, grad_scaler, restore_optimizer
 from pipeline.train.torch_input import Augment, RowGroupStream
@@ -92,7 +92,7 @@ def test_auto_precision_follows_the_gpu_generation(monkeypatch, capability, expe
     assert pick_precision("fp32", torch.device("cuda", 0)) == "fp32"
 
 
-def test_progress_lines_within_an_epoch(caplog):
+def test_progress_is_called_after_each_batch_with_the_input_waits():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 2))
     data = [(torch.zeros(4, 3, 4, 4, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))] * 5
     policy = DevicePolicy(torch.device("cpu"), "fp32", (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
@@ -106,15 +106,10 @@ def test_progress_lines_within_an_epoch(caplog):
         policy=policy,
         progress=lambda *a: calls.append(a),
     )
-    assert calls == [(1, 4), (2, 8), (3, 12), (4, 16), (5, 20)] and t["images"] == 20
-    caplog.set_level(logging.INFO, logger="pipeline.train.epoch")
-    progress = Progress(epoch=2, epochs=10, batches=5, every_s=0)
-    for batch in range(1, 6):
-        progress(batch, 4 * batch)
-    lines = [r.getMessage() for r in caplog.records]
-    # One per batch here (every_s=0), none after the last: the epoch line says the rest.
-    assert len(lines) == 4 and lines[0].startswith("epoch 2/9: batch 1/5, ")
-    assert lines[-1].startswith("epoch 2/9: batch 4/5, ") and "images/s on this worker" in lines[-1]
+    assert [c[:2] for c in calls] == [(1, 4), (2, 8), (3, 12), (4, 16), (5, 20)]
+    assert t["images"] == 20
+    waits = [c[2] for c in calls]
+    assert waits == sorted(waits) and waits[-1] <= t["input_wait_s"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

@@ -153,8 +153,14 @@ def test_the_run_is_one_mlflow_run_with_every_epoch_once_through_a_kill_and_a_re
     assert tracked_run.info.status == "FINISHED"
     h = history(run)
     steps = metric_steps(mlflow_server, run_id, h)
-    assert {"train_loss", "val_accuracy", "ema_val_accuracy", "lr"} <= set(steps)
+    assert {"train_loss", "val_accuracy", "ema_val_accuracy", "lr", "worker_hours"} <= set(steps)
     assert all(s == [0, 1, 2, 3] for s in steps.values()), steps
+    # What the run cost, epoch by epoch above and in all here, as its summary.json says.
+    summary = json.loads((run / RUN_SUMMARY).read_text())
+    totals = client.get_run(run_id).data.metrics
+    assert totals["run_worker_hours"] == pytest.approx(summary["worker_hours"]) > 0
+    assert totals["run_gpu_hours"] == summary["gpu_hours"] == 0  # CPU workers
+    assert summary["worker_hours"] == pytest.approx(sum(r["worker_hours"] for r in h))
     params = tracked_run.data.params
     assert (params["epochs"], params["micro_batch_size"], params["ema.decay"]) == ("4", "8", "0.8")
     assert tracked_run.data.tags["ray_cv.dataset_version"] == h[0]["dataset_version"]

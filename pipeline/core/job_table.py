@@ -5,7 +5,24 @@ writes, and ask here whether it has ended."""
 
 from __future__ import annotations
 
-from pipeline.core.ray_internals import gcs_state
+import json
+import os
+
+import ray
+
+from pipeline.core.ray_internals import JOB_ID_METADATA_KEY, RAY_JOB_CONFIG_JSON_ENV_VAR, gcs_state
+
+
+def submission_id() -> str | None:
+    """This driver's job submission id (what `ray job` and `status` name it), from the job
+    config Ray's job supervisor gives the driver; None outside a submitted job."""
+    job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    return job_config.get("metadata", {}).get(JOB_ID_METADATA_KEY)
+
+
+def this_job_id() -> str:
+    """The job's submission id; Ray's job id for a driver not submitted as a job."""
+    return submission_id() or ray.get_runtime_context().get_job_id()
 
 
 def job_started_ms(job_id: str) -> int | None:

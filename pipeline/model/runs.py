@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING
 import ray.train
 
 from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.job_table import submission_id
 from pipeline.core.plots import plot_curves
 from pipeline.core.ray_internals import (
     CHECKPOINT_MANAGER_LOGGER,
-    JOB_ID_METADATA_KEY,
-    RAY_JOB_CONFIG_JSON_ENV_VAR,
 )
 from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
@@ -201,9 +200,8 @@ def latest_checkpoint(run_dir: Location) -> Location | None:
 def job_holder() -> dict:
     """Who this process is, for a training marker: the Ray job's submission id (None where the
     process runs outside a Ray job), the host and the pid."""
-    job_config = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
     return {
-        "submission_id": job_config.get("metadata", {}).get(JOB_ID_METADATA_KEY),
+        "submission_id": submission_id(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
@@ -397,6 +395,7 @@ def write_reports(run_dir: Location, score: Score, *, wall_time_s: float | None)
         "images_per_s": _mean_of(history, "images_per_s"),
         "images_per_s_per_worker": _mean_of(history, "images_per_s_per_worker"),
         "input_wait_share": _mean_of(history, "input_wait_share"),
+        **run_cost(history, read_meta(latest).config),
     }
     run_dir.child(HISTORY_CSV).write_bytes(history_csv(history).encode())
     best_epoch = best_metrics["epoch"] if best_metrics else None
@@ -406,6 +405,21 @@ def write_reports(run_dir: Location, score: Score, *, wall_time_s: float | None)
     if diverged is not None:
         raise diverged
     return summary
+
+
+# What a run's epochs cost, each one's in its history row and the run's in summary.json.
+COST_KEYS = ("worker_hours", "gpu_hours", "cost")
+
+
+def run_cost(history: list[dict], config: dict) -> dict:
+    """The run's worker-hours and GPU-hours, and cost where its config gives a price: the sums
+    of its epochs' (an epoch's counts the workers' time on it, a resumed epoch's earlier part
+    too; time lost to a failure before a checkpoint is not counted). None where no epoch has
+    them (runs from before they were measured)."""
+    totals = {key: _sum_of(history, key) for key in COST_KEYS}
+    if totals["cost"] is not None:
+        totals["currency"] = config.get("cost", {}).get("currency", "USD")
+    return totals
 
 
 def history_csv(history: list[dict]) -> str:

@@ -25,7 +25,7 @@ from mlflow.exceptions import MlflowException
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import read_meta
-from pipeline.model.runs import CURVES_PNG, HISTORY_CSV, RUN_SUMMARY, flatten_config
+from pipeline.model.runs import COST_KEYS, CURVES_PNG, HISTORY_CSV, RUN_SUMMARY, flatten_config
 from pipeline.tracking import registry
 from pipeline.tracking.client import (
     CODE_VERSION,
@@ -270,7 +270,16 @@ class MLflowTraining:
         model = f"the best checkpoint {best.uri} as a model"
         if self.registered_model:
             model += f" and its version of {self.registered_model}"
+        totals = [
+            Metric(f"run_{key}", float(summary[key]), int(time.time() * 1000), 0)
+            for key in COST_KEYS
+            if summary.get(key) is not None
+        ]
         steps = [
+            (
+                "the run's worker-hours, GPU-hours and cost",
+                lambda: self.conn.client.log_batch(self.run_id, metrics=totals),
+            ),
             (f"artifacts {names}", lambda: log_files(self.conn, self.run_id, reports)),
             (
                 model,

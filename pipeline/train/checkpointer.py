@@ -19,6 +19,7 @@ import functools
 import logging
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ from pipeline.train.progress import LoopState
 from pipeline.train.saving import Background, Snapshot, publish_checkpoint
 
 if TYPE_CHECKING:
+    from pipeline.train.telemetry import Telemetry
     from pipeline.train.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -69,8 +71,8 @@ class StepWriter:
     """Rank 0's writer: the state copied in the step loop, written by a thread of its own, one
     checkpoint at a time."""
 
-    def __init__(self, run_dir: Location):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: Location, telemetry: Telemetry | None = None):
+        self.run_dir, self.telemetry = run_dir, telemetry
         self.background = Background("step-checkpoint")
         self.snapshot = Snapshot()
         # The epochs whose own checkpoints are on storage, told by Ray's upload thread.
@@ -80,14 +82,21 @@ class StepWriter:
     def save(self, epoch: int, step: int, state, write: Callable[[Path, object], None]) -> None:
         """Copy `state` now (after the checkpoint before it is written: its copy is reused);
         `write(directory, copy)` fills the checkpoint's directory in the background."""
+        began = time.perf_counter()
         self.background.wait()
         copied = self.snapshot.take(state)
+        if self.telemetry is not None:
+            self.telemetry.held("step", time.perf_counter() - began)
         self.background.submit(lambda: self._publish(epoch, step, lambda d: write(d, copied)))
 
     def _publish(self, epoch: int, step: int, write: Callable[[Path], None]) -> None:
+        began = time.perf_counter()
         target = self.run_dir.child(STEPS, step_dir_name(epoch, step))
         publish_checkpoint(target, write)
         log.info("checkpoint of epoch %d step %d saved: %s", epoch, step, target.uri)
+        if self.telemetry is not None:
+            took = time.perf_counter() - began
+            self.telemetry.checkpointed("step", target.uri, epoch=epoch, step=step, upload_s=took)
         self.prune(keep=KEEP)
 
     def wait(self) -> None:
@@ -182,7 +191,9 @@ class Checkpointer:
     def __init__(self, w: Worker):
         self.w = w
         self.every = w.cfg.checkpoint.every_steps
-        self.writer = StepWriter(w.run_dir) if self.every is not None and w.rank == 0 else None
+        self.writer = (
+            StepWriter(w.run_dir, w.telemetry) if self.every is not None and w.rank == 0 else None
+        )
         self.noticed = False  # a preemption notice came
         self.snapshot = Snapshot()
         self.uploaded = threading.Event()
@@ -380,17 +391,21 @@ class Checkpointer:
         epoch = metrics["epoch"]
         history = list(self.state.loop.history)
         meta = checkpoint_meta(w, metrics, history=history)
+        began = time.perf_counter()
         self.uploaded.wait()
         self.uploaded.clear()
         copied = self.snapshot.take(self.state.files())
         storage = ray.train.get_context().get_storage()
 
         def upload(_: ray.train.Checkpoint, name: str) -> ray.train.Checkpoint:
-            target = w.run_dir.child(name)
+            target, started = w.run_dir.child(name), time.perf_counter()
             publish_checkpoint(
                 target, lambda d: save_checkpoint(d, copied[0], meta, copied[1], ema=copied[2])
             )
             log.info("checkpoint saved: %s", target.uri)
+            if w.telemetry is not None:
+                took = time.perf_counter() - started
+                w.telemetry.checkpointed("epoch", target.uri, epoch=epoch, step=None, upload_s=took)
             faults.point(faults.CHECKPOINT_UPLOADED)
             if self.writer is not None:
                 self.writer.epoch_done(epoch)
@@ -412,6 +427,8 @@ class Checkpointer:
             checkpoint_upload_fn=upload,
             delete_local_checkpoint_after_upload=True,  # the (empty) directory given here
         )
+        if w.telemetry is not None:
+            w.telemetry.held("epoch", time.perf_counter() - began)
         faults.point(faults.CHECKPOINT_REPORTED)
 
     def close(self) -> None:

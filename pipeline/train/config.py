@@ -166,6 +166,17 @@ class CheckpointConfig(Strict):
     )
 
 
+class CostConfig(Strict):
+    price_per_worker_hour: float | None = Field(
+        None,
+        ge=0,
+        description="What an hour of one training worker costs (its share of a node: the "
+        "node's price over its workers), for each epoch's and the run's `cost`; null: "
+        "worker-hours and GPU-hours only.",
+    )
+    currency: str = Field("USD", description="The price's currency, as the reports name it.")
+
+
 class TrainScalingConfig(Strict):
     num_workers: WorkerCount = Field(
         2,
@@ -335,8 +346,12 @@ class TrainConfig(Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     stall: StallConfig = StallConfig()
     log_every_s: float = Field(
-        30, gt=0, description="Seconds between progress lines within an epoch (rank 0)."
+        30,
+        gt=0,
+        description="Seconds between progress lines within an epoch (rank 0), with images/s, "
+        "input wait and the run's ETA.",
     )
+    cost: CostConfig = CostConfig()
     tracking: TrainTrackingConfig = TrainTrackingConfig()
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ import ray.train.torch
 from ray.train.v2.api.callback import UserCallback
 
 from pipeline.core.errors import ClusterError, ConfigError, InputError
+from pipeline.core.job_table import this_job_id
 from pipeline.core.logs import RAY_TRAIN_LOG_LEVEL
 from pipeline.core.ray_internals import (
     HANG_DETECTOR_DIRNAME,
@@ -505,6 +506,7 @@ def fit(
             "model_input": inputs,
             "run_dir": runs.child(cfg.name),
             "tracking": tracking,  # rank 0 logs each epoch there
+            "job_id": this_job_id(),  # what the workers' metrics and progress name
         },
         scaling_config=ray.train.ScalingConfig(
             # A (min, max) range makes Ray Train elastic: it starts with as many workers as

@@ -27,24 +27,6 @@ from pipeline.train.optim import grad_scaler
 log = logging.getLogger(__name__)
 
 
-class Progress:
-    """Lines within an epoch, at most one per `every_s`: batches done and images/s."""
-
-    def __init__(self, epoch: int, epochs: int, batches: int, *, every_s: float):
-        self.epoch, self.epochs, self.batches, self.every_s = epoch, epochs, batches, every_s
-        self.start = self.last = time.perf_counter()
-
-    def __call__(self, batch: int, images: int) -> None:
-        now = time.perf_counter()
-        if now - self.last >= self.every_s and batch < self.batches:
-            self.last = now
-            rate = images / (now - self.start)
-            log.info(
-                "epoch %d/%d: batch %d/%d, %.1f images/s on this worker",
-                *(self.epoch, self.epochs - 1, batch, self.batches, rate),
-            )
-
-
 @dataclass
 class StepRecipe:
     """What a training step does beyond forward, backward and step; all off by default."""
@@ -73,7 +55,8 @@ def train_one_epoch(
     """One pass over this worker's shard, or its batches after the first `start` (a resume
     inside the epoch: the loader yields the rest); returns the summed loss, images, seconds and
     seconds waited for input of the batches it trained on. `progress(batches_done,
-    images_done)` is called after each batch, `after_step(step, totals)` after each step,
+    images_done, waited_s)` is called after each batch (the images and seconds waited for input
+    of this pass so far), `after_step(step, totals)` after each step,
     `totals()` giving the loss and images summed so far. With a mix, the loss is against the
     mixed (soft) labels. `scaler`: the run's grad scaler (None: a new one for `policy`'s
     precision)."""
@@ -102,7 +85,7 @@ def train_one_epoch(
         loss_sum += loss.double() * len(y)
         images += len(y)
         if progress is not None:
-            progress(i, images)
+            progress(i, images, batches.waited_s)
         if after_step is not None:
             after_step(i, lambda total=loss_sum, n=images: (total.item(), n))
     return {
@@ -173,12 +156,13 @@ def evaluate(
     ema=None,
     metrics: Callable[[], dict[str, Metric]] | None = None,
     classes: list[str] = (),
+    on_batch: Callable[[], None] | None = None,
 ) -> dict:
     """Loss and accuracy over the samples of every rank, each counted once; with `metrics`
     (a new set of torchmetrics Metrics by name per call), each of them as val_<name> (one per
     class, val_<name>/<class>, for a value per class: `classes`); with `ema` (the averaged
     model) all of them for it too (`ema_val_loss`, `ema_val_accuracy`, ...), from the same
-    pass over the batches.
+    pass over the batches. `on_batch()` is called after each batch.
 
     `model` must be the bare model: DDP's forward would sync buffers, and ranks may hold
     different numbers of val batches (no padding, so that the scores are exact: each Metric
@@ -203,6 +187,8 @@ def evaluate(
             for other in others[prefix].values():
                 other.update(logits, y)
         count += len(y)
+        if on_batch is not None:
+            on_batch()
     total, *losses = all_reduce(
         [count, *(s.item() for s in loss_sum.values())], device=policy.device
     )

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from pipeline.core.config import validate_config
 from pipeline.core.logs import quiet_train_reports, setup_logging
+from pipeline.core.progress import duration_text
 from pipeline.core.storage import Location
 from pipeline.core.tracking import EpochSink
 from pipeline.data.dataset import Manifest, read_manifest
@@ -34,7 +35,6 @@ from pipeline.train.checkpointer import Checkpointer, State
 from pipeline.train.config import TrainConfig, is_hook
 from pipeline.train.device_decode import pick_decode
 from pipeline.train.epoch import (
-    Progress,
     StepRecipe,
     all_reduce,
     broadcast_buffers,
@@ -45,6 +45,7 @@ from pipeline.train.hooks import build_loss, build_metrics
 from pipeline.train.loaders import EpochLoader, epoch_layout, train_data, val_data
 from pipeline.train.optim import OptimState
 from pipeline.train.progress import LoopState
+from pipeline.train.telemetry import Telemetry
 from pipeline.train.torch_input import Augment
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class Worker:
     device: torch.device = CPU
     policy: DevicePolicy | None = None
     tracking: EpochSink | None = None  # where rank 0 logs each epoch, if the run is tracked
+    telemetry: Telemetry | None = None  # what this rank tells while it runs
 
     @classmethod
     def start(cls, config: dict) -> Worker:
@@ -84,6 +86,15 @@ class Worker:
         tracking = config.get("tracking")
         w = cls(cfg, config["dataset"], config["run_dir"], manifest, inputs, rank, world)
         w.device, w.policy, w.tracking = device, policy, tracking
+        w.telemetry = Telemetry(
+            cfg,
+            rank=rank,
+            world=world,
+            run_dir=w.run_dir,
+            job_id=config.get("job_id") or "",
+            gpus_per_worker=1 if cfg.scaling.use_gpu else 0,
+            rows={split: manifest.splits[split].rows for split in ("train", "val")},
+        )
         if rank == 0:
             log.info(
                 "%d workers on %s, precision %s (precision=%s), %d images per worker batch",
@@ -113,9 +124,11 @@ def train_loop_per_worker(config: dict) -> None:
     )
     scores = (lambda: build_metrics(cfg, len(classes))) if cfg.metrics else None
     log_start(w, state.loop.epoch)
+    telemetry = w.telemetry
     for epoch in range(state.loop.epoch, cfg.epochs):
         state.start_epoch(epoch)
         stall.at_epoch(epoch, state.loop.step)
+        telemetry.start_epoch(epoch, len(train_loader), state.loop.step, state.loop.history)
         t = train_one_epoch(
             model,
             train_loader,
@@ -123,7 +136,7 @@ def train_loop_per_worker(config: dict) -> None:
             criterion,
             policy=w.policy,
             scaler=optim.scaler,
-            progress=progress(w, epoch, len(train_loader)),
+            progress=telemetry.stepped,
             recipe=step_recipe(w, mix, optim, epoch),
             start=state.loop.step,
             after_step=noting_steps(checkpointer.after_step),
@@ -131,6 +144,7 @@ def train_loop_per_worker(config: dict) -> None:
         broadcast_buffers(unwrap(model))
         if optim.ema is not None:
             broadcast_buffers(optim.ema.module)  # each rank averaged its own BatchNorm statistics
+        telemetry.evaluating()
         v = evaluate(
             unwrap(model),
             val_loader,
@@ -139,13 +153,17 @@ def train_loop_per_worker(config: dict) -> None:
             ema=optim.ema.module if optim.ema is not None else None,
             metrics=scores,
             classes=classes,
+            on_batch=telemetry.val_batch,
         )
+        telemetry.evaluated()
         metrics = epoch_metrics(w, state, t, v)
         state.end_epoch(metrics)
         checkpointer.save_epoch(metrics)
         stall.progressed("checkpoint")
         stall.progressed("epoch")
+        telemetry.ended_epoch(metrics)
     checkpointer.close()
+    telemetry.close("finished")
 
 
 def noting_steps(after_step: Callable) -> Callable:
@@ -175,13 +193,6 @@ def build(w: Worker, *, weights: str | None) -> torch.nn.Module:
         # Around DDP, as PyTorch advises; checkpoints hold the bare model's state_dict (unwrap).
         model = torch.compile(model)
     return model
-
-
-def progress(w: Worker, epoch: int, batches: int) -> Progress | None:
-    """Rank 0's lines within epoch `epoch` of `batches` steps."""
-    if w.rank != 0:
-        return None
-    return Progress(epoch, w.cfg.epochs, batches, every_s=w.cfg.log_every_s)
 
 
 def step_recipe(w: Worker, mix: Callable | None, optim: OptimState, epoch: int) -> StepRecipe:
@@ -228,13 +239,17 @@ def epoch_metrics(w: Worker, state: State, t: dict, v: dict) -> dict:
         "train_images": int(images),  # over all workers, each time a row was trained
         "dataset_version": w.manifest.version,  # changes only where the run was told to switch
     }
+    # Its worker-hours, GPU-hours and cost: the workers' time on it, resumed parts included.
+    m |= w.telemetry.end_epoch(m, carried_s=carried["seconds"])
     if w.rank == 0:
+        left = w.telemetry.eta_s() if m["epoch"] + 1 < w.cfg.epochs else None
         log.info(
             "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f "
-            "images/s, %.0f%% of the time waiting for input",
+            "images/s, %.0f%% of the time waiting for input, %.3g worker-hours%s",
             *(m["epoch"], w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m["val_accuracy"]),
             scores_text(m),
-            *(m["lr"], m["images_per_s"], 100 * m["input_wait_share"]),
+            *(m["lr"], m["images_per_s"], 100 * m["input_wait_share"], m["worker_hours"]),
+            f", ETA {duration_text(left)}" if left is not None else "",
         )
         warn_if_at_chance(m, len(w.manifest.classes), unwrap(state.model))
     return m

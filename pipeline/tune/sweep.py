@@ -31,11 +31,13 @@ from pipeline.core.plots import plot_trials
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import Score, best_of, read_meta
 from pipeline.model.runs import (
+    COST_KEYS,
     RUN_SUMMARY,
     SNAPSHOT,
     DivergedRun,
     flatten_config,
     latest_checkpoint,
+    run_cost,
     training_since,
     write_reports,
 )
@@ -363,6 +365,8 @@ def write_summary(
                     "best_score": best[metric],
                     "best_epoch": best["epoch"],
                 }
+        if trial_id in histories:  # what its epochs cost, stopped and failed trials too
+            trial |= run_cost(histories[trial_id], read_meta(latest).config)
         if "error" in trial and tracking is not None:
             tracking.close(run_dir, trial["error"])
         trials.append(trial)
@@ -385,6 +389,7 @@ def write_summary(
         "best_score": best["best_score"] if best else None,
         "counts": {s: sum(t["status"] == s for t in trials) for s in (FINISHED, STOPPED, FAILED)},
         "wall_time_s": wall_time_s,
+        **sweep_cost(trials),
         "trials": trials,
     }
     sweep_dir.child(SWEEP_SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
@@ -397,6 +402,18 @@ def write_summary(
         shown = (best["trial"], metric, best["best_score"], best["run"])
         log.info("best trial %s (%s %s): %s", *shown)
     return summary
+
+
+def sweep_cost(trials: list[dict]) -> dict:
+    """The trials' worker-hours, GPU-hours and cost (where priced), totalled."""
+    totals = {}
+    for key in COST_KEYS:
+        values = [t[key] for t in trials if t.get(key) is not None]
+        totals[key] = sum(values) if values else None
+    currencies = {t["currency"] for t in trials if "currency" in t}
+    if len(currencies) == 1:
+        totals["currency"] = currencies.pop()
+    return totals
 
 
 def _label(trial: dict) -> str:
