@@ -35,8 +35,8 @@ def test_eta_counts_the_steps_evaluations_and_epochs_left():
     # Epoch 1 of 3 at step 6 of 10, 0.5 s a step: 2 s of steps + 5 s, then one epoch of 10 s.
     left = eta_s(epoch=1, epochs=3, step=6, steps=10, step_s=0.5, cost=cost, eval_estimate_s=99)
     assert left == pytest.approx(2 + 5 + (5 + 5))
-    # Once an epoch has run whole, its wall time stands for each later one.
-    cost.epoch_s = 12.0
+    # Once epochs have run whole, their mean wall time stands for each later one.
+    cost.epochs_s += [10.0, 14.0]
     left = eta_s(epoch=1, epochs=3, step=6, steps=10, step_s=0.5, cost=cost, eval_estimate_s=99)
     assert left == pytest.approx(2 + 5 + 12)
     # Before a measured evaluation, the estimate stands in for it.

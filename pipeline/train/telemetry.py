@@ -11,7 +11,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.core.metrics import TRAIN, Gauges
 from pipeline.core.progress import ProgressWriter, duration_text
@@ -66,12 +66,16 @@ class Pace:
 @dataclass
 class EpochCost:
     """What an epoch other than its steps takes: evaluation, and the rest (the checkpoint's
-    hold, the loader's start), measured on the last epoch of this attempt; and the whole
-    epoch's wall time, start to start, once one has run whole in this attempt."""
+    hold, the loader's start), measured on the last epoch of this attempt; and the mean wall
+    time, start to start, of the epochs that ran whole in this attempt."""
 
     eval_s: float | None = None
     other_s: float = 0.0
-    epoch_s: float | None = None
+    epochs_s: list[float] = field(default_factory=list)
+
+    @property
+    def epoch_s(self) -> float | None:
+        return sum(self.epochs_s) / len(self.epochs_s) if self.epochs_s else None
 
 
 def eta_s(
@@ -86,7 +90,7 @@ def eta_s(
 ) -> float:
     """Seconds a run at `step` of `steps` in epoch `epoch` (0-based) of `epochs` has left, at
     `step_s` a step: the epoch's steps left, its evaluation and the rest, then for each epoch
-    after it the last whole epoch's wall time (or its steps, evaluation and the rest, until
+    after it the mean wall time of the whole epochs (or its steps, evaluation and the rest, until
     one is measured). `eval_estimate_s`: an evaluation's, until one is measured."""
     per_eval = cost.eval_s if cost.eval_s is not None else eval_estimate_s
     tail = per_eval + cost.other_s
@@ -139,7 +143,7 @@ class Telemetry:
         `history`: the epochs finished before it."""
         now = time.perf_counter()
         if self.state != "starting" and self.whole:  # the last epoch ran whole in this attempt
-            self.cost.epoch_s = now - self.epoch_began
+            self.cost.epochs_s.append(now - self.epoch_began)
         self.whole = done == 0
         self.epoch, self.steps, self.step, self.history = epoch, steps, done, list(history)
         self.last = self.epoch_began = self.logged = now
