@@ -278,6 +278,22 @@ def held_worker(marker: Path, job: Future) -> int:
     return int(marker.read_text())
 
 
+def held_until_it_ends(
+    cluster, job: Future, marker: Path, submission_id: str, within_s: float
+) -> tuple[int, subprocess.CompletedProcess, float]:
+    """For a job whose process holds at an armed fault point and that must end by itself: the
+    held pid, the job's ending and the seconds from the hold to it; a job still running after
+    `within_s` fails the test, and is stopped."""
+    try:
+        pid = held_worker(marker, job)
+        held_at = time.monotonic()
+        proc = job.result(timeout=within_s)
+        return pid, proc, time.monotonic() - held_at
+    finally:
+        if not job.done():
+            cluster.stop_job(submission_id)
+
+
 def latest_recorded(run: Path) -> str | None:
     """The directory name of the latest checkpoint in Ray Train's record of `run`, if any."""
     try:

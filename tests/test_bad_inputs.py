@@ -1256,6 +1256,14 @@ CASES = [
         run=nccl_hang_in_fit,
     ),
     Case(
+        "an inference batch held for `stall.multiple` times the median batch, and at least "
+        "`stall.min_s` (every predictor actor's stacks in the log)",
+        3,
+        "inference stalled: predictor actor pid <n> on node <address> has held a batch",
+        test="tests/test_infer.py::"
+        "test_a_predictor_held_on_a_batch_ends_the_job_naming_it_with_every_actors_stacks",
+    ),
+    Case(
         "`use_gpu=true` on a cluster without a GPU, for `capacity_timeout_s`",
         3,
         "use_gpu=true, but the cluster has <n> GPUs",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -19,6 +20,7 @@ from helpers import (
     CLASSES,
     armed_runtime_env,
     checkpoint_meta,
+    held_until_it_ends,
     held_worker,
     in_background,
     make_image_folder,
@@ -303,6 +305,48 @@ def test_folder_with_a_corrupt_file_is_predicted_and_the_file_listed(
     printed = json.loads(proc.stdout[proc.stdout.index("{\n") : proc.stdout.index("\n}") + 2])
     assert printed["top_k"][0]["index"] == one["pred"]
     assert printed["top_k"][0]["probability"] == pytest.approx(one["top_k_prob"][0], rel=1e-4)
+
+
+# A held batch is called stalled after this (stall.min_s; the median batch is far shorter),
+# and the job must end well before a test would give up on it.
+STALL_MIN_S = 5
+ENDS_WITHIN_S = 120
+
+
+def test_a_predictor_held_on_a_batch_ends_the_job_naming_it_with_every_actors_stacks(
+    cluster_2cpu, tmp_path
+):
+    # One predictor actor, batches of 4 of a folder's 24 images: it stops at the start of its
+    # fourth batch. The model: a fresh checkpoint of three classes (no training needed here).
+    model, photos, out = tmp_path / "checkpoint", tmp_path / "photos", tmp_path / "out"
+    model.mkdir()
+    save_checkpoint(model, build_model(3).eval().state_dict(), checkpoint_meta(), {})
+    make_image_folder(photos, per_class=8, corrupt=False)
+    (tmp_path / "fault").mkdir()
+    runtime_env, marker = armed_runtime_env(tmp_path / "fault", faults.BATCH_STALLED)
+    submit = {"runtime_env": runtime_env, "submission_id": f"infer-stalled-{tmp_path.name}"}
+    args = (f"model={model}", f"input={photos}", f"output={out}", "batch_size=4")
+    more = ("num_actors=1", f"stall.min_s={STALL_MIN_S}")
+    job = in_background(infer_job, cluster_2cpu, *args, *more, **submit)
+    pid, proc, ended_s = held_until_it_ends(
+        cluster_2cpu, job, marker, submit["submission_id"], ENDS_WITHIN_S
+    )
+    log = proc.stdout
+    assert "failed with exit code 3" in log, log
+    line = re.search(
+        rf"error: inference stalled: predictor actor pid {pid} on node [\d.]+ has held a batch "
+        rf"for (\d+) s \(over stall.min_s={STALL_MIN_S} s and stall.multiple=20 times the median "
+        r"batch of [\d.e-]+ s\), in faults.py:point; every actor's stacks are in the log above. "
+        r"Submit the job again: it infers only what is not written yet\n",
+        log,
+    )
+    assert line, log
+    assert int(line[1]) >= STALL_MIN_S and ended_s < ENDS_WITHIN_S
+    stacks = log[log.index(f"predictor actor pid {pid} on node") :]
+    assert "stacks:" in stacks and "faults.py" in stacks.split("error:")[0]
+    # Nothing committed, nothing lost: the output has no summary, and the job's progress says so.
+    assert not (out / SUMMARY).exists()
+    assert json.loads((out / "progress.json").read_text())["state"] == "failed"
 
 
 def test_resources_the_cluster_lacks_fail_fast(cluster_2cpu, trained, tiny_dataset, tmp_path):

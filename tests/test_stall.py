@@ -5,12 +5,17 @@ rank waiting for it in the gradient all-reduce, where gloo would wait 30 minutes
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from helpers import armed_runtime_env, held_worker, in_background, latest_recorded, train_job
+from helpers import (
+    armed_runtime_env,
+    held_until_it_ends,
+    in_background,
+    latest_recorded,
+    train_job,
+)
 
 from pipeline.core import faults
 from pipeline.model.checkpoint import METADATA
@@ -97,14 +102,7 @@ def test_a_rank_stopped_between_steps_ends_the_job_naming_it_with_every_ranks_st
     args = ("name=stalled", "epochs=2", f"stall.min_s={MIN_S}")
     submit = {"runtime_env": env, "submission_id": submission_id}
     job = in_background(train_job, cluster_2cpu, tiny_dataset, tmp_path, *args, **submit)
-    try:
-        pid = held_worker(marker, job)
-        held_at = time.monotonic()
-        proc = job.result(timeout=ENDS_WITHIN_S)
-        ended_s = time.monotonic() - held_at
-    finally:
-        if not job.done():
-            cluster_2cpu.stop_job(submission_id)
+    pid, proc, ended_s = held_until_it_ends(cluster_2cpu, job, marker, submission_id, ENDS_WITHIN_S)
     out = proc.stdout
     assert "failed with exit code 3" in out, out
     line = re.search(

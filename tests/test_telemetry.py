@@ -1,16 +1,19 @@
 """What a run tells while it runs, without Ray: the pace, the ETA, the cost, the progress record
-and the gauges' values (pipeline.train.telemetry, pipeline.core.metrics, pipeline.core.progress).
-"""
+and the gauges' values (pipeline.train.telemetry, pipeline.core.metrics, pipeline.core.progress);
+inference's stall rule and its predictors' stacks (pipeline.infer.telemetry)."""
 
 import json
 import logging
+import threading
 import time
 
 import pytest
 
+from pipeline.core.config import StallConfig
 from pipeline.core.metrics import INFER, TRAIN, Gauges, exported
 from pipeline.core.progress import PROGRESS, ProgressWriter, duration_text, read_progress
 from pipeline.core.storage import Location
+from pipeline.infer.telemetry import held_batch, stall_limit_s, thread_stacks
 from pipeline.train.config import TrainConfig
 from pipeline.train.telemetry import EpochCost, Pace, Telemetry, eta_s
 
@@ -169,3 +172,37 @@ def test_step_time_is_wall_time_between_steps(tmp_path):
     t.stepped(1, 4, 0.0)
     assert t.pace.step_s >= 0.05
     t.close("finished")
+
+
+def test_an_inference_batch_is_stalled_past_the_multiple_of_the_median_and_the_floor():
+    stall = StallConfig(multiple=10, min_s=5)
+    assert stall_limit_s(None, stall) == 5 and stall_limit_s(2.0, stall) == 20
+    busy = {"pid": 7, "node": "10.0.0.1", "batches": 2}
+
+    def snapshot(batches: int, *ages: float) -> dict:
+        actors = {f"a{i}": busy | {"busy_since": 100.0 - age} for i, age in enumerate(ages)}
+        actors["idle"] = busy | {"busy_since": None}
+        return {"now": 100.0, "actors": actors, "batches": batches, "median_batch_s": 0.2}
+
+    assert held_batch(snapshot(2, 60.0), stall) is None  # not armed: too few batches yet
+    assert held_batch(snapshot(5, 4.0, 1.0), stall) is None  # under the floor
+    assert held_batch(snapshot(5, 4.0, 6.0), stall) == ("a1", 6.0)  # the longest held
+
+
+def test_a_predictors_stacks_put_its_batchs_thread_first_and_say_where_it_is():
+    held, release = threading.Event(), threading.Event()
+
+    def batch():
+        held.set()
+        release.wait(10)
+
+    worker = threading.Thread(target=batch, name="udf")
+    worker.start()
+    held.wait(10)
+    try:
+        stacks = thread_stacks(worker.ident)
+    finally:
+        release.set()
+        worker.join()
+    assert stacks["text"].startswith("Thread udf:\n")
+    assert stacks["where"] == "threading.py:wait"  # the innermost Python frame of its batch

@@ -67,14 +67,15 @@ class StallConfig(Strict):
     multiple: float = Field(
         20,
         gt=1,
-        description="End the job (exit 3) once a training step has made no progress for this "
-        "many times the median step's time, naming the rank that holds the others up.",
+        description="End the job (exit 3) once a training step or an inference batch has made "
+        "no progress for this many times the median one's time, naming the rank or the "
+        "predictor actor that holds it.",
     )
     min_s: float = Field(
         300,
         gt=0,
         description="Seconds without progress that never count as stalled, whatever the "
-        "multiple: checkpoints and an epoch's first steps are slow.",
+        "multiple: checkpoints, an epoch's first steps and a new actor's first batch are slow.",
     )
 
 

@@ -46,6 +46,8 @@ PREDICTIONS_PART_WRITTEN = "predictions_part_written"
 # Training rank 1, after its second step of the attempt's second epoch (pipeline.train.stall):
 # the other ranks wait for it in the next step's first collective (DDP's).
 STEP_STALLED = "step_stalled"
+# A predictor actor, at the start of its fourth batch (pipeline.infer.batch): the batch is held.
+BATCH_STALLED = "batch_stalled"
 POINTS = (
     CHECKPOINT_UPLOADED,
     CHECKPOINT_REPORTED,
@@ -57,6 +59,7 @@ POINTS = (
     PREDICTIONS_COMMITTED,
     PREDICTIONS_PART_WRITTEN,
     STEP_STALLED,
+    BATCH_STALLED,
 )
 # A held process goes on once `<marker>` + RELEASE exists (harness.faults.release writes it).
 RELEASE = ".release"

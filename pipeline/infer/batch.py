@@ -10,6 +10,7 @@ One image file instead goes through a single Ray task and is printed: the quick 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -22,6 +23,7 @@ import ray
 import ray.data
 import torch
 
+from pipeline.core import faults
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.errors import InputError
 from pipeline.core.job_table import job_running, job_started_ms
@@ -45,6 +47,7 @@ from pipeline.infer.predictions import (
     publish,
     start_version,
 )
+from pipeline.infer.telemetry import BatchCounter, InferTelemetry
 from pipeline.model.checkpoint import (
     check_weights,
     read_meta,
@@ -57,6 +60,10 @@ from pipeline.model.networks import check_model_code
 from pipeline.model.source import resolve_checkpoint, trained_version
 
 log = logging.getLogger(__name__)
+
+# The fault test's: a predictor actor stops at the start of its fourth batch (BATCH_STALLED),
+# once the stall watch is armed (pipeline.infer.telemetry.ARMED_AFTER).
+STALLED_BATCH = 4
 
 
 def prepare_batch(batch: dict, *, image_size: int) -> dict:
@@ -91,7 +98,10 @@ class Predictor:
         decode_size: int | None = None,
         threads: int | None = None,
         allow_modules: tuple[str, ...] = (),
+        tally=None,
     ):
+        # Told of each batch, for the run's progress and its stall watch (pipeline.infer.telemetry).
+        self.count = BatchCounter(tally) if tally is not None else None
         if threads:
             torch.set_num_threads(threads)
         self.decode_size = decode_size
@@ -101,11 +111,19 @@ class Predictor:
         self.classes = self.classifier.meta.classes
         self.index = {name: i for i, name in enumerate(self.classes)}
         self.top_k = min(top_k, len(self.classes))
+        self.batches = 0
 
     def __call__(self, batch: dict) -> dict:
+        if self.count is not None:
+            self.count.started()
+            self.batches += 1
+            if self.batches == STALLED_BATCH:
+                faults.point(faults.BATCH_STALLED)
         if self.decode_size:
             batch = prepare_batch(batch, image_size=self.decode_size)
         probs, top = self.classifier.probabilities(batch["pixels"]).topk(self.top_k, dim=1)
+        if self.count is not None:
+            self.count.finished(len(batch["source_id"]))
         return batch_table(
             source_id=batch["source_id"],
             label=np.array([self.index.get(n, -1) for n in batch["label_name"]], dtype=np.int64),
@@ -212,10 +230,17 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     )
     # Wall clock, not monotonic: the batches are stamped in the actors' processes.
     started = time.time()
-    if ds is None:
-        sink.tally = Tally.empty(num_classes)  # every image was inferred before
-    else:
-        predict(cfg, ds, sink, checkpoint=checkpoint, image_size=meta.image_size)
+    telemetry = InferTelemetry(output, images=inp.images, carried=carried.images, stall=cfg.stall)
+    try:
+        if ds is None:
+            sink.tally = Tally.empty(num_classes)  # every image was inferred before
+        else:
+            options = {"checkpoint": checkpoint, "image_size": meta.image_size}
+            telemetry.run(functools.partial(predict, cfg, ds, sink, **options, count=telemetry))
+    except BaseException:
+        telemetry.close("failed")
+        raise
+    telemetry.close("finished", images_done=sink.tally.images)
     seconds = time.time() - started
     tally = Tally.empty(num_classes)
     tally.merge(carried)
@@ -236,10 +261,18 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
 
 
 def predict(
-    cfg: InferConfig, ds: ray.data.Dataset, sink: PredictionSink, *, checkpoint, image_size: int
+    cfg: InferConfig,
+    ds: ray.data.Dataset,
+    sink: PredictionSink,
+    *,
+    checkpoint,
+    image_size: int,
+    count: InferTelemetry | None = None,
 ) -> None:
-    """Classify the input rows `ds` with the predictor actors and write them with `sink`."""
+    """Classify the input rows `ds` with the predictor actors and write them with `sink`; the
+    actors tell `count` of each batch."""
     predictor = {
+        "tally": count.tally if count is not None else None,
         "checkpoint": checkpoint,
         "use_gpu": cfg.use_gpu,
         "precision": cfg.precision,

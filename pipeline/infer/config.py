@@ -12,6 +12,7 @@ from pipeline.core.config import (
     CAPACITY_TIMEOUT_S,
     AbsolutePathOrURI,
     AllowedModules,
+    StallConfig,
     Strict,
     TrackingConfig,
     allow_modules_field,
@@ -76,6 +77,7 @@ class InferConfig(Strict):
             "then exit 3."
         ),
     )
+    stall: StallConfig = StallConfig()
     tracking: TrackingConfig = TrackingConfig()
     allow_modules: AllowedModules = allow_modules_field()
 

@@ -59,6 +59,7 @@ from ray.data.datasource import Datasink, WriteResult
 
 from pipeline.core import faults
 from pipeline.core.errors import InputError
+from pipeline.core.progress import PROGRESS as PROGRESS_FILE
 from pipeline.core.storage import (
     Location,
     foreign_entries,
@@ -256,7 +257,9 @@ def check_output(output: Location) -> None:
         return
     if not output.is_dir():
         raise InputError(f"output {output.uri} is a file: point output at a directory")
-    foreign = foreign_entries(output, (SUMMARY, VERSIONS, *EARLIER_LAYOUT), versions=VERSIONS)
+    foreign = foreign_entries(
+        output, (SUMMARY, VERSIONS, PROGRESS_FILE, *EARLIER_LAYOUT), versions=VERSIONS
+    )
     if foreign:
         raise InputError(
             f"output {output.uri} holds files this bundle did not write "
