@@ -78,7 +78,7 @@ class Submission:
     sent: bool = False
 
 
-def _client(address: str, submission: Submission | None = None):
+def job_client(address: str, submission: Submission | None = None):
     """Ray's job client, whose every request gives up after REQUEST_S without an answer (its
     own wait for one has no end), and which marks `submission` sent as it asks to take a job."""
     from ray.job_submission import JobSubmissionClient
@@ -101,7 +101,7 @@ def submit(submission: Submission, patience: Patience, say: Callable[[str], None
     while True:
         try:
             if client is None:
-                client = _client(address, submission)
+                client = job_client(address, submission)
             elif _known(client, submission_id):  # an earlier try went through, its answer lost
                 return client
             client.submit_job(submission_id=submission_id, **job)
@@ -130,7 +130,7 @@ def stop(submission: Submission) -> str:
         return f"interrupted before job {submission_id} was submitted: nothing runs"
     started = time.monotonic()
     try:
-        client = _client(address)
+        client = job_client(address)
         while True:
             try:
                 stopped = client.stop_job(submission_id)

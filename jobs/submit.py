@@ -59,6 +59,7 @@ from pathlib import Path
 import yaml
 
 from jobs.follow import Patience, Submission, follow, stop, submit
+from jobs.status import PROGRESS_KEY, main_status, progress_places
 from pipeline.check.config import CheckConfig, train_config
 from pipeline.core.config import keys_help, load_config
 from pipeline.core.errors import EXIT_CODES, ClusterError, ConfigError, failure, first_line
@@ -310,6 +311,7 @@ def submit_and_wait(
                 say,
                 entrypoint=shlex.join(job.entrypoint),
                 runtime_env=runtime_env(env_vars, py_modules),
+                metadata=progress_metadata(job),
             )
             print(
                 f"[{job.step}] submitted {submission_id}: {shlex.join(job.entrypoint)}", flush=True
@@ -328,6 +330,12 @@ def submit_and_wait(
     code = info.driver_exit_code or 1
     say(f"{submission_id} failed with exit code {code}: {info.message}", sys.stderr)
     return code
+
+
+def progress_metadata(job: Job) -> dict[str, str]:
+    """The job's metadata: where its progress.json is, for `status --job` (train and infer)."""
+    places = progress_places([job], BUNDLE_ROOT)
+    return {PROGRESS_KEY: places[job.step]} if job.step in places else {}
 
 
 def without_noise(text: str) -> str:
@@ -424,13 +432,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the cluster check (the check step) first; the steps only if it passes",
     )
-    parser.add_argument("step", choices=[*CONFIGS, "all"])
+    add(
+        "--job",
+        metavar="ID",
+        help="with status: this job's state and progress (its submission id), not the chain's",
+    )
+    add("--json", action="store_true", help="with status: one JSON object, for schedulers")
+    parser.add_argument(
+        "step",
+        choices=[*CONFIGS, "all", "status"],
+        help="a step, all of the chain, or status: where the chain's run and inference are "
+        "(epoch, step, images/s, ETA, last checkpoint, best score; jobs/status.py)",
+    )
     args = parser.parse_args(argv)
     setup_logging()
     logging.getLogger("ray").setLevel(logging.WARNING)  # the SDK's upload and websocket chatter
     # "Directory '.git' is now ignored by default ...": runtime_env.yaml excludes it anyway.
     logging.getLogger("ray._private.runtime_env").setLevel(logging.ERROR)
     try:
+        if args.step == "status":
+            jobs = plan(args.root, profile=args.profile, sets=args.set, recipe=args.recipe)
+            return main_status(args, jobs, BUNDLE_ROOT)
         return run_chain(args)
     except ConnectionError as e:  # the dashboard did not answer: retrying later may help
         print(
