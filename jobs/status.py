@@ -25,7 +25,6 @@ from jobs.follow import job_client, not_yet
 from pipeline.core.config import load_config
 from pipeline.core.errors import EXIT_CODES, ConfigError, first_line
 from pipeline.core.progress import PROGRESS, duration_text, read_progress
-from pipeline.core.storage import Location
 from pipeline.core.uris import join_uri
 from pipeline.infer.config import InferConfig
 from pipeline.train.config import TrainConfig
@@ -151,6 +150,8 @@ def _status_text(status) -> str:
 
 
 def read_at(uri: str) -> dict | None:
+    from pipeline.core.storage import Location  # pyarrow: only where there is a file to read
+
     parent, _, _ = uri.rpartition("/")
     try:
         return read_progress(Location.parse(parent))

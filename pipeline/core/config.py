@@ -67,15 +67,14 @@ class StallConfig(Strict):
     multiple: float = Field(
         20,
         gt=1,
-        description="End the job (exit 3) once a training step or an inference batch has made "
-        "no progress for this many times the median one's time, naming the rank or the "
-        "predictor actor that holds it.",
+        description="End the job (exit 3) once a training step or an inference batch is held "
+        "this many times the median one's time, naming the rank or actor that holds it.",
     )
     min_s: float = Field(
         300,
         gt=0,
         description="Seconds without progress that never count as stalled, whatever the "
-        "multiple: checkpoints, an epoch's first steps and a new actor's first batch are slow.",
+        "multiple: checkpoints, an epoch's first steps, an actor's first batch are slow.",
     )
 
 

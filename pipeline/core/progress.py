@@ -13,8 +13,10 @@ import json
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from pipeline.core.storage import Location
+if TYPE_CHECKING:  # the chain's `status` imports this module, and no pyarrow
+    from pipeline.core.storage import Location
 
 log = logging.getLogger(__name__)
 
