@@ -468,10 +468,10 @@ def test_a_job_the_head_registers_after_the_interrupt_is_stopped(monkeypatch):
     monkeypatch.setattr("jobs.follow.POLL_S", 0.01)
     sent = Submission("http://head:8265", "raysubmit_1", sent=True)
     head = LateJob(late=2)
-    monkeypatch.setattr("jobs.follow._client", lambda address: head)
+    monkeypatch.setattr("jobs.follow.job_client", lambda address: head)
     assert stop(sent) == "interrupted: stopped raysubmit_1" and head.asked == 3
     never = LateJob(late=None)
-    monkeypatch.setattr("jobs.follow._client", lambda address: never)
+    monkeypatch.setattr("jobs.follow.job_client", lambda address: never)
     monkeypatch.setattr("jobs.follow.TAKEN_S", 0.1)
     assert stop(sent) == "interrupted; the cluster did not take job raysubmit_1: nothing runs"
 

@@ -122,7 +122,9 @@ def test_val_split_predictions_match_the_summary_and_training(
     assert [f["path"] for f in summary["files"]] == [
         f"{VERSIONS}/{version.name}/{PREDICTIONS}/{p}" for p in parts
     ]
-    assert sorted(p.name for p in out.iterdir()) == [SUMMARY, VERSIONS]
+    # Beside them, the job's last progress (jobs.submit's status reads it).
+    assert sorted(p.name for p in out.iterdir()) == sorted([SUMMARY, VERSIONS, "progress.json"])
+    assert json.loads((out / "progress.json").read_text())["images_done"] == 119
     assert sorted(p.name for p in version.iterdir()) == sorted(
         [VERSION_MARKER, CONFUSION_PNG, PREDICTIONS]
     )

@@ -17,6 +17,7 @@ from helpers import CLASSES, make_image_folder, start_task, wait_for
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from jobs.submit import STEPS, step_command
 from pipeline.core import faults
+from pipeline.core.progress import PROGRESS
 from pipeline.core.storage import VERSION_MARKER, Location
 from pipeline.data.dataset import read_manifest
 from pipeline.infer.predictions import (
@@ -222,13 +223,14 @@ def test_chain_on_s3_counts_a_stopped_job_as_failed_and_resumes(
     assert result["accuracy"] == pytest.approx(summary["best_metrics"][score], abs=1e-6)
     table = read_predictions(predictions)
     assert table.num_rows == val_rows
-    # In parts, in the run's own version, and nothing else: no file was moved or left over.
+    # In parts, in the run's own version, and nothing else but the job's last progress
+    # (status reads it): no file was moved or left over.
     version = f"{VERSIONS}/{result['version']}"
     parts = [f["path"] for f in result["files"]]
     assert len(parts) >= 2 and all(p.startswith(f"{version}/{PREDICTIONS}/part-") for p in parts)
     files = [i.path.removeprefix(predictions.path + "/") for i in predictions.list_files()]
     assert sorted(files) == sorted(
-        [SUMMARY, f"{version}/{VERSION_MARKER}", f"{version}/{CONFUSION_PNG}", *parts]
+        [SUMMARY, PROGRESS, f"{version}/{VERSION_MARKER}", f"{version}/{CONFUSION_PNG}", *parts]
     )
 
     # In MLflow: each dataset version's preprocess run; one training run through the stop, the

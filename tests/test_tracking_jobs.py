@@ -60,7 +60,8 @@ def test_an_outage_mid_training_costs_no_training_and_a_resubmission_logs_the_re
     )
     best = json.loads((run / RUN_SUMMARY).read_text())["best_checkpoint"]
     lacks = (
-        f"MLflow run {run_id} at {server.uri} lacks the metrics of epoch(s) 1, 2; artifacts "
+        f"MLflow run {run_id} at {server.uri} lacks the metrics of epoch(s) 1, 2; the run's "
+        f"worker-hours, GPU-hours and cost; artifacts "
         f"{HISTORY_CSV}, {CURVES_PNG}, {RUN_SUMMARY}; the best checkpoint {best} as a model and "
         "its version of ray-cv-classifier; the run's end (status FINISHED)"
     )
@@ -93,6 +94,7 @@ def test_an_outage_mid_training_costs_no_training_and_a_resubmission_logs_the_re
     steps = metric_steps(server, run_id, h)
     assert steps and all(s == [0, 1, 2] for s in steps.values()), steps
     assert client.get_run(run_id).info.status == "FINISHED"
+    assert client.get_run(run_id).data.metrics["run_worker_hours"] > 0  # the rest, logged now
     assert {HISTORY_CSV, CURVES_PNG, RUN_SUMMARY} <= {a.path for a in client.list_artifacts(run_id)}
     (version,) = client.search_model_versions(f"run_id = '{run_id}'")
     assert version.tags["ray_cv.checkpoint"] == best

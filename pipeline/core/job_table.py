@@ -21,8 +21,11 @@ def submission_id() -> str | None:
 
 
 def this_job_id() -> str:
-    """The job's submission id; Ray's job id for a driver not submitted as a job."""
-    return submission_id() or ray.get_runtime_context().get_job_id()
+    """The job's submission id; Ray's job id for a driver not submitted as a job (none where
+    this process is not connected to Ray: asking would start a Ray instance here)."""
+    if (submitted := submission_id()) is not None:
+        return submitted
+    return ray.get_runtime_context().get_job_id() if ray.is_initialized() else ""
 
 
 def job_started_ms(job_id: str) -> int | None:

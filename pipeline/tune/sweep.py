@@ -366,7 +366,7 @@ def write_summary(
                     "best_epoch": best["epoch"],
                 }
         if trial_id in histories:  # what its epochs cost, stopped and failed trials too
-            trial |= run_cost(histories[trial_id], read_meta(latest).config)
+            trial |= run_cost(histories[trial_id], result.config or {})
         if "error" in trial and tracking is not None:
             tracking.close(run_dir, trial["error"])
         trials.append(trial)
