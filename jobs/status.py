@@ -22,47 +22,24 @@ import sys
 import time
 
 from jobs.follow import job_client, not_yet
-from pipeline.core.config import load_config
 from pipeline.core.errors import EXIT_CODES, ConfigError, first_line
 from pipeline.core.progress import PROGRESS, duration_text, read_progress
 from pipeline.core.uris import join_uri
-from pipeline.infer.config import InferConfig
-from pipeline.train.config import TrainConfig
 
 # The metadata key under which the chain names a job's progress file.
 PROGRESS_KEY = "ray_cv_progress"
 
 
-def progress_places(jobs, bundle_root) -> dict[str, str]:
+def progress_places(jobs) -> dict[str, str]:
     """Where the chain's train and infer jobs (`jobs`, jobs.submit.plan's) keep progress.json:
     the run directory and the output their configs name."""
     places = {}
     for job in jobs:
-        if job.step not in ("train", "infer"):
-            continue
-        files, overrides = config_args(job.entrypoint)
-        paths = [bundle_root / f for f in files]
         if job.step == "train":
-            cfg = load_config(TrainConfig, paths, overrides)
-            places["train"] = join_uri(cfg.storage_path, cfg.name, PROGRESS)
-        else:
-            cfg = load_config(InferConfig, paths, overrides)
-            places["infer"] = join_uri(cfg.output, PROGRESS)
+            places["train"] = join_uri(job.config.storage_path, job.config.name, PROGRESS)
+        elif job.step == "infer":
+            places["infer"] = join_uri(job.config.output, PROGRESS)
     return places
-
-
-def config_args(entrypoint: list[str]) -> tuple[list[str], list[str]]:
-    """A job's config files and key=value overrides, from its entrypoint."""
-    files, overrides, args = [], [], entrypoint[3:]  # past "python -m jobs.<step>"
-    i = 0
-    while i < len(args):
-        if args[i] == "--config":
-            files.append(args[i + 1])
-            i += 2
-        else:
-            overrides.append(args[i])
-            i += 1
-    return files, overrides
 
 
 def status(address: str, places: dict[str, str], *, job: str | None, as_json: bool) -> int:
@@ -221,10 +198,10 @@ def _pct(x: float | None) -> str:
     return "?" if x is None else f"{100 * x:.0f}%"
 
 
-def main_status(args, jobs, bundle_root) -> int:
+def main_status(args, jobs) -> int:
     """jobs.submit's `status` step."""
     try:
-        places = progress_places(jobs, bundle_root)
+        places = progress_places(jobs)
         return status(args.address, places, job=args.job, as_json=args.json)
     except ConfigError as e:
         print(f"error: {first_line(e)}", file=sys.stderr)

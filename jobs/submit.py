@@ -53,10 +53,11 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from pydantic import BaseModel
 
 from jobs.follow import Patience, Submission, follow, stop, submit
 from jobs.status import PROGRESS_KEY, main_status, progress_places
@@ -96,6 +97,7 @@ RAY_NOISE = ("has constructor arguments in the object store and max_restarts > 0
 class Job:
     step: str
     entrypoint: list[str]  # what the job runs on the cluster
+    config: BaseModel | None = field(default=None, compare=False)  # as plan() loaded it
 
 
 def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = "") -> list[Job]:
@@ -128,8 +130,13 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
     if recipe:
         files["train"].append(recipe_file(recipe))
 
+    loaded = {}
+
     def load(step: str):
-        return load_config(CONFIGS[step], [BUNDLE_ROOT / f for f in files[step]], args[step])
+        loaded[step] = load_config(
+            CONFIGS[step], [BUNDLE_ROOT / f for f in files[step]], args[step]
+        )
+        return loaded[step]
 
     load("preprocess")
     name = load("train").name  # inference reads the run that training writes
@@ -163,6 +170,7 @@ def plan(root: str, *, profile: str = "", sets: list[str] = (), recipe: str = ""
                 *(arg for f in files[step] for arg in ("--config", f)),
                 *args[step],
             ],
+            loaded[step],
         )
         for step in CONFIGS
     ]
@@ -262,7 +270,7 @@ def pin_dataset(job: Job, version: str) -> Job:
     """The train `job` reading dataset `version`, unless its config is told which already."""
     if any(arg.startswith("dataset_version=") for arg in job.entrypoint):
         return job
-    return Job(job.step, [*job.entrypoint, f"dataset_version={version}"])
+    return Job(job.step, [*job.entrypoint, f"dataset_version={version}"], job.config)
 
 
 def committed_version(log_text: str) -> str | None:
@@ -334,7 +342,7 @@ def submit_and_wait(
 
 def progress_metadata(job: Job) -> dict[str, str]:
     """The job's metadata: where its progress.json is, for `status --job` (train and infer)."""
-    places = progress_places([job], BUNDLE_ROOT)
+    places = progress_places([job])
     return {PROGRESS_KEY: places[job.step]} if job.step in places else {}
 
 
@@ -452,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.step == "status":
             jobs = plan(args.root, profile=args.profile, sets=args.set, recipe=args.recipe)
-            return main_status(args, jobs, BUNDLE_ROOT)
+            return main_status(args, jobs)
         return run_chain(args)
     except ConnectionError as e:  # the dashboard did not answer: retrying later may help
         print(

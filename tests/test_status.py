@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import time
 
-from harness.cluster import BUNDLE_ROOT, free_port
+from harness.cluster import free_port
 from jobs.status import describe, progress_places
 from jobs.submit import main, plan
 from pipeline.core.progress import PROGRESS
 
 
 def test_status_looks_where_the_chains_train_and_infer_jobs_write():
-    places = progress_places(plan("s3://b/x", sets=["train.name=r1"]), BUNDLE_ROOT)
+    places = progress_places(plan("s3://b/x", sets=["train.name=r1"]))
     assert places == {
         "train": f"s3://b/x/runs/r1/{PROGRESS}",
         "infer": f"s3://b/x/predictions/r1/{PROGRESS}",
