@@ -53,7 +53,7 @@ def test_duration_text():
 
 
 def feed(t: Telemetry, epoch: int, steps: int, *, step_s: float, images: int = 8) -> None:
-    t.start_epoch(epoch, steps, 0, t.history)
+    t.start_epoch(epoch, steps, 0, t.history)  # the loop's history, as the worker passes it
     waited = 0.0
     for step in range(1, steps + 1):
         t.last -= step_s  # as if the step took step_s
@@ -91,6 +91,7 @@ def test_a_run_reports_its_progress_eta_cost_and_best(tmp_path, caplog):
     assert metrics["worker_hours"] == pytest.approx(2.0, abs=0.01)  # 2 workers, 1 h each
     assert metrics["gpu_hours"] == metrics["worker_hours"]
     assert metrics["cost"] == pytest.approx(2 * metrics["worker_hours"])
+    t.history.append(metrics)  # as LoopState.end_epoch does
     t.ended_epoch(metrics)
     values = t.gauges.values()
     assert values["cv_train_val{metric=val_accuracy}"] == 0.5
@@ -101,9 +102,9 @@ def test_a_run_reports_its_progress_eta_cost_and_best(tmp_path, caplog):
     t.checkpointed("epoch", "file:///x/checkpoint_000000", epoch=0, step=None, upload_s=0.2)
     t.evaluating()
     t.evaluated()
-    t.ended_epoch(
-        {"epoch": 1, "val_loss": 0.7, "val_accuracy": 0.75} | t.end_epoch({"epoch": 1}, 0)
-    )
+    last = {"epoch": 1, "val_loss": 0.7, "val_accuracy": 0.75} | t.end_epoch({"epoch": 1}, 0)
+    t.history.append(last)
+    t.ended_epoch(last)
     t.close("finished")
     written = read_progress(run_dir)
     assert written["state"] == "finished" and written["job_id"] == "raysubmit_1"

@@ -140,12 +140,12 @@ class Telemetry:
 
     def start_epoch(self, epoch: int, steps: int, done: int, history: list[dict]) -> None:
         """Epoch `epoch` of `steps` steps starts, or goes on after `done` of them (a resume);
-        `history`: the epochs finished before it."""
+        `history`: the loop's list of finished epochs (LoopState.history), read as it grows."""
         now = time.perf_counter()
         if self.state != "starting" and self.whole:  # the last epoch ran whole in this attempt
             self.cost.epochs_s.append(now - self.epoch_began)
         self.whole = done == 0
-        self.epoch, self.steps, self.step, self.history = epoch, steps, done, list(history)
+        self.epoch, self.steps, self.step, self.history = epoch, steps, done, history
         self.last = self.epoch_began = self.logged = now
         self.waited, self.images, self.state = 0.0, 0, "training"
         self._publish_progress()
@@ -226,9 +226,8 @@ class Telemetry:
         return cost
 
     def ended_epoch(self, metrics: dict) -> None:
-        """Epoch `metrics` (with its cost) is in the history: its scores and the run's cost so
-        far are published."""
-        self.history.append(metrics)
+        """Epoch `metrics` (with its cost) is in the loop's history now: its scores and the run's
+        cost so far are published."""
         if self.rank != 0:
             return
         for key, value in metrics.items():
@@ -251,10 +250,10 @@ class Telemetry:
     def eta_s(self) -> float | None:
         if not self.pace or not self.steps:
             return None
-        train, val = self.rows.get("train", 0), self.rows.get("val", 0)
-        estimate = val / max(train, 1) * self.steps * self.pace.step_s * EVAL_SHARE
         if self.epoch >= self.cfg.epochs:
             return 0.0
+        train, val = self.rows.get("train", 0), self.rows.get("val", 0)
+        estimate = val / max(train, 1) * self.steps * self.pace.step_s * EVAL_SHARE
         left = eta_s(
             epoch=self.epoch,
             epochs=self.cfg.epochs,
