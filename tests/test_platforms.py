@@ -636,18 +636,6 @@ def test_the_dashboard_reads_only_the_metrics_the_jobs_publish():
     assert [m for m in grafana.METRICS if f"| `{m}` |" not in docs] == [], "docs/metrics.md"
 
 
-def test_the_dashboards_metrics_are_those_the_jobs_publish():
-    from pipeline.core import metrics as published
-
-    groups = {published.TRAIN: published.TRAIN_LABELS, published.INFER: published.INFER_LABELS}
-    defined = {
-        published.exported(m): {*labels, *m.labels}
-        for group, labels in groups.items()
-        for m in group
-    }
-    assert defined == {name: set(labels) for name, labels in grafana.METRICS.items()}
-
-
 def test_vendored_crds_are_the_pinned_release():
     readme = (CRDS / "README.md").read_text()
     for name in KINDS.values():

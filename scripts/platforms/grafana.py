@@ -12,33 +12,20 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 
+from pipeline.core import metrics
+from pipeline.core.metrics import exported
+
 PATH = "grafana/ray-cv.json"  # under platforms/
 UID = "rayCvDashboard"  # beside Ray's own: rayDefaultDashboard, rayTrainDashboard, ...
-TRAIN = ("run", "job_id")
-INFER = ("output", "job_id")
 # The metrics the jobs publish through Ray's metrics agent, as Prometheus names them (all
-# gauges; pipeline/core/metrics.py sets them): {name: its labels}.
+# gauges), with their labels: pipeline/core/metrics.py's.
 METRICS = {
-    "ray_cv_train_images_per_second": (*TRAIN, "rank"),
-    "ray_cv_train_input_wait_share": (*TRAIN, "rank"),
-    "ray_cv_train_step_seconds": (*TRAIN, "rank"),
-    "ray_cv_train_epoch": TRAIN,
-    "ray_cv_train_epochs": TRAIN,
-    "ray_cv_train_step": TRAIN,
-    "ray_cv_train_steps": TRAIN,
-    "ray_cv_train_progress": TRAIN,
-    "ray_cv_train_eta_seconds": TRAIN,
-    "ray_cv_train_checkpoint_hold_seconds": (*TRAIN, "kind"),
-    "ray_cv_train_checkpoint_upload_seconds": (*TRAIN, "kind"),
-    "ray_cv_train_val": (*TRAIN, "metric"),
-    "ray_cv_train_worker_hours": TRAIN,
-    "ray_cv_train_gpu_hours": TRAIN,
-    "ray_cv_train_cost": TRAIN,
-    "ray_cv_infer_images_done": INFER,
-    "ray_cv_infer_images": INFER,
-    "ray_cv_infer_progress": INFER,
-    "ray_cv_infer_images_per_second": INFER,
-    "ray_cv_infer_eta_seconds": INFER,
+    exported(m): (*labels, *m.labels)
+    for group, labels in (
+        (metrics.TRAIN, metrics.TRAIN_LABELS),
+        (metrics.INFER, metrics.INFER_LABELS),
+    )
+    for m in group
 }
 DATASOURCE = common.DataSourceRef(type_val="prometheus", uid="${datasource}")
 RUN = 'run=~"$run", job_id=~"$job_id"'
