@@ -338,15 +338,9 @@ class LocalCluster:
             node.remove()
         self.nodes = []
         if self._proc is not None:
-            if self._proc.poll() is None:
-                # `ray start --block` tears down its processes on SIGTERM; after a job it can
-                # wait long on their graceful exits, and a throwaway cluster needs none.
-                self._proc.terminate()
-                try:
-                    self._proc.wait(timeout=3)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
+            # `ray start --block` tears down its processes on SIGTERM; after a job it can wait
+            # long on their graceful exits, and a throwaway cluster needs none.
+            end_process(self._proc, grace_s=3)
             self._kill_leftovers()
             self._proc = None
             self._log.close()
@@ -568,6 +562,18 @@ def _ray_start(args: list[str], num_cpus: int | None, env: dict[str, str]):
         preexec_fn=ends_with_its_starter(),
     )
     return temp_dir, proc, log_file
+
+
+def end_process(proc: subprocess.Popen, *, grace_s: float) -> None:
+    """SIGTERM `proc` if it runs, and SIGKILL it if it has not ended `grace_s` later."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def ends_with_its_starter():

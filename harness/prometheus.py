@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.cluster import ends_with_its_starter, free_port
+from harness.cluster import end_process, ends_with_its_starter, free_port
 
 PROMETHEUS = "/usr/bin/prometheus"
 # Ray's file of its nodes' metrics addresses, in its temp dir (`/tmp/ray/` by default).
@@ -169,13 +169,7 @@ class Prometheus:
 
     def _end(self) -> None:
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.terminate()
-                try:
-                    self._proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self._proc.kill()
-                    self._proc.wait()
+            end_process(self._proc, grace_s=10)
             self._proc = None
         if self._log is not None:
             self._log.close()
