@@ -322,7 +322,8 @@ def training_here(dataset: Path, sizes: Sizes, cuda: bool, tmp: Path) -> dict:
     """The same rows in this process, where there is no Ray: the same loaders and step."""
     cfg = training_config(dataset, sizes, cuda, tmp)
     device = torch.device("cuda" if cuda else "cpu")
-    rows = train_rows(cfg, sizes, device, lambda model: model)
+    # Ray Train's prepare_model moves the model to its device; here that is all it has to do.
+    rows = train_rows(cfg, sizes, device, lambda model: model.to(device))
     return training_result(cfg, rows, "in this process (no Ray here)")
 
 
