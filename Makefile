@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 LOCK   := requirements/cluster.lock
 
-.PHONY: install lock platforms demo test test-fast test-deploy lint format docs bench bench-gpu bench-scale clean
+.PHONY: install lock platforms demo test test-unit test-deploy lint format docs bench bench-gpu bench-scale clean
 
 install: $(STAMP)
 
@@ -35,25 +35,23 @@ platforms: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m scripts.demo
 
-## The whole suite: unit tests and jobs on real local Ray clusters, UNITS at a time (a test alone
-## keeps about one core busy: one unit a core); a module runs whole in one process, with its
-## fixtures made once. One more process runs the modules that compute without a cluster, at
-## low CPU priority, mostly on what the others leave of the cores. More cores:
-## `make test UNITS=<cores>`.
-UNITS ?= 2
+## The suite in tiers (docs/development.md): tests/unit (no Ray), tests/ray (Ray in the test
+## process), tests/jobs (`ray start` clusters and `ray job submit`), in WORKERS processes; a
+## module's tests run in one process, which makes its fixtures once.
+WORKERS ?= 3
 test: $(STAMP)
-	CPU_REPORT=$${CPU_REPORT:-.pytest_cache/cpu-report.jsonl} \
-	  $(PY) -m pytest -n $$(( $(UNITS) + 1 )) --light-worker --dist loadscope
+	$(PY) -m pytest -n $(WORKERS) --dist loadgroup --max-worker-restart 2 tests/jobs tests/ray tests/unit
 
-## Unit tests only (no `ray start` clusters).
-test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+## The inner loop: the tests that start no Ray, in about two minutes.
+test-unit: $(STAMP)
+	$(PY) -m pytest -n 2 tests/unit
 
 ## The deployment paths for real: `ray up` of cluster-onprem.yaml over SSH on loopback addresses
-## (needs root: it runs sshd, and apt-get installs openssh-server and rsync where missing), and
-## Airflow 3 (its own .venv-airflow, built on first use) running the example DAG.
+## (needs root: it runs sshd, and apt-get installs openssh-server and rsync where missing), Airflow 3
+## (its own .venv-airflow, built on first use) running the example DAG, and the `anyscale` package's
+## models loading the Anyscale files (its own venv).
 test-deploy: $(STAMP)
-	$(PY) -m pytest -m deploy
+	$(PY) -m pytest tests/deploy
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

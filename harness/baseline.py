@@ -1,5 +1,6 @@
 """The training loader's previous per-batch path, kept to compare against: in
-tests/test_loader.py (the same pixels and draws) and bench/loader_cores.py (the CPU it saves)."""
+tests/unit/test_loader.py (the same pixels and draws) and bench/loader_cores.py (the CPU it
+saves)."""
 
 from __future__ import annotations
 

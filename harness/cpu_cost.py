@@ -9,11 +9,6 @@ test's clusters spent meanwhile, idle or not.
 `CPU_REPORT=<file> make test` appends one JSON line per test to the file and prints the costliest
 units at the end. Where cgroup v1 is not writable (no root, cgroup v2 only) it says so and counts
 nothing.
-
-`low_priority` puts a process in a cgroup v1 `cpu` group of a low weight: `make test`'s light
-worker, which computes on what the cluster tests leave of the cores (tests/conftest.py);
-`normal_priority` takes it out meanwhile, so that what it starts then (Ray's daemons, a server)
-keeps the normal weight.
 """
 
 from __future__ import annotations
@@ -25,11 +20,6 @@ from collections import defaultdict
 from pathlib import Path
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
-CPU = Path("/sys/fs/cgroup/cpu")
-# A 32nd of cgroup v1's default weight (cpu.shares 1024): a group of it runs mostly on what the
-# other processes leave of the cores, and while they use them all it still gets about 3 % of a
-# core, so a child that waits on a timer (30 s for a loader process's batch) is not starved.
-LOW_SHARES = 32
 
 
 class Meter:
@@ -50,25 +40,6 @@ class Meter:
     def leave(self) -> None:
         """Back to the root group, and the group removed unless something still runs in it."""
         leave(self.group)
-
-
-def low_priority(name: str) -> Path | None:
-    """Move this process into a new cgroup v1 `cpu` group `name` of a low weight, so that it and
-    what it starts run mostly on CPU time no other process wants; the group, or None where that
-    cannot be done. Unlike a nice value, the weight holds against processes in other sessions
-    (the kernel's autogroups), as Ray's daemons are."""
-    return _join(CPU / name, {"cpu.shares": str(LOW_SHARES)})
-
-
-@contextlib.contextmanager
-def normal_priority(group: Path):
-    """This process at the normal weight meanwhile, back in `group` (low_priority's) after: the
-    processes it starts meanwhile keep the normal weight."""
-    _move(CPU)
-    try:
-        yield
-    finally:
-        _move(group)
 
 
 def _join(group: Path, settings: dict[str, str]) -> Path | None:

@@ -2,7 +2,7 @@
 of the jobs' metrics (docs/metrics.md): the PromQL a team's Grafana runs, against a real server.
 
 Debian's `prometheus` package, installed with apt-get where /usr/bin/prometheus is missing (as
-tests/test_deploy.py installs sshd). It finds the cluster's nodes as docs/cluster.md tells a
+tests/deploy/test_deploy.py installs sshd). It finds the cluster's nodes as docs/cluster.md tells a
 `ray up` cluster's Prometheus to: by the file service discovery Ray writes in its temp dir.
 """
 

@@ -4,7 +4,7 @@ node and every client installs, compiled by uv from requirements/cluster.txt.
     make lock                  # keeps the versions already locked where they still fit
     make lock UPGRADE=1        # the newest versions that fit
 
-The lock records the requirements it was compiled from; tests/test_cluster_yaml.py compares
+The lock records the requirements it was compiled from; tests/unit/test_cluster_yaml.py compares
 that record, and the locked versions, with requirements/ (`lock_problems`).
 """
 

@@ -3,6 +3,7 @@ share. Plain helpers live in helpers.py."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import secrets
 import sys
@@ -53,8 +54,8 @@ from harness.s3 import S3Server
 from pipeline.core import faults
 
 EXIT_STATUS = pytest.StashKey[int]()
-LOW_GROUP = pytest.StashKey["Path | None"]()
 METER = pytest.StashKey["cpu_cost.Meter | None"]()
+STDERR = pytest.StashKey[int]()
 # `CPU_REPORT=<file> make test`: each test's CPU-seconds, Ray's processes included
 # (harness/cpu_cost.py), and the costliest at the end. A pytest that a test runs (its
 # PYTEST_CURRENT_TEST inherited) leaves the report alone: it would start it over.
@@ -63,41 +64,40 @@ CPU_REPORT = (
     and not os.environ.get("PYTEST_CURRENT_TEST")
     and Path(os.environ["CPU_REPORT"]).resolve()
 )
+# Each tier's timeout in seconds, for a test that names none (@pytest.mark.timeout): past it,
+# pytest-timeout fails the test with every thread's stack, fixtures' setup included, and the
+# run goes on. The jobs tier's longest (a cluster, a training run and its jobs) take minutes on
+# two loaded cores.
+TIMEOUT_S = {"unit": 120, "ray": 600, "jobs": 1200, "deploy": 1500}
+# A test stuck where Python never regains control (a native wait) is past the signal's reach:
+# this long after its timeout (or its timeout again, if shorter), faulthandler writes every thread's stack and ends the process,
+# and xdist reports the test as crashed.
+NATIVE_GRACE_S = 120
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--light-worker",
-        action="store_true",
-        help="with -n N: the last worker runs only the LIGHT modules, at low CPU priority",
-    )
+def tier(item) -> str:
+    """The tier of a test: the folder under tests/ that holds it."""
+    try:
+        return Path(item.path).relative_to(Path(__file__).parent).parts[0]
+    except ValueError:  # a test file named from elsewhere
+        return "jobs"
 
 
-def pytest_collection_finish(session):
-    """The light worker at low CPU priority once it has collected: xdist hands out no unit
-    before every worker has."""
-    if getattr(session.config, "workerinput", {}).get("light"):
-        # A group per process: `make test` runs beside whatever else runs on the machine.
-        group = cpu_cost.low_priority(f"pytest-light-{os.getpid()}")
-        if group is None:
-            os.nice(15)  # no cgroup v1 `cpu` to write: the nice value of about its weight
-        session.config.stash[LOW_GROUP] = group
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
-    """In the light worker, a fixture of NORMAL_PRIORITY starts its processes at the normal
-    weight: Ray's daemons and workers, a server. Only the tests' own computing waits. (Where the
-    light worker has no group, at `nice 15`, they start at that nice value.)"""
-    group = request.config.stash.get(LOW_GROUP, None)
-    if group is None or fixturedef.argname not in NORMAL_PRIORITY:
-        yield
-        return
-    with cpu_cost.normal_priority(group):
-        yield
+def pytest_collection_modifyitems(config, items):
+    """A test without its own timeout gets its tier's. Under `--dist loadgroup` a module's tests
+    go to one process, which makes its module-scoped fixtures once; modules that share a costly
+    fixture name one group (`pytestmark = pytest.mark.xdist_group(...)`)."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIMEOUT_S.get(tier(item), TIMEOUT_S["jobs"])))
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 def pytest_configure(config):
+    # The process's own stderr, which pytest's capture leaves alone (and xdist's workers share
+    # with the run): where faulthandler writes the stacks of a test it ends.
+    config.stash[STDERR] = os.dup(sys.__stderr__.fileno())
     if not CPU_REPORT:
         return
     if not hasattr(config, "workerinput"):  # the run's own process, before any test process
@@ -108,13 +108,20 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    marker = item.get_closest_marker("timeout")
+    timeout_s = marker and (marker.kwargs.get("timeout") or (marker.args or [0])[0])
+    if timeout_s:
+        grace_s = min(timeout_s, NATIVE_GRACE_S)
+        stderr = item.config.stash[STDERR]
+        faulthandler.dump_traceback_later(timeout_s + grace_s, exit=True, file=stderr)
     meter = item.config.stash.get(METER, None)
-    if meter is None:
+    cpu, started = meter and meter.usage(), time.time()
+    try:
         yield
-        return
-    cpu, started = meter.usage(), time.time()
-    yield
-    cpu_cost.record(CPU_REPORT, item.nodeid, meter.usage() - cpu, started, time.time())
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    if meter is not None:
+        cpu_cost.record(CPU_REPORT, item.nodeid, meter.usage() - cpu, started, time.time())
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -142,191 +149,10 @@ def pytest_unconfigure(config):
     A usage error (a bad `-k` expression) is left to pytest, which prints it after this hook."""
     if meter := config.stash.get(METER, None):
         meter.leave()
-    if group := config.stash.get(LOW_GROUP, None):
-        cpu_cost.leave(group)
     if config.stash.get(EXIT_STATUS, None) not in (None, pytest.ExitCode.USAGE_ERROR):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(config.stash[EXIT_STATUS])
-
-
-# Modules that share an expensive fixture, run by one xdist worker as one unit, so that it is
-# made once: `make test`'s `--dist loadscope` otherwise sends modules to workers one by one, and
-# each worker would make its own (main_run trains for minutes; a cluster of three nodes costs
-# as much CPU as a short job to start).
-SHARED_FIXTURES = {
-    "tests/test_train_jobs.py": "main_run",
-    "tests/test_infer.py": "main_run",
-    "tests/test_elastic.py": "head_and_two_nodes",
-    "tests/test_multinode.py": "head_and_two_nodes",
-    "tests/test_preemption.py": "head_and_two_nodes",
-}
-
-# The longest units first, so that none is left running alone at the end of `make test`: the
-# wall minutes each took in a fresh clone's `make test` at two units (its CPU report at e0b97fd,
-# 2026-11-27). Units not named take under a minute and fill in after these, in xdist's order.
-MINUTES = {
-    "head_and_two_nodes": 11.0,
-    "main_run": 7.1,
-    "tests/test_autoscale.py": 6.2,
-    # Measured alone on this machine's two cores: their jobs, their clusters and emulators.
-    "tests/test_cloud_storage.py": 5.0,
-    "tests/test_platform_jobs.py": 4.6,
-    "tests/test_check.py": 3.5,
-    "tests/test_metrics.py": 4.5,
-    "tests/test_stall.py": 2.5,
-    "tests/test_tune.py": 5.4,
-    "tests/test_train_faults.py": 4.0,
-    "tests/test_deploy.py": 3.4,
-    "tests/test_airflow.py": 3.0,
-    "tests/test_publish.py": 2.8,
-    "tests/test_s3.py": 2.8,
-    "tests/test_tracking_jobs.py": 2.5,
-    "tests/test_serve.py": 2.3,
-    "tests/test_chain.py": 2.0,
-    "tests/test_steps.py": 1.6,
-    "tests/test_own_loop.py": 1.5,
-    "tests/test_export.py": 1.4,
-    "tests/test_loader.py": 1.0,
-    # Under a minute, but waiting on clusters: before the LIGHT units.
-    "tests/test_bad_inputs.py": 0.8,
-    "tests/test_jobs.py": 0.7,
-    "tests/test_harness.py": 0.6,
-    "tests/test_capacity.py": 0.2,
-}
-
-# Modules whose tests compute in their own process, or in-process Ray's, for seconds: no
-# cluster, no job, no wait of minutes. `make test` (--light-worker) gives them to a worker of
-# their own at low CPU priority, which runs them mostly on what the cluster tests leave of the
-# cores while those wait on their clusters; the other workers take them only once all else is
-# handed out. Its fixtures of NORMAL_PRIORITY start their processes at the normal weight, so that
-# Ray's raylet and a server answer in time however busy the cores; a test of a LIGHT module that
-# asks for a cluster (NOT_LIGHT) fails at its setup. Kept with the other workers: the modules
-# that wait on a subprocess against a deadline (test_faults, test_tracking, test_platforms).
-LIGHT = {
-    "tests/test_check_rows.py",
-    "tests/test_cli.py",
-    "tests/test_cluster_yaml.py",
-    "tests/test_config.py",
-    "tests/test_device_decode.py",
-    "tests/test_export.py",
-    "tests/test_hooks.py",
-    "tests/test_layout.py",
-    "tests/test_loader.py",
-    "tests/test_loading.py",
-    "tests/test_model.py",
-    "tests/test_models.py",
-    "tests/test_predictions.py",
-    "tests/test_preprocess.py",
-    "tests/test_shards.py",
-    "tests/test_sources.py",
-    "tests/test_status.py",
-    "tests/test_storage.py",
-    "tests/test_sweep_config.py",
-    "tests/test_telemetry.py",
-    "tests/test_train.py",
-    "tests/test_transforms.py",
-    "tests/test_versions.py",
-}
-NORMAL_PRIORITY = {"ray_in_process", "tiny_dataset", "small_dataset", "s3_server", "mlflow_server"}
-NOT_LIGHT = {"cluster_2cpu", "head_and_two_nodes", "main_run"}
-
-
-def minutes(unit: str) -> float:
-    """A unit's expected wall minutes: its module's, for a class of its tests."""
-    return MINUTES.get(unit, MINUTES.get(unit.split("::")[0], 0))
-
-
-def light(unit: str) -> bool:
-    return unit.split("::")[0] in LIGHT
-
-
-def pytest_runtest_setup(item):
-    if light(item.nodeid) and (unsafe := NOT_LIGHT & set(item.fixturenames)):
-        pytest.fail(
-            f"{item.nodeid} asks for {', '.join(sorted(unsafe))}: a cluster, minutes of jobs "
-            "for the other workers; take its module out of conftest.py's LIGHT",
-            pytrace=False,
-        )
-
-
-def light_worker(config) -> str | None:
-    """The id of the worker that runs only the LIGHT units, if any: the last one."""
-    workers = config.getoption("numprocesses", None)
-    if config.getoption("light_worker") and isinstance(workers, int) and workers > 1:
-        return f"gw{workers - 1}"
-    return None
-
-
-@pytest.hookimpl(optionalhook=True)  # xdist's hooks: unknown under `-p no:xdist`
-def pytest_configure_node(node):
-    node.workerinput["light"] = node.gateway.id == light_worker(node.config)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    from xdist.scheduler import LoadScopeScheduling
-
-    class UnitScheduling(LoadScopeScheduling):
-        """Units to workers, the longest left first (the first of equals: xdist's own order);
-        LIGHT units to the light worker only, and to the others last."""
-
-        def __init__(self, config, log=None):
-            super().__init__(config, log)
-            self.light_worker = light_worker(config)
-
-        def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return SHARED_FIXTURES.get(scope, scope)
-
-        def _next_unit(self, node) -> str | None:
-            units = self.workqueue
-            if node.gateway.id == self.light_worker:
-                units = [u for u in units if light(u)]
-            return max(units, key=lambda u: (not light(u), minutes(u)), default=None)
-
-        def _assign_work_unit(self, node) -> None:
-            unit = self._next_unit(node)
-            if unit is None:
-                node.shutdown()
-                return
-            work = self.assigned_work[node][unit] = self.workqueue.pop(unit)
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(i) for i, done in work.items() if not done])
-
-        def remove_node(self, node) -> str | None:
-            """A worker that crashed (a test past its timeout ends its process): xdist reports
-            the test it was running as failed, and the rest of its unit goes to the next worker
-            free, the crashed test not again (xdist's own puts it back: a hang would crash one
-            worker after another)."""
-            workload = self.assigned_work.pop(node)
-            pending = [i for unit in workload.values() for i, done in unit.items() if not done]
-            if not pending:
-                return None
-            crashed = pending[0]  # a worker runs its unit's tests in order
-            for scope, unit in workload.items():
-                if crashed in unit:
-                    unit[crashed] = True
-                if not all(unit.values()):
-                    self.workqueue[scope] = unit
-            for other in self.assigned_work:
-                self._reschedule(other)
-            return crashed
-
-        def _reschedule(self, node) -> None:
-            """Units for `node` until it holds more than two tests (xdist's: work in hand), or
-            none are left for it and it is told to finish. A worker starts a test only once it
-            holds the next one or is told to finish: a worker that replaced a crashed one, given
-            a unit of one test, would otherwise wait for ever."""
-            while not node.shutting_down:
-                if self._next_unit(node) is None:
-                    node.shutdown()
-                elif self._pending_of(self.assigned_work[node]) <= 2:
-                    self._assign_work_unit(node)
-                else:
-                    return
-
-    return UnitScheduling(config, log)
 
 
 @pytest.fixture(scope="module")

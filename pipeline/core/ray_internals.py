@@ -1,7 +1,7 @@
 """Every name the bundle takes from Ray's private modules, in one place.
 
 Checked against Ray 2.60.0, the version requirements/runtime.txt pins: a Ray upgrade starts here
-(tests/test_layout.py fails until this file is checked against the new version and says so).
+(tests/unit/test_layout.py fails until this file is checked against the new version and says so).
 Each import says what it is used for; nothing else in the bundle imports `ray.*._internal`.
 """
 

@@ -9,6 +9,6 @@ team's package; platforms/values.yaml documents every key), runtime_env.yaml, th
 version and every pin, installed into the images) and configs/ through `jobs.submit.plan` (the
 entrypoints). The KubeRay files are checked as they are written, against KubeRay's CRDs, the
 operator's own rules and Kubernetes' schemas: a value they refuse fails here, named.
-tests/test_platforms.py fails while the committed files differ from the rendering of
+tests/unit/test_platforms.py fails while the committed files differ from the rendering of
 platforms/values.yaml.
 """
