@@ -70,8 +70,8 @@ CPU_REPORT = (
 # two loaded cores.
 TIMEOUT_S = {"unit": 120, "ray": 600, "jobs": 1200, "deploy": 1500}
 # A test stuck where Python never regains control (a native wait) is past the signal's reach:
-# this long after its timeout (or its timeout again, if shorter), faulthandler writes every thread's stack and ends the process,
-# and xdist reports the test as crashed.
+# this long after its timeout (or its timeout again, if shorter), faulthandler writes every
+# thread's stack and ends the process, and xdist reports the test as crashed.
 NATIVE_GRACE_S = 120
 
 
