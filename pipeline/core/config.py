@@ -85,7 +85,7 @@ def _module_name(value: str) -> str:
 
 
 def allow_modules_field() -> Any:
-    """The `allow_modules` key of every job that loads a checkpoint (pipeline.model.networks:
+    """The `allow_modules` key of every job that loads a checkpoint (pipeline.model.trust:
     check_model_code)."""
     return Field(
         (),

@@ -20,7 +20,7 @@ from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
 # variable, as metadata under JOB_ID_METADATA_KEY (below).
 from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
 
-# Where a node holds a runtime env's py_modules entry (pipeline.model.networks): the folder Ray
+# Where a node holds a runtime env's py_modules entry (pipeline.model.trust): the folder Ray
 # unpacks a downloaded one into (its name from the URI), or a local:// one's own path.
 from ray._private.runtime_env.packaging import get_local_dir_from_uri, get_local_dir_uri_path
 

@@ -44,8 +44,9 @@ from pipeline.model.checkpoint import (
     weights_by,
     weights_scores,
 )
-from pipeline.model.networks import check_model_code, load_model
+from pipeline.model.loading import load_model
 from pipeline.model.source import resolve_checkpoint, trained_version
+from pipeline.model.trust import check_model_code
 
 log = logging.getLogger(__name__)
 

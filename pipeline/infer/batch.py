@@ -56,8 +56,8 @@ from pipeline.model.checkpoint import (
     weights_scores,
 )
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
-from pipeline.model.networks import check_model_code
 from pipeline.model.source import resolve_checkpoint, trained_version
+from pipeline.model.trust import check_model_code
 
 log = logging.getLogger(__name__)
 

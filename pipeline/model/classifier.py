@@ -13,7 +13,7 @@ import torch
 from pipeline.core.storage import Location
 from pipeline.data.images import decode_image, resize_center_crop
 from pipeline.model.device import DevicePolicy, pick_precision
-from pipeline.model.networks import load_model
+from pipeline.model.loading import load_model
 
 
 def prepare_image(data: bytes, *, image_size: int) -> np.ndarray:

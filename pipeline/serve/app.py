@@ -33,8 +33,8 @@ from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError
 from pipeline.model.checkpoint import read_meta
 from pipeline.model.classifier import Classifier, prepare_image, top_classes
-from pipeline.model.networks import check_model_code
 from pipeline.model.source import resolve_checkpoint
+from pipeline.model.trust import check_model_code
 from pipeline.serve.config import ServeConfig
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from PIL import Image
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import CheckpointMeta
-from pipeline.model.networks import BUNDLE_PACKAGES, check_model_code
+from pipeline.model.trust import BUNDLE_PACKAGES, check_model_code
 
 log = logging.getLogger(__name__)
 

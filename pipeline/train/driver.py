@@ -210,7 +210,7 @@ def check_model(cfg: TrainConfig, manifest: Manifest, dataset: Location) -> Mode
     failing on every worker; returns what the network takes (its input size and
     normalisation)."""
     # Imports torchvision (and timm for its models), which the driver needs only here.
-    from pipeline.model.networks import check_model
+    from pipeline.model.check import check_model
 
     return check_model(
         cfg.model,

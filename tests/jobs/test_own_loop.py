@@ -26,7 +26,8 @@ from pipeline.core.storage import Location
 from pipeline.infer.predictions import read_predictions, read_summary
 from pipeline.model import source
 from pipeline.model.checkpoint import CHECKPOINT_FORMAT, METADATA, read_meta, save_checkpoint
-from pipeline.model.networks import build_model, load_model
+from pipeline.model.loading import load_model
+from pipeline.model.networks import build_model
 from pipeline.model.runs import RUN_FORMAT, RUN_SUMMARY, checkpoint_dir_name
 from pipeline.tracking import registered_checkpoint
 from pipeline.train import api

@@ -35,7 +35,7 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.model.checkpoint import WEIGHTS, read_meta
 from pipeline.model.device import DevicePolicy
-from pipeline.model.networks import load_model
+from pipeline.model.loading import load_model
 from pipeline.model.runs import (
     CURVES_PNG,
     HISTORY_CSV,

@@ -32,7 +32,7 @@ from pipeline.export.config import ExportConfig
 from pipeline.infer.batch import Classifier, prepare_image
 from pipeline.model.checkpoint import read_meta, served_weights
 from pipeline.model.device import DevicePolicy
-from pipeline.model.networks import load_model
+from pipeline.model.loading import load_model
 from pipeline.model.runs import checkpoint_dir_name
 from pipeline.train import driver
 from pipeline.train.torch_input import RowGroupStream

@@ -42,7 +42,7 @@ from pipeline.model.checkpoint import (
 )
 from pipeline.model.classifier import Classifier
 from pipeline.model.device import DevicePolicy
-from pipeline.model.networks import load_model
+from pipeline.model.loading import load_model
 from pipeline.model.runs import checkpoint_dir_name, history_csv
 from pipeline.tracking import pyfunc
 from pipeline.train import driver

@@ -37,13 +37,8 @@ from pipeline.model.checkpoint import (
     served_weights,
     weights_by,
 )
-from pipeline.model.networks import (
-    PY_MODULES_FILES,
-    build_model,
-    check_model_code,
-    load_model,
-    py_module_dirs,
-)
+from pipeline.model.loading import load_model
+from pipeline.model.networks import build_model
 from pipeline.model.runs import (
     RUN_SUMMARY,
     DivergedRun,
@@ -51,6 +46,7 @@ from pipeline.model.runs import (
     summary_score,
     write_reports,
 )
+from pipeline.model.trust import PY_MODULES_FILES, check_model_code, py_module_dirs
 from pipeline.serve import app as serve_app
 from pipeline.tracking import pyfunc
 from pipeline.tune import sweep as tune_sweep

@@ -26,7 +26,8 @@ from pipeline.model.checkpoint import (
     served_weights,
 )
 from pipeline.model.device import DevicePolicy
-from pipeline.model.networks import build_model, load_model, unwrap
+from pipeline.model.loading import load_model
+from pipeline.model.networks import build_model, unwrap
 from pipeline.train.config import TrainConfig
 from pipeline.train.optim import OptimState
 

@@ -27,14 +27,10 @@ from pipeline.data.dataset import read_manifest
 from pipeline.infer.batch import Predictor
 from pipeline.model.checkpoint import ModelInput, ModelSpec, read_meta, save_checkpoint
 from pipeline.model.device import DevicePolicy
-from pipeline.model.networks import (
-    architecture,
-    batchnorm_layers,
-    build_model,
-    head_keys,
-    load_model,
-)
+from pipeline.model.loading import load_model
+from pipeline.model.networks import architecture, batchnorm_layers, build_model
 from pipeline.model.runs import checkpoint_dir_name
+from pipeline.model.weights import head_keys
 from pipeline.train import driver
 from pipeline.train.config import TrainConfig
 from pipeline.train.torch_input import RowGroupStream
