@@ -1,6 +1,6 @@
 """Ray jobs as the GCS's job table names them: a job's start, which tells it from a job of the
 same id on a cluster started again, and whether it still runs. A run's lock
-(pipeline.train.run_lock) and inference's resume (pipeline.infer.batch) record the job that
+(pipeline.train.run_lock) and inference's resume (pipeline.infer.resume) record the job that
 writes, and ask here whether it has ended."""
 
 from __future__ import annotations

@@ -11,11 +11,7 @@ One image file instead goes through a single Ray task and is printed: the quick 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import math
-import posixpath
-import resource
 import time
 
 import numpy as np
@@ -26,29 +22,26 @@ import torch
 from pipeline.core import faults
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.errors import InputError
-from pipeline.core.job_table import job_running, job_started_ms
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.plots import plot_confusion
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError, decode_image
 from pipeline.infer.config import InferConfig
-from pipeline.infer.inputs import Input, list_input, read_input
+from pipeline.infer.inputs import list_input, read_input
 from pipeline.infer.predictions import (
     PREDICTIONS,
     VERSIONS,
-    WRITE_TASKS,
-    PredictionSink,
-    Tally,
-    batch_table,
-    carry,
     check_input,
     check_output,
-    find_partial,
     publish,
     start_version,
 )
+from pipeline.infer.resume import Partial, carry, find_partial, job_alive, prediction_key, this_job
+from pipeline.infer.sink import WRITE_TASKS, PredictionSink, Tally, batch_table
+from pipeline.infer.summary import driver_usage, summarize
 from pipeline.infer.telemetry import BatchCounter, InferTelemetry
 from pipeline.model.checkpoint import (
+    CheckpointMeta,
     check_weights,
     read_meta,
     served_weights,
@@ -199,11 +192,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     What an uncommitted run of the same key wrote (a job stopped or failed midway) is carried
     over, not inferred again."""
     check_output(output)
-    checkpoint = resolve_checkpoint(model)
-    meta = read_meta(checkpoint)
-    check_model_code(meta.model, allow_modules=cfg.allow_modules)  # before any actor imports it
-    check_weights(checkpoint, meta)  # here, not in each actor that loads them
-    log_weights(checkpoint, meta)
+    checkpoint, meta = checked_checkpoint(cfg, model)
     quiet_ray_data()
     asked = trained_version(meta, source, cfg.dataset_version, key="input")
     inp = list_input(source, split=cfg.split, version=asked)
@@ -215,13 +204,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     partial = find_partial(output, key, num_classes=num_classes, alive=job_alive)
     # This run writes below versions/<version>/ only, and publish commits that.
     version = start_version(output, {"key": key, "job": this_job()})
-    carried = Tally.empty(num_classes)
-    if partial is not None:
-        carried = carry(output, partial, version)
-        log.info(
-            "resuming: %d of %d images already inferred (version %s); inferring the rest",
-            *(carried.images, inp.images, ", ".join(partial.versions)),
-        )
+    carried = carry_over(output, partial, version, num_classes=num_classes, images=inp.images)
     ds = read_input(inp, skip=None if partial is None else partial.ids)
     sink = PredictionSink(
         output.child(VERSIONS, version, PREDICTIONS),
@@ -231,16 +214,7 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     # Wall clock, not monotonic: the batches are stamped in the actors' processes.
     started = time.time()
     telemetry = InferTelemetry(output, images=inp.images, carried=carried.images, stall=cfg.stall)
-    try:
-        if ds is None:
-            sink.tally = Tally.empty(num_classes)  # every image was inferred before
-        else:
-            options = {"checkpoint": checkpoint, "image_size": meta.image_size}
-            telemetry.run(functools.partial(predict, cfg, ds, sink, **options, count=telemetry))
-    except BaseException:
-        telemetry.close("failed")
-        raise
-    telemetry.close("finished", images_done=sink.tally.images)
+    predict_watched(cfg, ds, sink, telemetry, checkpoint=checkpoint, image_size=meta.image_size)
     seconds = time.time() - started
     tally = Tally.empty(num_classes)
     tally.merge(carried)
@@ -258,6 +232,56 @@ def infer(cfg: InferConfig, *, model: Location, source: Location, output: Locati
     summary |= driver_usage()  # last but the commit: everything the driver did counts
     resumed = [] if partial is None else partial.versions
     return publish(output, version, tally, summary, png, resumed=resumed)
+
+
+def checked_checkpoint(cfg: InferConfig, model: Location) -> tuple[Location, CheckpointMeta]:
+    """The checkpoint that `model` names and its metadata, checked on the driver: the code it
+    names (before any actor imports it) and its weights (here, not in each actor that loads
+    them); which weights classify is logged."""
+    checkpoint = resolve_checkpoint(model)
+    meta = read_meta(checkpoint)
+    check_model_code(meta.model, allow_modules=cfg.allow_modules)
+    check_weights(checkpoint, meta)
+    log_weights(checkpoint, meta)
+    return checkpoint, meta
+
+
+def carry_over(
+    output: Location, partial: Partial | None, version: str, *, num_classes: int, images: int
+) -> Tally:
+    """The predictions of the `partial` work this run resumes, copied into its `version` (of
+    an input of `images`): their Tally, empty where there is none."""
+    if partial is None:
+        return Tally.empty(num_classes)
+    carried = carry(output, partial, version)
+    log.info(
+        "resuming: %d of %d images already inferred (version %s); inferring the rest",
+        *(carried.images, images, ", ".join(partial.versions)),
+    )
+    return carried
+
+
+def predict_watched(
+    cfg: InferConfig,
+    ds: ray.data.Dataset | None,
+    sink: PredictionSink,
+    telemetry: InferTelemetry,
+    *,
+    checkpoint: Location,
+    image_size: int,
+) -> None:
+    """`predict` the rows `ds` into `sink` under `telemetry`'s watch, which is closed as
+    finished or failed; with no rows (every image was inferred before), an empty tally."""
+    try:
+        if ds is None:
+            sink.tally = Tally.empty(sink.num_classes)
+        else:
+            options = {"checkpoint": checkpoint, "image_size": image_size}
+            telemetry.run(functools.partial(predict, cfg, ds, sink, **options, count=telemetry))
+    except BaseException:
+        telemetry.close("failed")
+        raise
+    telemetry.close("finished", images_done=sink.tally.images)
 
 
 def predict(
@@ -318,105 +342,6 @@ def predict(
     )
     # The write tasks take no CPU, like the reads: on CPUs the actors hold every one.
     ds.write_datasink(sink, ray_remote_args={"num_cpus": 0}, concurrency=WRITE_TASKS)
-
-
-def prediction_key(cfg: InferConfig, checkpoint: Location, inp: Input) -> dict:
-    """What this run's predictions depend on: a partial run's work is resumed only by a run of
-    the same key. The checkpoint's files by name, size and time (one rewritten in place is
-    another), the input's images (Input.identity), and the settings that change a prediction."""
-    files = hashlib.sha256()
-    for f in checkpoint.list_files():
-        files.update(
-            f"{posixpath.relpath(f.path, checkpoint.path)}\0{f.size}\0{f.mtime_ns}\n".encode()
-        )
-    return {
-        "checkpoint": checkpoint.uri,
-        "checkpoint_files": files.hexdigest(),
-        **inp.identity,
-        "top_k": cfg.top_k,
-        "precision": cfg.precision,
-        "use_gpu": cfg.use_gpu,
-    }
-
-
-def this_job() -> dict:
-    """The running job, as Ray's job table names it: its id, and its start to tell it from a job
-    of the same id on another cluster."""
-    job_id = ray.get_runtime_context().get_job_id()
-    return {"id": job_id, "started_ms": job_started_ms(job_id)}
-
-
-def job_alive(job: dict) -> bool:
-    """Whether `job` (this_job's record) still runs on this cluster. A job of another cluster
-    counts as ended: one inference job per output at a time (docs/infer.md)."""
-    return job_running(job.get("id"), job.get("started_ms"))
-
-
-def driver_usage() -> dict:
-    """This process's peak memory and CPU time so far: what the driver costs, which must not
-    grow with the number of images (bench/infer_scale.py)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return {
-        "driver_peak_rss_mib": round(usage.ru_maxrss / 1024, 1),  # Linux reports KiB
-        "driver_cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
-    }
-
-
-def summarize(
-    meta,
-    checkpoint: Location,
-    source: Location,
-    dataset_version: str | None,
-    tally: Tally,
-    inferred: Tally,
-    started: float,
-    seconds: float,
-) -> dict:
-    """The run's summary: counts and scores of all its predictions (`tally`), speeds of those
-    it inferred itself (`inferred`; the others were carried over from a partial run)."""
-    summary = {
-        "checkpoint": checkpoint.uri,
-        # Which of its weights classified (raw, or its EMA's where those scored better on val),
-        # and each one's val score that decided it.
-        "weights": served_weights(meta),
-        "weights_by": weights_by(meta),
-        "weights_scores": weights_scores(meta),
-        "input": source.uri,
-        **({"dataset_version": dataset_version} if dataset_version else {}),
-        "classes": meta.classes,
-        "images": tally.images,
-        "images_inferred": inferred.images,
-        "seconds": seconds,
-        "images_per_s": inferred.images / seconds if seconds else 0.0,
-        "skipped": sorted(tally.skipped, key=lambda s: s["source_id"]),
-    }
-    if math.isfinite(inferred.first_at):
-        # Start-up (actors importing torch, loading the model) apart from the steady rate.
-        first_s = inferred.first_at - started
-        summary["first_batch_s"] = first_s
-        rest = seconds - first_s
-        steady = inferred.images - inferred.first_images
-        summary["steady_images_per_s"] = steady / rest if rest else 0.0
-    cm = tally.confusion  # rows: true class, columns: predicted
-    labelled = int(cm.sum())
-    if labelled:
-        tp = np.diag(cm)
-        precision = tp / np.maximum(cm.sum(axis=0), 1)
-        recall = tp / np.maximum(cm.sum(axis=1), 1)
-        summary |= {
-            "labelled_images": labelled,
-            "accuracy": float(tp.sum() / labelled),
-            "per_class": {
-                c: {
-                    "precision": float(precision[i]),
-                    "recall": float(recall[i]),
-                    "support": int(cm[i].sum()),
-                }
-                for i, c in enumerate(meta.classes)
-            },
-            "confusion_matrix": cm.tolist(),
-        }
-    return summary
 
 
 # --- one image ---------------------------------------------------------------------------------

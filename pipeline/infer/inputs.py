@@ -44,7 +44,7 @@ class Input:
     version: str | None  # the dataset version (None: a folder)
     classes: list[str]  # a dataset's, or a folder's <class>/ folders that hold files
     images: int  # rows of the split, or files of the folder
-    identity: dict  # what makes its images these: for resume keys (pipeline.infer.batch)
+    identity: dict  # what makes its images these: for resume keys (pipeline.infer.resume)
 
 
 def list_input(root: Location, *, split: str, version: str | None = None) -> Input:

@@ -32,11 +32,8 @@ still be reading it). Without the marker nothing is touched: a user's files in o
 run that started more than KEEP_HOURS before a newer one committed could not win anyway: its
 directory may go while it writes, and it then fails at its commit.
 
-The predictor actors hand each batch on as a table; write tasks append it to a part and return
-a `Tally`: the part's path and rows, a confusion matrix of counts and the files skipped. The
-driver sums the tallies, so no prediction passes through it and its memory does not grow with
-the input. This module imports no torch: the write tasks take no CPU and must start in a moment,
-like the reads (pipeline.infer.inputs).
+The parts themselves, and the Tally that counts them: pipeline.infer.sink. Resuming the partial
+versions of an earlier run: pipeline.infer.resume.
 """
 
 from __future__ import annotations
@@ -44,18 +41,11 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import posixpath
-import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Collection
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from ray.data.block import Block, BlockAccessor
-from ray.data.datasource import Datasink, WriteResult
 
 from pipeline.core import faults
 from pipeline.core.errors import InputError
@@ -69,6 +59,7 @@ from pipeline.core.storage import (
     retry,
     version_started,
 )
+from pipeline.infer.sink import PREDICTION_SCHEMA, Tally
 
 log = logging.getLogger(__name__)
 
@@ -89,165 +80,6 @@ KEEP_HOURS = 24
 # predictions depend on ("key") and which job writes them ("job"). A version that holds it is
 # partial work, which a later run of the same key resumes (find_partial).
 PROGRESS = "_resume.json"
-
-# Write tasks at a time: each appends small tables to one file, so two keep up with any pool of
-# predictor actors, and more would only add idle worker processes.
-WRITE_TASKS = 2
-
-PREDICTION_SCHEMA = pa.schema(
-    [
-        ("source_id", pa.string()),
-        ("label", pa.int64()),  # index into the checkpoint's classes; null if none of them
-        ("label_name", pa.string()),  # the input's own label, a checkpoint class or not; null: none
-        ("pred", pa.int64()),
-        ("pred_name", pa.string()),
-        ("top_k", pa.list_(pa.int64())),  # class indices, most likely first
-        ("top_k_prob", pa.list_(pa.float32())),
-    ]
-)
-# What the predictor actors hand the write tasks: each row also says why its image was skipped
-# ("" if it was not) and when its batch was predicted (time.time(), to time the first batch).
-BATCH_SCHEMA = PREDICTION_SCHEMA.append(pa.field("error", pa.string())).append(
-    pa.field("predicted_at", pa.float64())
-)
-
-
-def batch_table(
-    *,
-    source_id: np.ndarray,
-    label: np.ndarray,
-    label_name: np.ndarray,
-    top_k: np.ndarray,
-    top_k_prob: np.ndarray,
-    error: np.ndarray,
-    classes: list[str],
-    predicted_at: float,
-) -> pa.Table:
-    """One predicted batch as BATCH_SCHEMA. label: (N,) class index, -1 where the input's
-    label is none of `classes`; label_name: (N,) the input's labels, "" where it has none;
-    top_k, top_k_prob: (N, k), most likely first."""
-    n, k = top_k.shape
-    pred = top_k[:, 0]
-    return pa.table(
-        {
-            "source_id": pa.array(source_id, pa.string()),
-            "label": pa.array(label, pa.int64(), mask=label < 0),
-            "label_name": pa.array([name or None for name in label_name], pa.string()),
-            "pred": pa.array(pred, pa.int64()),
-            "pred_name": pa.array([classes[i] for i in pred], pa.string()),
-            "top_k": pa.FixedSizeListArray.from_arrays(pa.array(top_k.ravel(), pa.int64()), k).cast(
-                pa.list_(pa.int64())
-            ),
-            "top_k_prob": pa.FixedSizeListArray.from_arrays(
-                pa.array(top_k_prob.ravel(), pa.float32()), k
-            ).cast(pa.list_(pa.float32())),
-            "error": pa.array(error, pa.string()),
-            "predicted_at": pa.array(np.full(n, predicted_at), pa.float64()),
-        },
-        schema=BATCH_SCHEMA,
-    )
-
-
-@dataclass
-class Tally:
-    """What the driver needs to know of some predictions: counts and written parts, not rows."""
-
-    confusion: np.ndarray  # (C, C) int64, rows: true class, columns: predicted; labelled only
-    images: int = 0  # predicted, labelled or not
-    skipped: list[dict] = field(default_factory=list)  # {"source_id", "reason"}
-    parts: list[tuple[str, int]] = field(default_factory=list)  # (path, rows)
-    first_at: float = math.inf  # time.time() of the earliest predicted batch
-    first_images: int = 0  # images predicted in that batch
-
-    @classmethod
-    def empty(cls, num_classes: int) -> Tally:
-        return cls(confusion=np.zeros((num_classes, num_classes), dtype=np.int64))
-
-    def add(self, batch: pa.Table) -> pa.Table:
-        """Count a table of BATCH_SCHEMA rows; return its predicted rows as PREDICTION_SCHEMA."""
-        ok = pc.equal(batch["error"], "")
-        bad = batch.filter(pc.invert(ok))
-        reasons = zip(bad["source_id"].to_pylist(), bad["error"].to_pylist(), strict=True)
-        self.skipped += [{"source_id": s, "reason": r} for s, r in reasons]
-        good = batch.filter(ok)
-        self.images += good.num_rows
-        labelled = good.filter(pc.is_valid(good["label"]))
-        true, pred = labelled["label"].to_numpy(), labelled["pred"].to_numpy()
-        np.add.at(self.confusion, (true, pred), 1)
-        if batch.num_rows:
-            at = batch["predicted_at"].to_numpy()
-            first = float(at.min())
-            images = int((good["predicted_at"].to_numpy() == first).sum())
-            self._first(first, images)
-        return good.select(PREDICTION_SCHEMA.names)
-
-    def merge(self, other: Tally) -> None:
-        self.confusion += other.confusion
-        self.images += other.images
-        self.skipped += other.skipped
-        self.parts += other.parts
-        self._first(other.first_at, other.first_images)
-
-    def _first(self, at: float, images: int) -> None:
-        if at < self.first_at:
-            self.first_at, self.first_images = at, images
-        elif at == self.first_at:  # batches of two actors stamped alike: both were first
-            self.first_images += images
-
-
-class PredictionSink(Datasink[Tally]):
-    """`ds.write_datasink(sink)`: write tasks write Parquet parts of `rows_per_file` rows into
-    `directory`, a version's predictions.parquet/ (each task's last part holds the rest); once
-    every one has succeeded, `sink.tally` holds their sum. No reader sees them until `publish`."""
-
-    def __init__(self, directory: Location, *, num_classes: int, rows_per_file: int):
-        self.directory = directory
-        self.num_classes = num_classes
-        self.rows_per_file = rows_per_file
-        self.tally: Tally | None = None
-
-    @property
-    def min_rows_per_write(self) -> int:
-        return self.rows_per_file
-
-    def write(self, blocks: Iterable[Block], ctx) -> Tally:
-        tally = Tally.empty(self.num_classes)
-        # A unique name per attempt: a retried task writes files of its own, and only the
-        # parts whose tallies reach the driver are published; `publish` removes the others.
-        stem = f"part-{ctx.task_idx:06d}-{uuid.uuid4().hex[:8]}"
-        writer, rows_in_file = None, 0
-        try:
-            for block in blocks:
-                table = BlockAccessor.for_block(block).to_arrow()
-                if not table.num_rows:
-                    # A read of images inferred before (resumed) yields none, and Ray Data
-                    # hands an empty block on without calling the predictor on it.
-                    continue
-                rows = tally.add(table)
-                while rows.num_rows:
-                    if writer is None:
-                        part = self.directory.child(f"{stem}-{len(tally.parts):04d}.parquet")
-                        part.create_parent()
-                        writer = pq.ParquetWriter(part.path, PREDICTION_SCHEMA, filesystem=part.fs)
-                        tally.parts.append((part.path, 0))
-                    head = rows.slice(0, self.rows_per_file - rows_in_file)
-                    writer.write_table(head)
-                    rows, rows_in_file = rows.slice(head.num_rows), rows_in_file + head.num_rows
-                    tally.parts[-1] = (part.path, rows_in_file)
-                    if rows_in_file == self.rows_per_file:
-                        writer.close()
-                        writer, rows_in_file = None, 0
-                        faults.point(faults.PREDICTIONS_PART_WRITTEN)
-        finally:
-            if writer is not None:
-                writer.close()
-        return tally
-
-    def on_write_complete(self, write_result: WriteResult[Tally]) -> None:
-        # On the driver, once every write task has returned: a few small arrays per task.
-        self.tally = Tally.empty(self.num_classes)
-        for t in write_result.write_returns:
-            self.tally.merge(t)
 
 
 def check_output(output: Location) -> None:
@@ -312,101 +144,6 @@ def start_version(output: Location, progress: dict | None = None) -> str:
     return version
 
 
-@dataclass
-class Partial:
-    """What uncommitted versions of one key hold: the versions, and their whole parts with no
-    image twice, counted as a Tally whose `parts` are those parts' paths."""
-
-    versions: list[str]
-    tally: Tally
-    ids: pa.Array  # source_id of every image in those parts
-
-
-def find_partial(
-    output: Location, key: dict, *, num_classes: int, alive: Callable[[dict], bool]
-) -> Partial | None:
-    """The partial work at `output` that a run of `key` may resume: the uncommitted versions
-    (PROGRESS) of the same key whose job has ended (`alive(job)` is false), None if there is
-    none. Versions of another key, or of a job still writing, are left as they are, logged."""
-    try:
-        current = read_summary(output) or {}
-    except InputError:
-        current = {}
-    keep = {current.get("version"), current.get("previous_version")}
-    versions, tally, ids, seen = [], Tally.empty(num_classes), [], set()
-    for info in reversed(output.child(VERSIONS).list_dirs()):  # the newest first
-        name, directory = info.base_name, output.child(VERSIONS, info.base_name)
-        if name in keep or not is_marked(directory) or not directory.child(PROGRESS).exists():
-            continue
-        try:
-            progress = json.loads(directory.child(PROGRESS).read_bytes())
-        except ValueError:
-            continue  # a write cut short: no key to match
-        other = sorted(
-            k for k in key.keys() | progress["key"].keys() if key.get(k) != progress["key"].get(k)
-        )
-        if other:
-            log.warning(
-                "not resuming version %s: its %s differ from this run's; this run starts over",
-                name,
-                ", ".join(other),
-            )
-            continue
-        if alive(progress.get("job") or {}):
-            log.warning(
-                "not resuming version %s: its job %s is still running", name, progress["job"]
-            )
-            continue
-        versions.append(name)
-        for path, part in _whole_parts(directory.child(PREDICTIONS)):
-            part_ids = part["source_id"]
-            if any(i in seen for i in part_ids.to_pylist()):
-                continue  # the same rows from another attempt of its write task, or carried
-            seen.update(part_ids.to_pylist())
-            ids.append(part_ids)
-            labelled = part.filter(pc.is_valid(part["label"]))
-            np.add.at(
-                tally.confusion, (labelled["label"].to_numpy(), labelled["pred"].to_numpy()), 1
-            )
-            tally.images += part.num_rows
-            tally.parts.append((path, part.num_rows))
-    if not versions:
-        return None
-    ids = pa.concat_arrays([a.combine_chunks() for a in ids]) if ids else pa.array([], pa.string())
-    return Partial(versions=versions, tally=tally, ids=ids)
-
-
-def _whole_parts(directory: Location) -> Iterator[tuple[str, pa.Table]]:
-    """(path, its source_id, label and pred) of each part in `directory` that a write task
-    finished: a part cut short has no footer and does not read."""
-    for info in directory.list_files() if directory.exists() else []:
-        try:
-            table = pq.read_table(
-                info.path, filesystem=directory.fs, columns=["source_id", "label", "pred"]
-            )
-        except (OSError, pa.ArrowInvalid):
-            continue
-        yield info.path, table
-
-
-def carry(output: Location, partial: Partial, version: str) -> Tally:
-    """Copy the whole parts of `partial` into `version`'s predictions: their Tally, whose parts
-    are the copies. Copies, not moves: a move on an object store is a copy and a delete."""
-    target = output.child(VERSIONS, version, PREDICTIONS)
-    target.create_parent()
-    tally = Tally.empty(len(partial.tally.confusion))
-    tally.merge(partial.tally)
-    tally.parts = []
-    for path, rows in partial.tally.parts:
-        # The version in its name keeps a copy apart from this run's own parts.
-        from_version = posixpath.basename(posixpath.dirname(posixpath.dirname(path)))
-        copy = target.child(f"{posixpath.basename(path)[:-8]}-of-{from_version}.parquet")
-        copy.create_parent()
-        retry(lambda p=path, c=copy: target.fs.copy_file(p, c.path), f"copying {path}")
-        tally.parts.append((copy.path, rows))
-    return tally
-
-
 def publish(
     output: Location,
     version: str,
@@ -422,6 +159,33 @@ def publish(
     holds the same predictions (SAME); so too if the committed one, of any age, is of another
     input (check_input). Returns the summary in place."""
     directory = output.child(VERSIONS, version)
+    rows = _complete(directory, tally, confusion_png)
+    faults.point(faults.PREDICTIONS_WRITTEN)
+    current = _committed(output)
+    standing = current.get("version") or ""
+    if standing > version:
+        return _newer_stands(output, directory, current, summary, version)
+    if current and not same_input(current, summary.get("input"), summary.get("split")):
+        directory.delete()  # another input's predictions stand: this run commits nothing
+        said = other_input(output, current, summary.get("input"))
+        raise InputError(f"{said}; committed while this run was writing, they stand")
+    summary = summary | {
+        "version": version,
+        "predictions": _relative(output, directory.child(PREDICTIONS).path),
+        "files": [{"path": _relative(output, p), "rows": rows[p]} for p in sorted(rows)],
+        "previous_version": standing or None,
+    }
+    if confusion_png is not None:
+        summary["confusion_matrix_png"] = _relative(output, directory.child(CONFUSION_PNG).path)
+    _commit(output, directory, summary)
+    _remove_replaced(output, resumed)
+    return summary
+
+
+def _complete(directory: Location, tally: Tally, confusion_png: bytes | None) -> dict[str, int]:
+    """Make the version `directory`'s predictions exactly the parts that `tally` reports (one
+    empty part where it reports none; an attempt's part that Ray retried removed), with the
+    confusion matrix beside them; return each part's rows by path."""
     target = directory.child(PREDICTIONS)
     rows = dict(tally.parts)
     if not rows:
@@ -441,43 +205,49 @@ def publish(
         target.child(posixpath.basename(path)).delete()  # an attempt's part that Ray retried
     if confusion_png is not None:
         directory.child(CONFUSION_PNG).write_bytes(confusion_png)
-    faults.point(faults.PREDICTIONS_WRITTEN)
+    return rows
 
+
+def _committed(output: Location) -> dict:
+    """The summary committed at `output`, {} where there is none or it does not read (which
+    this run's commit replaces)."""
     try:
-        current = read_summary(output) or {}
+        return read_summary(output) or {}
     except InputError as e:
         log.warning("%s; this run replaces it", e)
-        current = {}
-    standing = current.get("version") or ""
-    if standing > version:
-        directory.delete()
-        if any(current.get(k) != summary.get(k) for k in SAME):
-            raise InputError(
-                f"{output.uri} was replaced while this run was writing: version {standing}, "
-                f"started after this one ({version}), committed the predictions of "
-                f"{current.get('checkpoint')} on {current.get('input')} first, and stands. Run "
-                "one inference job per output at a time, or submit this one again to replace it"
-            )
-        log.warning("version %s of the same predictions, started later, stands", standing)
-        return current
-    if current and not same_input(current, summary.get("input"), summary.get("split")):
-        directory.delete()  # another input's predictions stand: this run commits nothing
-        said = other_input(output, current, summary.get("input"))
-        raise InputError(f"{said}; committed while this run was writing, they stand")
-    summary = summary | {
-        "version": version,
-        "predictions": _relative(output, target.path),
-        "files": [{"path": _relative(output, p), "rows": rows[p]} for p in sorted(rows)],
-        "previous_version": standing or None,
-    }
-    if confusion_png is not None:
-        summary["confusion_matrix_png"] = _relative(output, directory.child(CONFUSION_PNG).path)
+        return {}
+
+
+def _newer_stands(
+    output: Location, directory: Location, current: dict, summary: dict, version: str
+) -> dict:
+    """Remove this run's version `directory`, as the newer version of the `current` summary is
+    committed: return that summary if it holds the same predictions, else raise InputError."""
+    standing = current["version"]
+    directory.delete()
+    if any(current.get(k) != summary.get(k) for k in SAME):
+        raise InputError(
+            f"{output.uri} was replaced while this run was writing: version {standing}, "
+            f"started after this one ({version}), committed the predictions of "
+            f"{current.get('checkpoint')} on {current.get('input')} first, and stands. Run "
+            "one inference job per output at a time, or submit this one again to replace it"
+        )
+    log.warning("version %s of the same predictions, started later, stands", standing)
+    return current
+
+
+def _commit(output: Location, directory: Location, summary: dict) -> None:
+    """The version `directory` made whole, then committed by writing summary.json."""
     # Whole now: no run may resume it. A job that dies between the two writes leaves a version
     # nobody resumes, which retention removes.
     if directory.child(PROGRESS).exists():
         directory.child(PROGRESS).delete()
     output.child(SUMMARY).write_bytes(json.dumps(summary, indent=2).encode())
     faults.point(faults.PREDICTIONS_COMMITTED)
+
+
+def _remove_replaced(output: Location, resumed: Collection[str]) -> None:
+    """After a commit: remove the partial versions it `resumed`, and those retention lets go."""
     try:
         for name in resumed:
             # Never committed, so no reader reads it, and its job has ended (find_partial).
@@ -488,7 +258,6 @@ def publish(
     except OSError as e:
         # The predictions are committed: a failed clean-up is the next run's to finish.
         log.warning("removing old versions below %s failed: %s", output.uri, e)
-    return summary
 
 
 def _relative(output: Location, path: str) -> str:

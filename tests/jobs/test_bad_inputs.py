@@ -47,7 +47,8 @@ from pipeline.export.exporter import check_output, export, export_checkpoint, pa
 from pipeline.infer.batch import infer, resolve_checkpoint
 from pipeline.infer.config import InferConfig
 from pipeline.infer.inputs import list_input
-from pipeline.infer.predictions import Tally, publish, start_version
+from pipeline.infer.predictions import publish, start_version
+from pipeline.infer.sink import Tally
 from pipeline.model.checkpoint import (
     CHECKPOINT_FORMAT,
     METADATA,

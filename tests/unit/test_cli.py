@@ -88,6 +88,7 @@ def test_inference_reads_and_writes_import_no_torch():
     # Their tasks take no CPU and run in worker processes of their own: torch would cost each
     # one seconds of start-up, taken from the CPUs the predictor actors hold.
     loaded = imported_by("pipeline.infer.inputs") | imported_by("pipeline.infer.predictions")
+    loaded |= imported_by("pipeline.infer.sink")
     assert "ray.data" in loaded and not {m for m in loaded if m.startswith("torch")}
 
 

@@ -12,8 +12,9 @@ from helpers import checkpoint_meta, png_bytes
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
-from pipeline.infer.batch import Predictor, classes_unknown, log_weights, summarize
-from pipeline.infer.predictions import Tally
+from pipeline.infer.batch import Predictor, classes_unknown, log_weights
+from pipeline.infer.sink import Tally
+from pipeline.infer.summary import summarize
 from pipeline.model.checkpoint import (
     CHECKPOINT_FORMAT,
     EMA,

@@ -24,22 +24,18 @@ from pipeline.core.storage import VERSION_MARKER, Location, new_version
 from pipeline.infer.predictions import (
     CONFUSION_PNG,
     EMPTY_PART,
-    PREDICTION_SCHEMA,
     PREDICTIONS,
     SUMMARY,
     VERSIONS,
-    PredictionSink,
-    Tally,
-    batch_table,
-    carry,
     check_output,
-    find_partial,
     publish,
     read_predictions,
     read_summary,
     remove_old_versions,
     start_version,
 )
+from pipeline.infer.resume import carry, find_partial
+from pipeline.infer.sink import PREDICTION_SCHEMA, PredictionSink, Tally, batch_table
 
 CLASSES = ["a", "b", "c"]
 BUCKET = "predictions-test"
