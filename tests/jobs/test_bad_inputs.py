@@ -32,7 +32,7 @@ from helpers import checkpoint_meta, errors_table, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT, free_port
 from harness.counting import FlakyHandler
-from jobs.submit import check_py_modules, plan
+from pipeline.chain.plan import check_py_modules, plan
 from pipeline.core import storage
 from pipeline.core.config import load_config
 from pipeline.core.errors import EXIT_CODES, failure
