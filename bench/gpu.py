@@ -79,7 +79,7 @@ from pipeline.data.sources import SyntheticSource, assign_split, render_syntheti
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.train.config import TrainConfig
 from pipeline.train.epoch import train_one_epoch
-from pipeline.train.loaders import train_data
+from pipeline.train.input.loaders import train_data
 from pipeline.train.optim import build_optimizer
 
 if TYPE_CHECKING:

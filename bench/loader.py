@@ -52,14 +52,14 @@ def loader(dataset: Path, *, image_size: int, batch: int, workers: int, root=Non
     from pipeline.core.storage import Location
     from pipeline.data.dataset import read_manifest
     from pipeline.train.augment import train_transform
-    from pipeline.train.torch_input import RowGroupStream
+    from pipeline.train.input.decoding import Decoded
+    from pipeline.train.input.rows import RowGroupStream, StreamSpec
 
     root = root or Location.parse(str(dataset))
     manifest = read_manifest(root)
     augment = train_transform("random_resized_crop", image_size=image_size)
-    data = RowGroupStream(
-        root, manifest, "train", batch_size=batch, shuffle=True, transform=augment
-    )
+    rows = RowGroupStream(root, manifest, "train", StreamSpec(batch_size=batch, shuffle=True))
+    data = Decoded(rows, augment)
     return DataLoader(data, batch_size=None, num_workers=workers), manifest
 
 

@@ -15,12 +15,12 @@ Target: the loader (--loader-workers DataLoader processes) delivers at least 0.8
   pillow-simd`), in a subprocess.
 - The same work in --loader-workers processes at once, still no loader: what the cores give
   when all of them work (they share caches, memory and, on a VM, the host).
-- Loader: `RowGroupStream` through a DataLoader of --loader-workers processes, as the training
-  job builds it, --epochs epochs, images/s from each epoch's first batch on (the processes'
-  start-up excluded); the consumer copies each batch into one buffer, as the pin-memory copy
-  before a host-to-device transfer does. Beside it the previous per-batch path
-  (`PillowStream`: decode_image, pil_to_tensor, torchvision's crop and flip, torch.stack), on
-  the same rows; and that path's per-core figure.
+- Loader: `RowGroupStream`'s rows decoded (`Decoded`) through a DataLoader of --loader-workers
+  processes, as the training job builds it, --epochs epochs, images/s from each epoch's first
+  batch on (the processes' start-up excluded); the consumer copies each batch into one buffer,
+  as the pin-memory copy before a host-to-device transfer does. Beside it the previous
+  per-batch path (`PillowDecoded`: decode_image, pil_to_tensor, torchvision's crop and flip,
+  torch.stack), on the same rows; and that path's per-core figure.
 - CPU seconds per image: the loader processes' (their rusage once they have exited, start-up
   included) and the consumer's, against the per-core limit's.
 Every round measures each of them in turn, so the machine's load weighs on all alike; medians
@@ -50,14 +50,15 @@ from torchvision.transforms import v2
 
 from bench.common import write_results
 from bench.loader import generate
-from harness.baseline import PillowStream, torchvisions_crop
+from harness.baseline import PillowDecoded, torchvisions_crop
 from harness.cluster import BUNDLE_ROOT
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.data.images import decode_image
 from pipeline.train.augment import train_transform
-from pipeline.train.ring import RingLoader
-from pipeline.train.torch_input import RowGroupStream, augmented, decode
+from pipeline.train.input.decoding import Decoded, augmented, decode
+from pipeline.train.input.ring import RingLoader
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 
 DECODERS = {
     "pillow": lambda data, size: v2.functional.pil_to_tensor(decode_image(data)),
@@ -155,25 +156,21 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def loader_run(root: Location, *, stream_class, args, transform, ring: bool) -> dict:
+def loader_run(root: Location, *, decoded, args, transform, ring: bool) -> dict:
     """--epochs epochs of the stream through the training job's `RingLoader` (`ring`) or a
     plain DataLoader (the previous path): images/s after each epoch's first batch, and CPU s
-    per image of the loader processes and of this one (the consumer)."""
-    stream = stream_class(
-        root,
-        read_manifest(root),
-        "train",
-        batch_size=args.batch,
-        shuffle=True,
-        transform=transform,
-    )
+    per image of the loader processes and of this one (the consumer). `decoded`: Decoded, or
+    the previous path's class of it."""
+    spec = StreamSpec(batch_size=args.batch, shuffle=True)
+    stream = RowGroupStream(root, read_manifest(root), "train", spec)
+    batches = decoded(stream, transform)
     # The training job's loader, one for the run as the job makes it: its batches are already
     # copied out of the ring. Or a plain DataLoader's, which the consumer copies.
     if ring:
-        loader = RingLoader(stream, processes=args.loader_workers)
+        loader = RingLoader(batches, processes=args.loader_workers)
     else:
         loader = DataLoader(
-            stream,
+            batches,
             batch_size=None,
             num_workers=args.loader_workers,
             persistent_workers=False,
@@ -238,11 +235,11 @@ def one_round(root: Location, rows: list[bytes], args, *, baseline_first: bool) 
         rows, processes=args.loader_workers, transform=transform, size=size, batch=args.batch
     )
     streams = [
-        ("baseline", PillowStream, torchvisions_crop(size), False),
-        ("loader", RowGroupStream, transform, True),
+        ("baseline", PillowDecoded, torchvisions_crop(size), False),
+        ("loader", Decoded, transform, True),
     ]
     for name, cls, augment, ring in streams if baseline_first else streams[::-1]:
-        out[name] = loader_run(root, stream_class=cls, args=args, transform=augment, ring=ring)
+        out[name] = loader_run(root, decoded=cls, args=args, transform=augment, ring=ring)
     limit = out["stream+augment"]
     for name in ("baseline", "loader"):
         run = out[name]

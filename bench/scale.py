@@ -50,7 +50,7 @@ RAY_DATA_EPOCH = """
 import json, resource, sys, time
 import ray
 from pipeline.data.dataset import read_manifest
-from pipeline.train.ray_data_input import datasets
+from pipeline.train.input.ray_data import datasets
 from pipeline.core.storage import Location
 root = Location.parse(sys.argv[1])
 ray.init(address=sys.argv[2], log_to_driver=False)

@@ -4,7 +4,7 @@ against 1, and the time from `ray job submit` to the first training step.
     .venv/bin/python -m bench.train_throughput --image-size 64 --epochs 3
 
 Preprocesses generated images once, then:
-- plain: one process, the same model, loader (`pipeline.train.loaders.train_data`, the
+- plain: one process, the same model, loader (`pipeline.train.input.loaders.train_data`, the
   worker's own), batch size, optimizer and train step as a worker, torch threads = 1;
 - for each worker count, a fresh local cluster with that many CPUs and the train job (1 CPU
   per worker, no DataLoader processes) submitted with `ray job submit`.
@@ -35,7 +35,7 @@ from pipeline.model.networks import build_model
 from pipeline.model.runs import HISTORY_CSV
 from pipeline.train.config import TrainConfig
 from pipeline.train.epoch import train_one_epoch
-from pipeline.train.loaders import train_data
+from pipeline.train.input.loaders import train_data
 from pipeline.train.optim import build_optimizer
 
 MILESTONES = {

@@ -8,17 +8,16 @@ import torch
 from torchvision.transforms import v2
 
 from pipeline.data.images import decode_image
-from pipeline.train.torch_input import RowGroupStream, augmented
+from pipeline.train.input.decoding import Decoded, augmented
 
 
-class PillowStream(RowGroupStream):
+class PillowDecoded(Decoded):
     """Pillow's decode (decode_image), pil_to_tensor, the transform (give it
     `torchvisions_crop`), torch.stack."""
 
-    def decoded(self, rows, seeds, out=None):
-        images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _, _ in rows]
-        labels = torch.tensor([label for _, label, _ in rows], dtype=torch.int64)
-        return torch.stack(augmented(self.transform, images, seeds), out=out), labels
+    def batch(self, batch, out=None):
+        images = [v2.functional.pil_to_tensor(decode_image(data)) for data, _, _ in batch.rows]
+        return torch.stack(augmented(self.transform, images, batch.seeds), out=out), batch.labels()
 
 
 def torchvisions_crop(image_size: int) -> v2.Transform:

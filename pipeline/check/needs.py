@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline.train.config import TrainConfig
-from pipeline.train.ring import PREFETCH
+from pipeline.train.input.ring import PREFETCH
 
 # The size the preprocess job stores images at by default (PreprocessConfig.image_size): what
 # the estimates assume until a dataset is there to say.
@@ -41,7 +41,7 @@ def workers_on_node(cfg: TrainConfig, cpus: float, gpus: float) -> int:
 
 
 def decodes_on_device(cfg: TrainConfig, image_format: str | None) -> bool:
-    """Whether the workers decode on their GPUs (train/device_decode.py's rule): then the
+    """Whether the workers decode on their GPUs (train/input/device_decode.py's rule): then the
     loader processes hand over encoded images, which take next to no shared memory. With no
     dataset yet (`image_format` None), auto counts as the CPU: the larger need."""
     decode = cfg.decode_setting()
@@ -49,8 +49,9 @@ def decodes_on_device(cfg: TrainConfig, image_format: str | None) -> bool:
 
 
 def loader_shm(cfg: TrainConfig, image_size: int, image_format: str | None) -> Need:
-    """/dev/shm the loader of one worker maps (train/ring.py): per process, PREFETCH + 1 slots of
-    its part of a train batch for each part it runs ahead, and PREFETCH + 1 whole val batches."""
+    """/dev/shm the loader of one worker maps (train/input/ring.py): per process, PREFETCH + 1
+    slots of its part of a train batch for each part it runs ahead, and PREFETCH + 1 whole val
+    batches."""
     processes = cfg.scaling.loader_workers
     if cfg.ingest != "torch":
         return Need(0, "ingest=ray_data: no loader processes")

@@ -124,8 +124,7 @@ def gpu_decode(jpeg: bytes, device) -> dict[str, Any]:
     import torch
     from PIL import Image
 
-    from pipeline.train.device_decode import decode_batch
-    from pipeline.train.torch_input import EncodedBatch
+    from pipeline.train.input.device_decode import EncodedBatch, decode_batch
 
     batch = EncodedBatch(
         torch.frombuffer(bytearray(jpeg), dtype=torch.uint8), [len(jpeg)], None, []

@@ -143,7 +143,7 @@ def preprocess(cfg: PreprocessConfig, *, output: Location) -> Manifest:
 
     source = build_source(cfg.source)
     # Shards in a stable hashed order, not class by class: every row group then mixes the
-    # classes, which lets training shuffle by row group (train/torch_input.py) and still see
+    # classes, which lets training shuffle by row group (train/input/rows.py) and still see
     # them all.
     items = sorted(source.list_items(), key=lambda it: stable_fraction("order/" + it.source_id))
     classes = source.classes

@@ -3,6 +3,8 @@ squares, and per batch (MixUp, CutMix) on the normalised batch in the worker's l
 
 from __future__ import annotations
 
+import random
+
 import torch
 from torchvision.transforms import v2
 
@@ -54,7 +56,7 @@ class RandomResizedCrop(v2.RandomResizedCrop):
     view in neither layout, which torch's uint8 resize packs into channels-last and returns
     contiguous; copied into channels-last memory first, the crop is resized as it is, at about
     two thirds of the CPU time, and stays channels-last, which the batch stacks with plain
-    copies (`torch_input.stacked`)."""
+    copies (`input/decoding.stacked`)."""
 
     def transform(self, inpt, params):
         if type(inpt) is not torch.Tensor or inpt.ndim != 3:
@@ -90,3 +92,27 @@ def batch_mix(*, mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> v
     if cutmix_alpha > 0:
         mixes.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
     return v2.RandomChoice(mixes) if mixes else None
+
+
+class Augment:
+    """`transform` on a whole batch, with random draws of its own, from `key` (MixUp, CutMix).
+
+    torchvision's transforms draw from torch's global generator. Every rank seeds that alike,
+    for the model's initial weights that DDP needs equal: each rank would mix its batch as every
+    other rank does. A generator state per key (the worker's: seed, epoch, rank and step) makes
+    the draws differ between them, and repeat for the same run, without moving the global
+    generator that training draws from."""
+
+    def __init__(self, transform, key: str):
+        self.transform = transform
+        seed = random.Random(f"augment/{key}").getrandbits(63)
+        self.state = torch.Generator().manual_seed(seed).get_state()
+
+    def draw(self, *inputs):
+        """`transform(*inputs)` once, on a whole batch (MixUp, CutMix: `images, labels`)."""
+        # CPU draws only: MixUp's and CutMix's come from the CPU generator whatever the device.
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.state)
+            out = self.transform(*inputs)
+            self.state = torch.get_rng_state()
+        return out

@@ -53,7 +53,7 @@ from pipeline.model.runs import (
     step_dir_name,
 )
 from pipeline.train.epoch import all_reduce
-from pipeline.train.loaders import EpochLoader
+from pipeline.train.input.loaders import EpochLoader
 from pipeline.train.optim import OptimState
 from pipeline.train.progress import LoopState
 from pipeline.train.saving import Background, Snapshot, publish_checkpoint

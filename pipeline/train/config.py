@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from pipeline.core.config import AbsolutePathOrURI, StallConfig, Strict, TrackingConfig
 from pipeline.model.config import ModelConfig
-from pipeline.train.order import default_partitions
+from pipeline.train.input.order import default_partitions
 
 
 class TrainTrackingConfig(TrackingConfig):

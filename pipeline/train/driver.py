@@ -480,7 +480,7 @@ def fit(
     data = {}
     if cfg.ingest == "ray_data":
         from pipeline.train.augment import transform_options
-        from pipeline.train.ray_data_input import ExactValConfig, datasets
+        from pipeline.train.input.ray_data import ExactValConfig, datasets
 
         data = {
             "datasets": datasets(manifest, dataset, seed=cfg.seed, **transform_options(cfg)),

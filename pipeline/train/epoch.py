@@ -1,7 +1,7 @@
 """An epoch of training, free of Ray: the step loop and exact evaluation. Each Ray Train worker
 runs these per epoch (pipeline.train.worker); the benchmarks run them in one process, where Ray
 may not be installed (bench.gpu_device, on a GPU machine). The loaders that feed them:
-pipeline.train.loaders.
+pipeline.train.input.loaders.
 """
 
 from __future__ import annotations

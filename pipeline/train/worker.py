@@ -30,10 +30,9 @@ from pipeline.model.checkpoint import ModelInput
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import batchnorm_layers, build_model, unwrap
 from pipeline.train import stall
-from pipeline.train.augment import batch_mix
+from pipeline.train.augment import Augment, batch_mix
 from pipeline.train.checkpointer import Checkpointer, State
 from pipeline.train.config import TrainConfig, is_hook
-from pipeline.train.device_decode import pick_decode
 from pipeline.train.epoch import (
     StepRecipe,
     all_reduce,
@@ -42,11 +41,11 @@ from pipeline.train.epoch import (
     train_one_epoch,
 )
 from pipeline.train.hooks import build_loss, build_metrics
-from pipeline.train.loaders import EpochLoader, epoch_layout, train_data, val_data
+from pipeline.train.input.device_decode import pick_decode
+from pipeline.train.input.loaders import EpochLoader, epoch_layout, train_data, val_data
 from pipeline.train.optim import OptimState
 from pipeline.train.progress import LoopState
 from pipeline.train.telemetry import Telemetry
-from pipeline.train.torch_input import Augment
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +357,7 @@ def loaders(w: Worker) -> tuple[EpochLoader, object]:
     `ingest`."""
     cfg, batch = w.cfg, w.cfg.batch_size_per_worker(w.world)
     if cfg.ingest == "ray_data":
-        from pipeline.train.ray_data_input import ShardBatches
+        from pipeline.train.input.ray_data import ShardBatches
 
         rows = w.manifest.splits["train"].rows
         train = ShardBatches(

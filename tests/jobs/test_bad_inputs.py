@@ -32,7 +32,7 @@ from helpers import checkpoint_meta, errors_table, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT, free_port
 from harness.counting import FlakyHandler
-from pipeline.chain.plan import check_py_modules, plan
+from jobs.submit import check_py_modules, plan
 from pipeline.core import storage
 from pipeline.core.config import load_config
 from pipeline.core.errors import EXIT_CODES, failure
@@ -70,7 +70,8 @@ from pipeline.train.driver import (
     fit,
     pick_dataset_version,
 )
-from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.input.decoding import Decoded
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.tune.config import SweepConfig
 from pipeline.tune.sweep import pinned_version, sweep
 
@@ -154,7 +155,8 @@ def damaged_val_shard(tmp_path, dataset, *damages) -> None:
     for damage in damages:
         damage(next((tmp_path / "d").glob("data/*/val/*.parquet")))
     root = Location.parse(str(tmp_path / "d"))
-    list(RowGroupStream(root, read_manifest(root), "val", batch_size=16))
+    rows = RowGroupStream(root, read_manifest(root), "val", StreamSpec(batch_size=16))
+    list(Decoded(rows))
 
 
 def damaged_row_group(tmp_path, dataset):

@@ -46,7 +46,7 @@ from pipeline.train.checkpointer import (
     step_dir_name,
 )
 from pipeline.train.config import TrainConfig
-from pipeline.train.loaders import EpochLoader, epoch_layout
+from pipeline.train.input.loaders import EpochLoader, epoch_layout
 from pipeline.train.optim import OptimState
 from pipeline.train.progress import LoopState
 from pipeline.train.saving import Snapshot, publish_checkpoint

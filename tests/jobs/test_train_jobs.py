@@ -46,7 +46,8 @@ from pipeline.model.source import resolve_checkpoint
 from pipeline.tracking import registered_checkpoint
 from pipeline.tracking.registry import model_spec
 from pipeline.train.epoch import evaluate
-from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.input.decoding import Decoded
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 
 pytestmark = pytest.mark.xdist_group("main_run")  # its costly fixture, made once
 # A preprocess job of other images (3 classes, 40 px) for an output given by the caller.
@@ -108,7 +109,7 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
     model, meta = load_model(checkpoint, weights="raw")
     ema, _ = load_model(checkpoint, weights="ema")
     root = Location.parse(str(tiny_dataset))
-    val = RowGroupStream(root, read_manifest(root), "val", batch_size=50)
+    val = Decoded(RowGroupStream(root, read_manifest(root), "val", StreamSpec(batch_size=50)))
     one = evaluate(
         model,
         DataLoader(val, batch_size=None),

@@ -1,6 +1,6 @@
 """The cluster check's own logic, without Ray: its rows from what probes found (GPU rows
 included, from facts shaped as a GPU node's probe returns them), the loader's /dev/shm estimate
-against train/ring.py's buffers, the table and JSON, the exit codes, its config and its place
+against train/input/ring.py's buffers, the table and JSON, the exit codes, its config and its place
 in the chain. tests/jobs/test_check.py runs it as a job on a cluster."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.chain.plan import CHECK, plan
+from jobs.submit import CHECK, plan
 from pipeline.check import needs, probes, rows
 from pipeline.check.config import CheckConfig, train_config
 from pipeline.check.report import FAIL, PASS, SKIPPED, exit_code, failed, passed, report, table
@@ -22,7 +22,7 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.train.config import TrainConfig
-from pipeline.train.ring import BatchRing
+from pipeline.train.input.ring import BatchRing
 
 A = rows.Node("a" * 56, "10.0.0.1", cpus=8, gpus=0, object_store=2 * 10**9)
 B = rows.Node("b" * 56, "10.0.0.2", cpus=8, gpus=0, object_store=2 * 10**9)

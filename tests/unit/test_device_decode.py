@@ -22,13 +22,19 @@ from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
-from pipeline.train.device_decode import DeviceDecoded, pick_decode
 from pipeline.train.driver import check_dataset
 from pipeline.train.epoch import train_one_epoch
-from pipeline.train.loaders import EpochLoader, train_data, val_data
+from pipeline.train.input.decoding import Decoded, augmented
+from pipeline.train.input.device_decode import (
+    DeviceDecoded,
+    Encoded,
+    EncodedBatch,
+    pick_decode,
+)
+from pipeline.train.input.loaders import EpochLoader, train_data, val_data
+from pipeline.train.input.ring import RingLoader
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.train.optim import build_optimizer
-from pipeline.train.ring import RingLoader
-from pipeline.train.torch_input import EncodedBatch, RowGroupStream, augmented
 
 CPU = torch.device("cpu")
 
@@ -101,9 +107,9 @@ def test_a_stored_image_that_does_not_decode_is_named_as_the_cpu_path_names_it(
     rewrite_shard(shard, page_checksums=False)
     damage_stored_image(shard, 0, 5)
     errors = []
+    stream = RowGroupStream(root, manifest, "val", StreamSpec(batch_size=16))
     for encoded in (True, False):
-        stream = RowGroupStream(root, manifest, "val", batch_size=16, encoded=encoded)
-        batches = RingLoader(stream, processes=2)
+        batches = RingLoader(Encoded(stream) if encoded else Decoded(stream), processes=2)
         with pytest.raises(InputError, match=r"is damaged: row 5 of row group 0 of ") as raised:
             list(DeviceDecoded(batches, CPU, rows=stream) if encoded else batches)
         errors.append(str(raised.value))
@@ -113,10 +119,9 @@ def test_a_stored_image_that_does_not_decode_is_named_as_the_cpu_path_names_it(
 def test_the_loader_processes_only_read_rows(tiny_dataset):
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)
-    stream = RowGroupStream(root, manifest, "val", batch_size=16, encoded=True)
-    plain = RowGroupStream(root, manifest, "val", batch_size=16)
-    encoded = DataLoader(stream, batch_size=None, num_workers=2)
-    decoded = RingLoader(plain, processes=2)
+    stream = RowGroupStream(root, manifest, "val", StreamSpec(batch_size=16))
+    encoded = DataLoader(Encoded(stream), batch_size=None, num_workers=2)
+    decoded = RingLoader(Decoded(stream), processes=2)
     for (batch, labels), (images, expected) in zip(encoded, decoded, strict=True):
         assert isinstance(batch, EncodedBatch) and batch.data.dtype == torch.uint8
         assert len(batch.sizes) == len(labels) and sum(batch.sizes) == len(batch.data)
@@ -187,10 +192,10 @@ def test_on_cuda_each_batch_is_decoded_and_augmented_there_with_the_cpu_paths_dr
     manifest = read_manifest(root)
     transform = train_transform(augment, image_size=32, auto_augment=auto_augment)
     stream = RowGroupStream(
-        root, manifest, "train", batch_size=16, shuffle=True, seed=3, encoded=True
+        root, manifest, "train", StreamSpec(batch_size=16, shuffle=True, seed=3)
     )
-    decoded = DeviceDecoded(stream, cuda, transform, rows=stream)
-    for (batch, labels), (images, same_labels) in zip(stream, decoded, strict=True):
+    decoded = DeviceDecoded(Encoded(stream), cuda, transform, rows=stream)
+    for (batch, labels), (images, same_labels) in zip(Encoded(stream), decoded, strict=True):
         assert images.device == cuda and images.dtype == torch.uint8
         assert images.shape == (len(labels), 3, 32, 32) and torch.equal(labels, same_labels)
         # The CPU path's transform, with the same key's draws, on the same nvJPEG pixels: the

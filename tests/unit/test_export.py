@@ -35,7 +35,8 @@ from pipeline.model.device import DevicePolicy
 from pipeline.model.loading import load_model
 from pipeline.model.runs import checkpoint_dir_name
 from pipeline.train import driver
-from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.input.decoding import Decoded
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("timm")
@@ -88,7 +89,7 @@ def val_inputs(dataset: Path, model_input) -> tuple[torch.Tensor, np.ndarray]:
     """The val split as the training loop reads it, fed as training feeds it: float32 NCHW."""
     root = Location.parse(str(dataset))
     policy = DevicePolicy.for_input(torch.device("cpu"), "fp32", model_input)
-    stream = RowGroupStream(root, read_manifest(root), "val", batch_size=64)
+    stream = Decoded(RowGroupStream(root, read_manifest(root), "val", StreamSpec(batch_size=64)))
     pairs = list(stream)
     return torch.cat([policy.inputs(x) for x, _ in pairs]), torch.cat([y for _, y in pairs]).numpy()
 

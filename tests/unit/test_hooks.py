@@ -48,10 +48,10 @@ from pipeline.tracking import pyfunc
 from pipeline.train import driver
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
-from pipeline.train.device_decode import pick_decode
 from pipeline.train.hooks import build_loss, build_metrics, class_weights
-from pipeline.train.loaders import train_data
-from pipeline.train.torch_input import augmented
+from pipeline.train.input.decoding import augmented
+from pipeline.train.input.device_decode import pick_decode
+from pipeline.train.input.loaders import train_data
 from pipeline.tune import sweep
 from pipeline.tune.config import SweepConfig
 

@@ -31,7 +31,7 @@ from helpers import checkpoint_meta, small_run_config
 from PIL import Image
 from torchvision.transforms import v2
 
-from harness.baseline import PillowStream, torchvisions_crop
+from harness.baseline import PillowDecoded, torchvisions_crop
 from harness.counting import ByteCounter, FlakyHandler
 from harness.images import VARIANTS, exif, rgb, save
 from pipeline.core import storage
@@ -54,14 +54,15 @@ from pipeline.data.images import (
     jpeg_header,
 )
 from pipeline.model.device import DevicePolicy, normalize
-from pipeline.train import ray_data_input, torch_input
 from pipeline.train.augment import train_transform
 from pipeline.train.driver import with_partitions
 from pipeline.train.epoch import train_one_epoch
-from pipeline.train.loaders import train_data
+from pipeline.train.input import decoding, ray_data
+from pipeline.train.input.decoding import Decoded, decode
+from pipeline.train.input.loaders import train_data
+from pipeline.train.input.ring import BatchRing, Reused, RingLoader
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.train.optim import build_optimizer
-from pipeline.train.ring import BatchRing, Reused, RingLoader
-from pipeline.train.torch_input import RowGroupStream, decode
 
 CLASSES = ["a", "b", "c", "d"]
 # The numbered dataset: files of 97 rows in row groups of 10 (the last one of 7), so groups
@@ -142,7 +143,12 @@ def group_of(row_id: int) -> tuple[int, int]:
     return row_id // 100, row_id % 100 // GROUP_ROWS
 
 
-def epoch_batches(stream: RowGroupStream, workers: int) -> list[list[int]]:
+def decoded(root, manifest, split, *, transform=None, **spec) -> Decoded:
+    """`split`'s rows read as `spec` says (StreamSpec), decoded as the CPU path decodes them."""
+    return Decoded(RowGroupStream(root, manifest, split, StreamSpec(**spec)), transform)
+
+
+def epoch_batches(stream: Decoded, workers: int) -> list[list[int]]:
     """One epoch of the stream through the training loader: the row ids of each batch, in order."""
     loader = RingLoader(stream, processes=workers)
     batches = []
@@ -156,10 +162,8 @@ def epoch_batches(stream: RowGroupStream, workers: int) -> list[list[int]]:
     return batches
 
 
-def streams(root, manifest, split, world, **kwargs) -> list[RowGroupStream]:
-    return [
-        RowGroupStream(root, manifest, split, rank=r, world=world, **kwargs) for r in range(world)
-    ]
+def streams(root, manifest, split, world, **kwargs) -> list[Decoded]:
+    return [decoded(root, manifest, split, rank=r, world=world, **kwargs) for r in range(world)]
 
 
 # --- the numbered dataset: which rows, where, in which order ----------------------------------
@@ -187,21 +191,21 @@ def test_train_ranks_get_every_row_once_in_full_batches(numbered, world, workers
 @pytest.mark.parametrize("workers", [0, 2])
 def test_train_order_changes_per_epoch_and_repeats_for_the_same_epoch(numbered, workers):
     root, manifest, _ = numbered
-    stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True, seed=3)
-    stream.set_epoch(0)
+    stream = decoded(root, manifest, "train", batch_size=16, shuffle=True, seed=3)
+    stream.rows.set_epoch(0)
     first = epoch_batches(stream, workers)
-    stream.set_epoch(1)
+    stream.rows.set_epoch(1)
     second = epoch_batches(stream, workers)
     assert second != first and set(flat(second)) == set(flat(first))
-    stream.set_epoch(0)
+    stream.rows.set_epoch(0)
     assert epoch_batches(stream, workers) == first  # same epoch, same order: a resume repeats it
-    other_seed = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True, seed=4)
+    other_seed = decoded(root, manifest, "train", batch_size=16, shuffle=True, seed=4)
     assert epoch_batches(other_seed, workers) != first
 
 
 def test_train_batches_mix_row_groups(numbered):
     root, manifest, _ = numbered
-    stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
+    stream = decoded(root, manifest, "train", batch_size=16, shuffle=True)
     batches = epoch_batches(stream, 0)
     # A batch draws from each partition's buffer of row groups, not one group after another.
     assert len({group_of(i) for i in batches[0]}) >= 3
@@ -245,7 +249,7 @@ def test_a_failed_read_raises_in_the_consumer(numbered, tmp_path, workers):
     root, manifest, _ = numbered
     copy = Location.parse(str(tmp_path / "copy"))
     shutil.copytree(root.path, copy.path)
-    stream = RowGroupStream(copy, manifest, "train", batch_size=16, shuffle=True)
+    stream = decoded(copy, manifest, "train", batch_size=16, shuffle=True)
     os.remove(copy.child(manifest.splits["train"].files[5].path).path)
     loader = RingLoader(stream, processes=workers)
     with pytest.raises(
@@ -265,7 +269,7 @@ def damaged_copy(numbered, tmp_path, split: str, file: int, damage) -> tuple[Loc
     return copy, path
 
 
-def loader_error(stream: RowGroupStream, workers: int) -> str:
+def loader_error(stream: Decoded, workers: int) -> str:
     """The InputError an epoch through the training loader ends in: the job's exit code 1."""
     with pytest.raises(InputError) as raised:  # at once: no retry reads other bytes
         list(RingLoader(stream, processes=workers))
@@ -280,7 +284,7 @@ def test_a_row_damaged_in_storage_is_one_error_naming_its_row_group(numbered, tm
         numbered, tmp_path, "val", 1, lambda shard: damage_stored_image(shard, 2, 3)
     )
     # Its page's checksum finds it.
-    assert loader_error(RowGroupStream(copy, manifest, "val", batch_size=16), workers) == (
+    assert loader_error(decoded(copy, manifest, "val", batch_size=16), workers) == (
         f"dataset {copy.uri} is damaged: row group 2 of {copy.uri}/{path}: it does not read as "
         "Parquet (could not verify page integrity, CRC checksum verification failed for "
         "page_ordinal 0); re-run preprocessing with overwrite=true"
@@ -302,7 +306,7 @@ def test_a_shard_written_without_checksums_reads_and_names_a_damaged_row(
     assert sorted(flat(epoch_batches(stream, workers))) == ids["val"]
     path = manifest.splits["val"].files[1].path
     damage_stored_image(Path(copy.child(path).path), 2, 3)
-    assert loader_error(RowGroupStream(copy, manifest, "val", batch_size=16), workers) == (
+    assert loader_error(decoded(copy, manifest, "val", batch_size=16), workers) == (
         f"dataset {copy.uri} is damaged: row 3 of row group 2 of {copy.uri}/{path}: not an image "
         "(unrecognised format): the formats read are JPEG, PNG, GIF, WEBP, TIFF, BMP, QOI, PPM, "
         "AVIF; re-run preprocessing with overwrite=true"
@@ -313,7 +317,7 @@ def test_a_footer_damaged_in_place_is_one_error_naming_the_shard(numbered, tmp_p
     # Its size unchanged: the driver's check passes, and the worker's stream reads it.
     copy, path = damaged_copy(numbered, tmp_path, "train", 3, damage_footer)
     with pytest.raises(InputError) as raised:
-        RowGroupStream(copy, numbered[1], "train", batch_size=16)
+        decoded(copy, numbered[1], "train", batch_size=16)
     error = str(raised.value)
     assert failure(raised.value) == (1, error)
     assert error.startswith(
@@ -334,7 +338,7 @@ def test_a_label_that_is_no_class_is_one_error_naming_its_row(numbered, tmp_path
         2,
         lambda shard: rewrite_shard(shard, page_checksums=True, label=(45, 253)),
     )
-    stream = RowGroupStream(copy, numbered[1], "train", batch_size=16, shuffle=True)
+    stream = decoded(copy, numbered[1], "train", batch_size=16, shuffle=True)
     assert loader_error(stream, workers) == (
         f"dataset {copy.uri} is damaged: row 5 of row group 4 of {copy.uri}/{path}: label 253, "
         f"but the dataset has {len(CLASSES)} classes; re-run preprocessing with overwrite=true"
@@ -346,7 +350,7 @@ def test_a_row_group_damaged_in_storage_is_one_error_naming_it(numbered, tmp_pat
     copy, path = damaged_copy(
         numbered, tmp_path, "val", 0, lambda shard: damage_page_header(shard, 4)
     )
-    assert loader_error(RowGroupStream(copy, numbered[1], "val", batch_size=16), workers) == (
+    assert loader_error(decoded(copy, numbered[1], "val", batch_size=16), workers) == (
         f"dataset {copy.uri} is damaged: row group 4 of {copy.uri}/{path}: it does not read as "
         "Parquet (Couldn't deserialize thrift: TProtocolException: Invalid data); re-run "
         "preprocessing with overwrite=true"
@@ -369,7 +373,7 @@ def test_storage_errors_that_pass_cost_no_row(numbered, tmp_path, workers, monke
 
 def test_a_consumer_that_stops_early_leaves_no_thread_behind(numbered):
     root, manifest, _ = numbered
-    stream = RowGroupStream(root, manifest, "train", batch_size=4, prefetch_groups=1)
+    stream = decoded(root, manifest, "train", batch_size=4, prefetch_groups=1)
     batches = iter(stream)
     next(batches)
     batches.close()  # as a DataLoader process does when the loop breaks
@@ -384,7 +388,7 @@ def test_the_ring_hands_a_slow_consumer_every_batch_intact(numbered, processes):
     # 61 batches, each joined of a part from every process, which run ahead as far as their
     # slots let them.
     root, manifest, _ = numbered
-    stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
+    stream = decoded(root, manifest, "train", batch_size=16, shuffle=True)
     expected = [row_ids(images) for images, _ in RingLoader(stream, processes=0)]
     assert len(expected) == 61
     got = []
@@ -413,7 +417,7 @@ def test_a_batch_is_copied_out_into_memory_that_no_tensor_holds():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_ring_hands_pinned_batches_to_a_gpu_worker(numbered):
     root, manifest, _ = numbered
-    stream = RowGroupStream(root, manifest, "train", batch_size=16, shuffle=True)
+    stream = decoded(root, manifest, "train", batch_size=16, shuffle=True)
     plain = RingLoader(stream, processes=0)
     for (images, labels), (expected, _) in zip(
         RingLoader(stream, processes=2, pin_memory=True), plain, strict=True
@@ -453,7 +457,7 @@ def test_a_process_waits_for_a_free_slot_of_its_ring():
 
 def test_a_consumer_that_stops_the_ring_early_leaves_no_process_waiting(numbered):
     root, manifest, _ = numbered
-    stream = RowGroupStream(root, manifest, "train", batch_size=8, shuffle=True)
+    stream = decoded(root, manifest, "train", batch_size=8, shuffle=True)
     loader = RingLoader(stream, processes=2)
     batches = iter(loader)
     next(batches)
@@ -466,7 +470,7 @@ def test_a_consumer_that_stops_the_ring_early_leaves_no_process_waiting(numbered
         assert process.exitcode == 0  # ended, not terminated by the DataLoader's shutdown
     # The next epoch's processes write into the same memory, which nothing else writes to now.
     assert loader.spare is not None
-    stream.set_epoch(1)
+    stream.rows.set_epoch(1)
     plain = RingLoader(stream, processes=0)
     assert [row_ids(x) for x, _ in loader] == [row_ids(x) for x, _ in plain]
 
@@ -505,7 +509,7 @@ def test_the_same_seed_trains_the_same_weights_with_0_1_or_2_loader_processes(da
 def test_reads_every_row_of_a_split_with_its_label(dataset):
     root, manifest = dataset
     labels = collections.Counter()
-    for images, batch_labels in RowGroupStream(root, manifest, "train", batch_size=64):
+    for images, batch_labels in decoded(root, manifest, "train", batch_size=64):
         assert images.dtype == torch.uint8 and images.shape[1:] == (3, 32, 32)
         labels.update(manifest.classes[label] for label in batch_labels.tolist())
     assert labels == manifest.splits["train"].counts
@@ -514,7 +518,7 @@ def test_reads_every_row_of_a_split_with_its_label(dataset):
 def test_row_groups_mix_the_classes(dataset):
     # Shards are written in hash order, so shuffling by row group still sees every class.
     root, manifest = dataset
-    stream = RowGroupStream(root, manifest, "train", batch_size=25)  # row groups of 25
+    stream = decoded(root, manifest, "train", batch_size=25)  # row groups of 25
     _, first_group = next(iter(stream))
     assert len(set(first_group.tolist())) == len(manifest.classes)
 
@@ -539,7 +543,7 @@ def test_missing_shard_and_wrong_schema_are_clear_errors(dataset, tmp_path):
     gone = manifest.model_copy(deep=True)
     gone.splits["train"].files[0].path = "train/part-99999.parquet"
     with pytest.raises(InputError, match="listed in the manifest but missing"):
-        RowGroupStream(root, gone, "train", batch_size=8)
+        decoded(root, gone, "train", batch_size=8)
 
     other = Location.parse(str(tmp_path))
     for f in manifest.splits["train"].files:
@@ -547,7 +551,7 @@ def test_missing_shard_and_wrong_schema_are_clear_errors(dataset, tmp_path):
         table = pq.read_table(root.child(f.path).path).drop_columns(["source_id"])
         pq.write_table(table.cast(pa.schema([*table.schema])), tmp_path / f.path)
     with pytest.raises(InputError, match="does not have the schema"):
-        RowGroupStream(other, manifest, "train", batch_size=8)
+        decoded(other, manifest, "train", batch_size=8)
 
 
 # --- decoding: decode_image's pixels, faster --------------------------------------------------
@@ -584,9 +588,9 @@ def pixels_or_error(fn, data: bytes):
 @pytest.mark.filterwarnings("ignore::UserWarning")  # PIL's own, on the damaged EXIF
 def test_the_loaders_decode_gives_decode_images_pixels_or_its_error(monkeypatch):
     side, calls = 24, []
-    decode_jpeg = torch_input.decode_jpeg
+    decode_jpeg = decoding.decode_jpeg
     monkeypatch.setattr(
-        torch_input, "decode_jpeg", lambda *a, **k: calls.append(1) or decode_jpeg(*a, **k)
+        decoding, "decode_jpeg", lambda *a, **k: calls.append(1) or decode_jpeg(*a, **k)
     )
     files, fast = square_files(side), set()
     for name, data in files.items():
@@ -630,14 +634,9 @@ def test_batches_are_the_previous_paths_pixel_for_pixel_in_channels_last(dataset
     root, manifest = dataset
     assert manifest.image_format == "jpeg"
     kwargs, size = dict(batch_size=16, shuffle=True, seed=3), manifest.image_size
-    ours = RowGroupStream(
-        root,
-        manifest,
-        "train",
-        transform=train_transform("random_resized_crop", image_size=size),
-        **kwargs,
-    )
-    theirs = PillowStream(root, manifest, "train", transform=torchvisions_crop(size), **kwargs)
+    rows = RowGroupStream(root, manifest, "train", StreamSpec(**kwargs))
+    ours = Decoded(rows, train_transform("random_resized_crop", image_size=size))
+    theirs = PillowDecoded(rows, torchvisions_crop(size))
     ours = list(RingLoader(ours, processes=workers))
     theirs = list(RingLoader(theirs, processes=workers))
     assert len(ours) == len(theirs) > 3
@@ -697,7 +696,7 @@ def global_steps(numbered, layout, *, epoch=1, start=0, partitions=6) -> list[li
         transform=tagged,
         partitions=partitions,
     ):
-        stream.set_epoch(epoch, start)
+        stream.rows.set_epoch(epoch, start)
         torch.manual_seed(0)  # as every rank does, for the model's initial weights
         loader = RingLoader(stream, processes=processes)
         ranks.append(
@@ -735,7 +734,8 @@ def test_the_partitions_order_the_epoch_and_must_split_the_global_batch(numbered
     assert global_steps(numbered, (2, 0), partitions=3) != global_steps(numbered, (2, 0))
     root, manifest, _ = numbered
     with pytest.raises(ValueError, match="5 partitions do not split a global batch of 24"):
-        RowGroupStream(root, manifest, "train", batch_size=24, shuffle=True, partitions=5)
+        spec = StreamSpec(batch_size=24, shuffle=True, partitions=5)
+        RowGroupStream(root, manifest, "train", spec)
 
 
 @pytest.mark.parametrize("loader_workers", [0, 2, 8])
@@ -781,13 +781,13 @@ def test_ray_data_reads_train_blocks_in_a_new_order_each_epoch(
     )
     rows = table.to_pylist()
     monkeypatch.setattr(
-        ray_data_input,
+        ray_data,
         "read_split",
         lambda *_: ray.data.from_items(rows, override_num_blocks=TRAIN_FILES),
     )
 
     def epochs(n: int) -> list[list[int]]:
-        train = ray_data_input.datasets(manifest, root, augment="none", seed=0)["train"]
+        train = ray_data.datasets(manifest, root, augment="none", seed=0)["train"]
         train.context.execution_options.preserve_order = True  # rows leave in block order
         (split,) = train.streaming_split(1, equal=True)  # as Ray Train splits it
         return [block_order(split) for _epoch in range(n)]
@@ -800,7 +800,7 @@ def test_ray_data_reads_train_blocks_in_a_new_order_each_epoch(
 
 def test_ray_data_reads_row_groups_as_the_loader_does(numbered, tmp_path, ray_in_process):
     root, manifest, ids = numbered
-    rows = ray_data_input.read_split(root, manifest, "val").take_all()
+    rows = ray_data.read_split(root, manifest, "val").take_all()
     assert sorted(r["label"] for r in rows) == sorted(i % len(CLASSES) for i in ids["val"])
     copy, path = damaged_copy(
         numbered,
@@ -809,9 +809,9 @@ def test_ray_data_reads_row_groups_as_the_loader_does(numbered, tmp_path, ray_in
         2,
         lambda shard: rewrite_shard(shard, page_checksums=True, label=(12, 9)),
     )
-    val = ray_data_input.datasets(manifest, copy, augment="none", seed=0)["val"]
+    val = ray_data.datasets(manifest, copy, augment="none", seed=0)["val"]
     with pytest.raises(InputError) as raised:  # as a worker's ShardBatches raises it
-        list(ray_data_input.input_errors_raised(val.iter_torch_batches(batch_size=16)))
+        list(ray_data.input_errors_raised(val.iter_torch_batches(batch_size=16)))
     assert str(raised.value) == (
         f"dataset {copy.uri} is damaged: row 2 of row group 1 of {copy.uri}/{path}: label 9, "
         f"but the dataset has {len(CLASSES)} classes; re-run preprocessing with overwrite=true"

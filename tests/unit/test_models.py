@@ -33,7 +33,8 @@ from pipeline.model.runs import checkpoint_dir_name
 from pipeline.model.weights import head_keys
 from pipeline.train import driver
 from pipeline.train.config import TrainConfig
-from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.input.decoding import Decoded
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.train.worker import warn_if_at_chance
 
 timm = pytest.importorskip("timm")
@@ -126,7 +127,7 @@ def test_a_model_trains_resumes_and_infers_as_in_memory(
     table = predictor(rows)
     assert table.num_rows == manifest.splits["val"].rows
     policy = DevicePolicy.for_input(torch.device("cpu"), "fp32", inputs)
-    val = RowGroupStream(root, manifest, "val", batch_size=64)
+    val = Decoded(RowGroupStream(root, manifest, "val", StreamSpec(batch_size=64)))
     model = run.model.eval()
     with torch.no_grad():
         expected = torch.cat([model(policy.inputs(x)).softmax(dim=1) for x, _ in val])

@@ -45,7 +45,7 @@ from pipeline.model.runs import (
     training_since,
 )
 from pipeline.train import driver
-from pipeline.train.augment import batch_mix
+from pipeline.train.augment import Augment, batch_mix
 from pipeline.train.config import TrainConfig
 from pipeline.train.driver import (
     STARTUP_ATTEMPTS_UNLIMITED,
@@ -57,15 +57,21 @@ from pipeline.train.driver import (
 )
 from pipeline.train.ema import ModelEMA
 from pipeline.train.epoch import StepRecipe, evaluate, train_one_epoch
-from pipeline.train.loaders import train_data
+from pipeline.train.input.decoding import Decoded
+from pipeline.train.input.loaders import train_data
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.train.optim import build_optimizer, grad_scaler, restore_optimizer
-from pipeline.train.torch_input import Augment, RowGroupStream
 
 
 def config(dataset, storage, *overrides) -> TrainConfig:
     return load_config(
         TrainConfig, None, [f"dataset={dataset}", f"storage_path={storage}", *overrides]
     )
+
+
+def decoded_split(root: Location, manifest, split: str, batch_size: int) -> Decoded:
+    """`split`'s batches in manifest order, decoded as the CPU path decodes them."""
+    return Decoded(RowGroupStream(root, manifest, split, StreamSpec(batch_size=batch_size)))
 
 
 def checked(cfg: TrainConfig):
@@ -125,7 +131,7 @@ def test_train_and_evaluate_steps_run_in_every_precision(tiny_dataset, precision
     cfg = config(tiny_dataset, "/tmp/unused", "optimizer.name=adamw", "optimizer.lr=0.001")
     optimizer, _ = build_optimizer(model, cfg)
     # A few images: half precision on the CPU has slow kernels.
-    loader = list(itertools.islice(RowGroupStream(root, manifest, "val", batch_size=4), 3))
+    loader = list(itertools.islice(decoded_split(root, manifest, "val", 4), 3))
     before = [p.detach().clone() for p in model.parameters()]
     criterion = torch.nn.CrossEntropyLoss()
     t = train_one_epoch(model, loader, optimizer, criterion, policy=policy, scaler=scaler)
@@ -152,7 +158,7 @@ def test_gpu_step_uses_mixed_precision_and_channels_last(tiny_dataset):
     model = build_model(len(manifest.classes)).cuda().to(memory_format=torch.channels_last)
     cfg = config(tiny_dataset, "/tmp/unused")
     optimizer, _ = build_optimizer(model, cfg)
-    stream = RowGroupStream(root, manifest, "train", batch_size=64)
+    stream = decoded_split(root, manifest, "train", 64)
     loader = DataLoader(stream, batch_size=None, pin_memory=True)
     t = train_one_epoch(model, loader, optimizer, torch.nn.CrossEntropyLoss(), policy=policy)
     assert t["images"] == manifest.splits["train"].rows
@@ -372,7 +378,7 @@ def test_driver_finds_missing_shards_and_bad_initial_weights(tiny_dataset, tmp_p
 def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):
     import pyarrow.parquet as pq
 
-    from pipeline.train.ray_data_input import decode_batch
+    from pipeline.train.input.ray_data import decode_batch
 
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)
@@ -380,7 +386,7 @@ def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):
     batch = {"image": table["image"].to_numpy()[:5], "label": table["label"].to_numpy()[:5]}
     plain = decode_batch(batch, augment="none", image_size=32)
     # The val stream's first batch: the first rows of the first file, in order.
-    images, labels = next(iter(RowGroupStream(root, manifest, "val", batch_size=5)))
+    images, labels = next(iter(decoded_split(root, manifest, "val", 5)))
     assert plain["image"].dtype == "uint8" and plain["image"].shape == (5, 3, 32, 32)
     assert (plain["image"] == images.numpy()).all()
     assert list(plain["label"]) == labels.tolist()
@@ -392,8 +398,8 @@ def test_ray_data_decodes_and_augments_as_the_torch_loader_does(tiny_dataset):
     policy = decode_batch(batch, augment="none", image_size=32, auto_augment="rand_augment")
     assert (policy["image"] != plain["image"]).any()
     cfg = config(tiny_dataset, "/s", "auto_augment=rand_augment")
-    stream = train_data(cfg, root, manifest, rank=0, world=1, device=torch.device("cpu")).stream
-    assert isinstance(stream.transform.transforms[-1], v2.RandAugment)
+    train = train_data(cfg, root, manifest, rank=0, world=1, device=torch.device("cpu"))
+    assert isinstance(train.loader.batches.transform.transforms[-1], v2.RandAugment)
 
 
 def test_a_run_trained_again_says_so_in_its_summary_while_it_trains(
@@ -700,7 +706,7 @@ def test_an_epoch_updates_the_ema_and_evaluates_it_beside_the_weights(tiny_datas
     model = build_model(len(manifest.classes))
     ema = ModelEMA(model, decay=0.5, every_steps=1)
     initial = copy.deepcopy(model)
-    loader = list(itertools.islice(RowGroupStream(root, manifest, "val", batch_size=8), 3))
+    loader = list(itertools.islice(decoded_split(root, manifest, "val", 8), 3))
     one_step(model, loader, policy=policy, lr=0.01, ema=ema)
     assert ema.steps == 3
     # The average of the last weights, not the weights, nor where they started.

@@ -1,7 +1,7 @@
 """`decode=gpu`: the train worker decodes each batch's JPEGs on its device and augments them there.
 
-The DataLoader processes then only read rows (`RowGroupStream(encoded=True)`): a batch leaves
-them as its encoded images and the seeds of their augmentation draws (`EncodedBatch`).
+The DataLoader processes then only read rows (`Encoded`): a batch leaves them as its encoded
+images and the seeds of their augmentation draws (`EncodedBatch`).
 `DeviceDecoded` decodes it with torchvision's `decode_jpeg` on the worker's device (nvJPEG on
 CUDA; on a CPU device the same call decodes with libjpeg-turbo, in the training process) and
 applies the CPU path's transform image by image, with the same draws: torchvision's
@@ -14,11 +14,13 @@ libjpeg-turbo), on CUDA nvJPEG's decode may differ from it by a few levels.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from pipeline.train.torch_input import EncodedBatch, RowGroupStream, augmented
+from pipeline.train.input.decoding import augmented, stored_image
+from pipeline.train.input.rows import Batches, Place, RowBatch, RowGroupStream
 
 
 def pick_decode(decode: str, device: torch.device, image_format: str) -> str:
@@ -27,6 +29,50 @@ def pick_decode(decode: str, device: torch.device, image_format: str) -> str:
     if decode != "auto":
         return decode
     return "gpu" if device.type == "cuda" and image_format == "jpeg" else "cpu"
+
+
+class EncodedBatch(NamedTuple):
+    """A batch's encoded images, end to end in one tensor: one shared-memory transfer from a
+    DataLoader process rather than one per image (each holds a file descriptor in transit)."""
+
+    data: torch.Tensor  # uint8 (total bytes,)
+    sizes: list[int]  # bytes of each image, in order
+    seeds: list[int] | None  # each image's augmentation draws (`augmented`)
+    places: list[Place]  # where each image is stored, to name one that does not decode
+
+    @classmethod
+    def of(cls, batch: RowBatch) -> tuple[EncodedBatch, torch.Tensor]:
+        """(EncodedBatch, labels) of a batch's rows."""
+        rows = batch.rows
+        data = bytearray(b"".join(image for image, _, _ in rows))
+        sizes = [len(image) for image, _, _ in rows]
+        places = [place for _, _, place in rows]
+        encoded = cls(torch.frombuffer(data, dtype=torch.uint8), sizes, batch.seeds, places)
+        return encoded, batch.labels()
+
+    @classmethod
+    def joined(cls, parts: list[tuple[EncodedBatch, torch.Tensor]]):
+        """One batch of the parts of it that DataLoader processes yielded, in order."""
+        batches, labels = zip(*parts, strict=True)
+        seeds = None if batches[0].seeds is None else [s for b in batches for s in b.seeds]
+        return cls(
+            torch.cat([b.data for b in batches]),
+            [n for b in batches for n in b.sizes],
+            seeds,
+            [p for b in batches for p in b.places],
+        ), torch.cat(labels)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """One uint8 (bytes,) view per image, as `decode_jpeg` takes a batch."""
+        return list(self.data.split(self.sizes))
+
+
+class Encoded(Batches):
+    """`rows`' batches as read, for `DeviceDecoded`: (EncodedBatch, int64 (B,))."""
+
+    def batch(self, batch: RowBatch, out: torch.Tensor | None = None):
+        assert out is None, "encoded batches are not stacked into a ring"
+        return EncodedBatch.of(batch)
 
 
 def decode_batch(batch: EncodedBatch, device: torch.device, transform=None) -> torch.Tensor:
@@ -54,7 +100,7 @@ class DeviceDecoded:
                 images = self.decode(batch)
             except RuntimeError:  # decode_jpeg's, naming no image: the CPU path's names it
                 for data, place in zip(batch.tensors(), batch.places, strict=True):
-                    self.rows.image(data.numpy().tobytes(), place)
+                    stored_image(self.rows, data.numpy().tobytes(), place)
                 raise  # each decodes on the CPU: the device's decoder failed on its own
             yield images, labels
 

@@ -19,13 +19,17 @@ import multiprocessing
 import os
 import sys
 import weakref
+from contextlib import closing
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.train.torch_input import EncodedBatch, Failed, RowGroupStream
+from pipeline.core.errors import InputError
+from pipeline.train.input.device_decode import EncodedBatch
+from pipeline.train.input.rows import Batches
 
 PREFETCH = 2  # batches each process decodes ahead: the DataLoader's default prefetch_factor
 _rings: weakref.WeakValueDictionary[int, BatchRing] = weakref.WeakValueDictionary()
@@ -48,8 +52,8 @@ class Slot(NamedTuple):
 class BatchRing:
     """`slots` batches of (batch, size, size, 3) uint8 for each of `processes` processes, and a
     count of free slots per process. Made in the trainer's process, before the DataLoader's
-    processes start (its `attach` runs in each of them). With `batch` 0 it holds no images:
-    the stream's batches (encoded ones) go as they are, and only its errors through it."""
+    processes start (its `attach` runs in each of them: `Handed`). With `batch` 0 it holds no
+    images: the stream's batches (encoded ones) go as they are, and only its errors through it."""
 
     def __init__(
         self,
@@ -72,10 +76,9 @@ class BatchRing:
         _rings[self.id] = self
 
     def attach(self, process: int) -> None:
-        """DataLoader's `worker_init_fn`: in process `process`, batches go to the ring."""
+        """In DataLoader process `process`, before its first batch: the slots it fills are
+        its own."""
         self.process, self.parent = process, os.getppid()
-        if info := torch.utils.data.get_worker_info():
-            info.dataset.ring = self
 
     def claim(self, images: int) -> tuple[int, torch.Tensor]:
         """In a DataLoader process: its next slot, once free, and that slot's first `images`
@@ -118,6 +121,38 @@ class BatchRing:
         return out.permute(0, 3, 1, 2), labels.pin_memory() if pin else labels
 
 
+@dataclass
+class Failed:
+    """A DataLoader process's InputError, handed over as a batch would be."""
+
+    error: BaseException
+
+
+class Handed(IterableDataset):
+    """What each DataLoader process of a RingLoader runs: `batches`' rows made into batches in
+    the process's slots of `ring` (stacked into them; encoded batches, small, go as they are),
+    and an InputError handed over as it is (`Failed`): a DataLoader raises a process's error
+    again with the process's traceback for its message."""
+
+    def __init__(self, batches: Batches, ring: BatchRing):
+        self.batches, self.ring = batches, ring
+
+    def __iter__(self):
+        self.ring.attach(get_worker_info().id)
+        try:
+            yield from self.handed() if self.batches.stacks else self.batches
+        except InputError as e:
+            yield Failed(e)
+
+    def handed(self):
+        """Each batch stacked into the process's next free slot: the slot's number goes."""
+        with closing(iter(self.batches.rows)) as batches:  # its reading thread ends now
+            for batch in batches:
+                slot, out = self.ring.claim(len(batch.rows))
+                self.batches.batch(batch, out)
+                yield self.ring.handed(slot, [label for _, label, _ in batch.rows])
+
+
 class Reused:
     """Memory for the batches copied out of a ring, used again once no tensor holds it: a new
     batch's own memory would have its pages faulted in and zeroed again, batch after batch.
@@ -142,38 +177,38 @@ class Reused:
 
 
 class RingLoader:
-    """`stream`'s batches decoded in `processes` DataLoader processes (in this one with 0),
-    handed over through a `BatchRing`; uint8 (B, 3, S, S) channels-last and int64 labels, pinned
-    with `pin_memory`. A train batch comes as one part from each process, joined here in process
-    order (RowGroupStream). Batches of encoded images (`decode=gpu`) are small and go as they
-    are. An InputError in a process (a damaged row, a missing shard) is raised here as it was
-    raised there, one line, where a DataLoader's own would carry the process's traceback."""
+    """`batches` made in `processes` DataLoader processes (in this one with 0), handed over
+    through a `BatchRing`: decoded ones (decoding.Decoded) as uint8 (B, 3, S, S) channels-last
+    and int64 labels, pinned with `pin_memory`. A train batch comes as one part from each
+    process, joined here in process order (RowGroupStream). Batches of encoded images
+    (`decode=gpu`) are small and go as they are. An InputError in a process (a damaged row, a
+    missing shard) is raised here as it was raised there, one line, where a DataLoader's own
+    would carry the process's traceback."""
 
-    def __init__(self, stream: RowGroupStream, *, processes: int, pin_memory: bool = False):
-        self.stream, self.processes, self.pin_memory = stream, processes, pin_memory
+    def __init__(self, batches: Batches, *, processes: int, pin_memory: bool = False):
+        self.batches, self.processes, self.pin_memory = batches, processes, pin_memory
         self.spare: torch.Tensor | None = None  # the last epoch's ring memory, once unused
         self.reused = Reused()
 
     def __len__(self) -> int:
-        return len(self.stream)
+        return len(self.batches)
 
     def __iter__(self):
-        ring = None
-        processes = self.stream.processes(self.processes)
+        ring, stream = None, self.batches.rows
+        processes = stream.processes(self.processes)
         # A train batch comes as a part from each process: each runs as many batches ahead
         # as a process making whole batches would, in parts.
-        parts = processes if self.stream.order is not None and processes > 1 else 1
+        parts = processes if stream.order is not None and processes > 1 else 1
         prefetch = PREFETCH * parts
         if processes:
-            rows = 0 if self.stream.encoded else self.stream.part_rows(processes)
-            size = self.stream.image_size
+            rows = stream.part_rows(processes) if self.batches.stacks else 0
             ring = BatchRing(
-                processes, batch=rows, size=size, slots=prefetch + 1, memory=self.spare
+                processes, batch=rows, size=stream.image_size, slots=prefetch + 1, memory=self.spare
             )
             self.spare = None
         loader = DataLoader(
-            self.stream,
-            batch_size=None,  # the stream yields whole batches, or parts of them
+            Handed(self.batches, ring) if ring is not None else self.batches,
+            batch_size=None,  # `batches` are whole batches, or parts of them
             num_workers=processes,
             # Fresh processes each epoch, forked with the epoch set_epoch gave the stream:
             # persistent ones would keep the copy of the stream (and its epoch) they started with.
@@ -181,7 +216,6 @@ class RingLoader:
             # Parts from processes are copied out of the ring (into pinned memory) as joined.
             pin_memory=self.pin_memory and not processes,
             prefetch_factor=prefetch if processes else None,
-            worker_init_fn=ring.attach if ring else None,
             # The stream seeds its own draws; a DataLoader otherwise takes a seed from the global
             # generator at each iteration, which a resume inside an epoch takes at another step.
             generator=torch.Generator(),

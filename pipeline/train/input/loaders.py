@@ -1,5 +1,7 @@
 """A worker's loaders, by `ingest` and `decode`: its share of the train split each epoch, in the
-epoch's order (pipeline.train.order), with its position (`EpochLoader`), and of the val split.
+epoch's order (order.py), with its position (`EpochLoader`), and of the val split. Each is
+composed here: the rows read (rows.RowGroupStream), decoded in the DataLoader processes
+(decoding.Decoded) or left encoded for the device (device_decode), handed over by the ring.
 """
 
 from __future__ import annotations
@@ -12,18 +14,24 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import Manifest
 from pipeline.train.augment import train_transform, transform_options
 from pipeline.train.config import TrainConfig
-from pipeline.train.device_decode import DeviceDecoded, pick_decode
-from pipeline.train.ring import RingLoader
-from pipeline.train.torch_input import RowGroupStream
+from pipeline.train.input.decoding import Decoded
+from pipeline.train.input.device_decode import DeviceDecoded, Encoded, pick_decode
+from pipeline.train.input.ring import RingLoader
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
 
 log = logging.getLogger(__name__)
 
 
-def loader(stream: RowGroupStream, cfg: TrainConfig, device: torch.device) -> RingLoader:
-    """The stream's batches, decoded in `loader_workers` processes."""
-    return RingLoader(
-        stream, processes=cfg.scaling.loader_workers, pin_memory=device.type == "cuda"
+def loader(
+    rows: RowGroupStream, cfg: TrainConfig, device: torch.device, *, on_device: bool, transform
+) -> RingLoader | DeviceDecoded:
+    """`rows`' batches, made in `loader_workers` processes: decoded and augmented by `transform`
+    there, or `on_device` (the processes only read rows)."""
+    batches = Encoded(rows) if on_device else Decoded(rows, transform)
+    ring = RingLoader(
+        batches, processes=cfg.scaling.loader_workers, pin_memory=device.type == "cuda"
     )
+    return DeviceDecoded(ring, device, transform, rows=rows) if on_device else ring
 
 
 def train_data(
@@ -40,41 +48,32 @@ def train_data(
     partitions (the run's, which the driver pins). Ray Train needs no wrapping of it: the
     benchmark's plain loop uses it as it is."""
     transform = train_transform(**transform_options(cfg), image_size=manifest.image_size)
-    on_device = pick_decode(cfg.decode_setting(), device, manifest.image_format) == "gpu"
-    stream = RowGroupStream(
-        dataset,
-        manifest,
-        "train",
+    spec = StreamSpec(
         batch_size=cfg.batch_size_per_worker(world),
         rank=rank,
         world=world,
         shuffle=True,
         seed=cfg.seed,
-        transform=None if on_device else transform,
-        encoded=on_device,
         partitions=cfg.partitions_at_start(),
     )
-    batches = loader(stream, cfg, device)
-    if on_device:
-        batches = DeviceDecoded(batches, device, transform, rows=stream)
-    return EpochLoader(batches, stream, layout=epoch_layout(cfg, world), logs=rank == 0)
+    rows = RowGroupStream(dataset, manifest, "train", spec)
+    on_device = decodes_on_device(cfg, manifest, device)
+    batches = loader(rows, cfg, device, on_device=on_device, transform=transform)
+    return EpochLoader(batches, rows, layout=epoch_layout(cfg, world), logs=rank == 0)
 
 
 def val_data(cfg: TrainConfig, dataset: Location, manifest: Manifest, *, rank, world, device):
     """This worker's contiguous share of the val split, unpadded (see `evaluate`), decoded
     where `decode` says."""
-    on_device = pick_decode(cfg.decode_setting(), device, manifest.image_format) == "gpu"
-    stream = RowGroupStream(
-        dataset,
-        manifest,
-        "val",
-        batch_size=cfg.batch_size_per_worker(world),
-        rank=rank,
-        world=world,
-        encoded=on_device,
-    )
-    batches = loader(stream, cfg, device)
-    return DeviceDecoded(batches, device, rows=stream) if on_device else batches
+    spec = StreamSpec(batch_size=cfg.batch_size_per_worker(world), rank=rank, world=world)
+    rows = RowGroupStream(dataset, manifest, "val", spec)
+    on_device = decodes_on_device(cfg, manifest, device)
+    return loader(rows, cfg, device, on_device=on_device, transform=None)
+
+
+def decodes_on_device(cfg: TrainConfig, manifest: Manifest, device: torch.device) -> bool:
+    """Whether `decode` decodes the images on `device` (decode=gpu), not in the processes."""
+    return pick_decode(cfg.decode_setting(), device, manifest.image_format) == "gpu"
 
 
 class EpochLoader:

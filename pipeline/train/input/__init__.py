@@ -1,0 +1,1 @@
+"""The training input: stored Parquet shards into training batches (docs/layout.md)."""
