@@ -347,7 +347,9 @@ def local_ray(attempts: int = 4) -> None:
     try:
         for attempt in range(1, attempts + 1):
             try:
-                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+                # "local": a new instance, never the cluster a `ray start` of another test left
+                # in /tmp/ray/ray_current_cluster.
+                ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
                 return
             except Exception as e:
                 if attempt == attempts or "timed out during startup" not in str(e):

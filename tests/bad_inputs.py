@@ -1,14 +1,15 @@
 """Every bad input the table in docs/errors.md lists: its exit code and the start of its message.
 
-Each case runs here (the library call the job makes, raising the error that `failure` turns
-into the job's exit code and `error:` line), or through the command line itself (`python -m
-jobs.<job>` or the chain, asserting its exit code, one `error:` line and no traceback), or
-names the test that runs it as a job on a cluster. The docs' table is checked against this
-list, so the two cannot drift apart."""
+Each case runs in the test process without Ray (the library call the job makes, raising the
+error that `failure` turns into the job's exit code and `error:` line), or through the command
+line itself (`python -m jobs.<job>` or the chain, asserting its exit code, one `error:` line and
+no traceback: before any Ray call, or as a driver connected to a Ray instance where
+`on_cluster`), or names the test that runs it as a job on a cluster. The tests:
+tests/unit/test_bad_inputs.py, which also checks the docs' table against this list so that the
+two cannot drift apart, and tests/ray/test_bad_inputs_on_a_driver.py."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -22,20 +23,17 @@ from pathlib import Path
 from unittest import mock
 
 import pyarrow.fs as pafs
-import pytest
 import ray.train
 import ray.train.torch
 import torch
 import torchvision
 from corpus import damage_footer, damage_page_header, damage_stored_image, rewrite_shard
-from helpers import checkpoint_meta, errors_table, make_image_folder
+from helpers import checkpoint_meta, make_image_folder
 
 from harness.cluster import BUNDLE_ROOT, free_port
 from harness.counting import FlakyHandler
-from jobs.submit import check_py_modules, plan
-from pipeline.core import storage
+from pipeline.chain.plan import check_py_modules, plan
 from pipeline.core.config import load_config
-from pipeline.core.errors import EXIT_CODES, failure
 from pipeline.core.storage import Location
 from pipeline.data.config import FolderSourceConfig, PreprocessConfig
 from pipeline.data.dataset import VERSIONS, check_replaceable, read_manifest
@@ -58,20 +56,22 @@ from pipeline.model.checkpoint import (
     save_checkpoint,
     served_weights,
 )
-from pipeline.model.runs import RUN_FORMAT, RUN_SUMMARY, SNAPSHOT, mark_training, resume_changes
+from pipeline.model.resume import resume_changes
+from pipeline.model.run_status import mark_training
+from pipeline.model.runs import RUN_FORMAT, RUN_SUMMARY, SNAPSHOT
 from pipeline.model.source import trained_version
 from pipeline.tracking import training_tracker
 from pipeline.train import run_lock
 from pipeline.train.config import TrainConfig
-from pipeline.train.driver import (
+from pipeline.train.driver import fit
+from pipeline.train.input.decoding import Decoded
+from pipeline.train.input.rows import RowGroupStream, StreamSpec
+from pipeline.train.preflight import (
     check_dataset,
     check_hooks,
     check_model,
-    fit,
     pick_dataset_version,
 )
-from pipeline.train.input.decoding import Decoded
-from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.tune.config import SweepConfig
 from pipeline.tune.sweep import pinned_version, sweep
 
@@ -84,7 +84,7 @@ class Case:
     run: Callable | None = None  # run(tmp_path, tiny_dataset) raises it ...
     test: str = ""  # ... or this test runs it as a job: tests/<file>.py::<test>
     # ... and/or cli(tmp_path, tiny_dataset) -> command lines (`python -m` <argv>) that meet it,
-    # run against a local cluster where `on_cluster`, else before any cluster is needed.
+    # run as drivers connected to a Ray instance where `on_cluster`, else before any Ray call.
     cli: Callable | None = None
     on_cluster: bool = False
 
@@ -1343,72 +1343,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.run], ids=lambda c: c.what)
-def test_a_bad_input_gets_its_exit_code_and_message(case, tmp_path, tiny_dataset, monkeypatch):
-    monkeypatch.setattr(storage, "FIRST_WAIT_S", 0.01)
-    with pytest.raises(Exception) as raised:
-        case.run(tmp_path, tiny_dataset)
-    # What every job's and the chain's main make of it: the exit code and the `error:` line.
-    assert failure(raised.value) is not None, raised.value  # else a traceback and exit 1
-    code, line = failure(raised.value)
-    assert code == case.exit_code
-    assert re.match(case.pattern(), line), line
-
-
-@pytest.mark.parametrize(
-    "case", [c for c in CASES if c.cli and not c.on_cluster], ids=lambda c: c.what
-)
-def test_a_bad_input_on_the_command_line_ends_in_one_error_line(case, tmp_path, tiny_dataset):
-    for argv in case.cli(tmp_path, tiny_dataset):
-        proc = run_module(argv, os.environ)
-        assert proc.returncode == case.exit_code, (argv, proc.stdout, proc.stderr)
-        assert re.fullmatch(f"error: {case.pattern()}.*\n", proc.stderr), (argv, proc.stderr)
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.on_cluster], ids=lambda c: c.what)
-def test_a_bad_input_found_on_the_driver_ends_in_one_error_line(
-    case, cluster_2cpu, tmp_path, tiny_dataset
-):
-    # A driver connected to a real cluster, as a job's is: the damage is found before any work.
-    env = cluster_2cpu.env | {"RAY_ADDRESS": cluster_2cpu.gcs_address}
-    for argv in case.cli(tmp_path, tiny_dataset):
-        proc = run_module(argv, env)
-        assert proc.returncode == case.exit_code, (argv, proc.stdout, proc.stderr)
-        # Ray logs its connection to stderr first; the job's own line is the last.
-        *_, last = proc.stderr.splitlines()
-        assert re.match(f"error: {case.pattern()}", last), (argv, proc.stderr)
-        assert "Traceback" not in proc.stdout + proc.stderr, argv
-
-
 def run_module(argv: list[str], env) -> subprocess.CompletedProcess:
     """`python -m <argv>` from the bundle's root, as a user runs it."""
     command = [sys.executable, "-m", *map(str, argv)]
     return subprocess.run(
         command, cwd=BUNDLE_ROOT, env=env, capture_output=True, text=True, timeout=300
     )
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.test], ids=lambda c: c.what)
-def test_a_bad_input_run_as_a_job_is_asserted_by_the_test_named(case):
-    path, _, name = case.test.partition("::")
-    source = (BUNDLE_ROOT / path).read_text()
-    (test,) = [
-        node
-        for node in ast.parse(source).body
-        if isinstance(node, ast.FunctionDef) and node.name == name
-    ]
-    body = ast.get_source_segment(source, test)
-    # The message's fixed words appear in what that test asserts.
-    for words in re.split(r"<[^>]+>", case.message):
-        assert words.strip() in body, (case.test, words)
-
-
-def test_the_docs_table_lists_every_case():
-    expected = [(c.what, c.exit_code, c.message.split("\n")[0]) for c in CASES]
-    assert errors_table("Bad input, exit codes and messages") == expected
-    assert len(CASES) >= 15
-
-
-def test_exit_codes_are_the_documented_ones():
-    assert sorted(EXIT_CODES.values()) == [1, 2, 3]
-    assert {c.exit_code for c in CASES} == {1, 2, 3}
