@@ -1,0 +1,124 @@
+"""Training on a cluster of this process (`ray.cluster_utils.Cluster`, tests/ray): the driver
+connected as a job with its runtime env, the train job's driver function called here, Ray Train's
+workers and the workers' logs read back, a node drained as preempted."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from helpers import TRAIN, held_worker, in_background, latest_recorded, wait_for
+
+from harness.cluster import BUNDLE_ROOT
+from harness.faults import arm
+from pipeline.core import faults
+from pipeline.core.config import load_config
+from pipeline.core.storage import Location
+from pipeline.model.runs import checkpoint_dir_name
+from pipeline.train.config import TrainConfig
+
+
+def connect(cluster, *, py_modules=(), **env_vars: str) -> None:
+    """Connect this process's driver to `cluster` (a ray.cluster_utils.Cluster) anew, as a new
+    job: its Ray processes get `env_vars` and the packages `py_modules`, as a submitted job's
+    runtime env gives them (a fault point armed for one run: harness.faults.arm)."""
+    import ray
+
+    ray.shutdown()
+    runtime_env = {"env_vars": {"PYTHONUNBUFFERED": "1", **env_vars}}
+    if py_modules:
+        runtime_env["py_modules"] = [str(p) for p in py_modules]
+    ray.init(address=cluster.address, runtime_env=runtime_env, log_to_driver=False)
+
+
+def connect_armed(cluster, directory: Path, point: str, *, py_modules=(), **env_vars) -> Path:
+    """`connect` with fault `point` armed for the next run: returns the marker the held worker
+    will write."""
+    connect(cluster, py_modules=py_modules, **arm(point, directory), **env_vars)
+    return directory / point
+
+
+def train_config(dataset, storage, *overrides: str) -> TrainConfig:
+    """The config that `train_job`'s job loads, with `overrides`."""
+    at = TRAIN.index("--config") + 1
+    args = [*TRAIN[at + 1 :], f"dataset={dataset}", f"storage_path={storage}", *overrides]
+    return load_config(TrainConfig, BUNDLE_ROOT / TRAIN[at], args)
+
+
+def train_here(dataset, storage, *overrides: str) -> dict:
+    """What the train job runs (`pipeline.train.driver.train`), with `train_job`'s config and
+    `overrides`, from this process's driver: returns the run's summary."""
+    from pipeline.train.driver import train
+
+    cfg = train_config(dataset, storage, *overrides)
+    return train(cfg, dataset=Location.parse(cfg.dataset), runs=Location.parse(cfg.storage_path))
+
+
+def train_workers_here() -> list[dict]:
+    """The live Ray Train worker actors of the cluster this process is connected to, from the
+    GCS (no dashboard): each with its "Pid" and "Address"'s "NodeID"."""
+    import ray
+
+    actors = ray._private.state.actors().values()
+    return [a for a in actors if a["ActorClassName"] == "RayTrainWorker" and a["State"] == "ALIVE"]
+
+
+def train_worker_nodes_here() -> list[str]:
+    """The node of each live Ray Train worker."""
+    return sorted(a["Address"]["NodeID"] for a in train_workers_here())
+
+
+def node_of(cluster, pid: int):
+    """The node of `cluster` whose raylet runs the training worker `pid`."""
+    (node_id,) = [a["Address"]["NodeID"] for a in train_workers_here() if a["Pid"] == pid]
+    (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+    return node
+
+
+def drain_as_preempted(cluster, node, *, deadline_s: float) -> None:
+    """`ray drain-node` of `node`, as a cloud's notice that a spot instance goes in
+    `deadline_s` seconds (the caller removes it then)."""
+    from ray._raylet import GcsClient
+    from ray.core.generated.autoscaler_pb2 import DrainNodeReason
+
+    deadline_ms = time.time_ns() // 1_000_000 + int(deadline_s * 1000)
+    accepted, refusal = GcsClient(address=cluster.address).drain_node(
+        node.node_id,
+        DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot instance reclaimed (test)",
+        deadline_ms,
+    )
+    assert accepted, refusal
+
+
+def held_on_two_nodes_here(cluster, dataset, storage: Path, name: str, *args, epoch: int):
+    """`held_on_two_nodes` on a cluster of this process: train run `name` with rank 0 held once
+    Ray has recorded the checkpoint of `epoch`, each worker on a node of its own. Returns the
+    run (a Future of its summary) and the held worker's pid."""
+    fault = storage / f"fault-{name}-{epoch}"
+    fault.mkdir()
+    marker = connect_armed(cluster, fault, faults.CHECKPOINT_REPORTED)
+    job = in_background(train_here, dataset, storage, f"name={name}", *args)
+    pid = held_worker(marker, job)
+    recorded = checkpoint_dir_name(epoch)
+    wait_for(lambda: latest_recorded(storage / name) == recorded, f"{recorded} in Ray's record", 60)
+    workers = train_worker_nodes_here()
+    assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
+    return job, pid
+
+
+class WorkerLogs:
+    """What the Ray workers of a cluster of this process write to their logs (the train job's
+    output, from the workers' side), from the moment this is made on."""
+
+    def __init__(self, cluster):
+        self.logs = Path(cluster.head_node.get_session_dir_path()) / "logs"
+        self.start = {path: path.stat().st_size for path in self.logs.glob("worker-*")}
+
+    def text(self) -> str:
+        parts = []
+        for path in sorted(self.logs.glob("worker-*")):
+            with open(path, "rb") as f:
+                f.seek(self.start.get(path, 0))
+                parts.append(f.read().decode(errors="replace"))
+        return "".join(parts)

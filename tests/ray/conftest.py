@@ -1,0 +1,40 @@
+"""Fixtures of the Ray tier: clusters of several nodes on this machine, started in the test
+process (`ray.cluster_utils.Cluster`, as Ray's own Train tests start theirs), with nodes added and
+removed by the test."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+# The GCS declares a lost node dead within about 2 s, not Ray's default of about 17 s: with
+# placement attempts of seconds, a test would otherwise race the detection.
+FAST_NODE_DEATH = {
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 2,
+}
+
+
+@pytest.fixture
+def two_node_cluster():
+    """A head with no CPUs (it runs the driver, never training, as in cluster.yaml) and two
+    one-CPU nodes, each with its own raylet and object store; the test's driver is connected
+    by `helpers.connect`. Shut down after the test, whatever it left."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "_system_config": FAST_NODE_DEATH,
+        },
+    )
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
