@@ -25,20 +25,19 @@ import ray
 import yaml
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from pipeline.core.config import dump_config, parse_yaml, validate_config
+from pipeline.core.config import dump_config, flatten_config, parse_yaml, validate_config
 from pipeline.core.errors import ClusterError, ConfigError, first_line
 from pipeline.core.plots import plot_trials
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import Score, best_of, read_meta
+from pipeline.model.run_status import training_since
 from pipeline.model.runs import (
     COST_KEYS,
     RUN_SUMMARY,
     SNAPSHOT,
     DivergedRun,
-    flatten_config,
     latest_checkpoint,
     run_cost,
-    training_since,
     write_reports,
 )
 from pipeline.train.config import TrainConfig
@@ -131,7 +130,7 @@ def sweep(
 def pinned_version(cfg: SweepConfig, dataset: Location, sweep_dir: Location) -> str:
     """The dataset version of every trial: the record's, for a sweep that has started (whose
     config must be the same), else the one asked for or the newest, recorded now."""
-    from pipeline.train.driver import pick_dataset_version
+    from pipeline.train.preflight import pick_dataset_version
 
     record = sweep_dir.child(SWEEP_RECORD)
     now = cfg.model_dump(mode="json")
@@ -166,7 +165,7 @@ def _check_inputs(configs: list[TrainConfig], dataset: Location, version: str) -
     """The dataset, every model the space names and the hooks of the train config, checked
     once here rather than failing in every trial (pipeline.train.driver's own checks); returns
     the order of the trials' score (checkpoint.mode, resolved)."""
-    from pipeline.train.driver import check_dataset, check_hooks, check_model
+    from pipeline.train.preflight import check_dataset, check_hooks, check_model
 
     seen_data, seen_models = set(), set()
     for c in configs:

@@ -22,7 +22,6 @@ from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
-from pipeline.train.driver import check_dataset
 from pipeline.train.epoch import train_one_epoch
 from pipeline.train.input.decoding import Decoded, augmented
 from pipeline.train.input.device_decode import (
@@ -35,6 +34,7 @@ from pipeline.train.input.loaders import EpochLoader, train_data, val_data
 from pipeline.train.input.ring import RingLoader
 from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.train.optim import build_optimizer
+from pipeline.train.preflight import check_dataset
 
 CPU = torch.device("cpu")
 

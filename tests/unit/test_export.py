@@ -34,7 +34,7 @@ from pipeline.model.checkpoint import read_meta, served_weights
 from pipeline.model.device import DevicePolicy
 from pipeline.model.loading import load_model
 from pipeline.model.runs import checkpoint_dir_name
-from pipeline.train import driver
+from pipeline.train import preflight
 from pipeline.train.input.decoding import Decoded
 from pipeline.train.input.rows import RowGroupStream, StreamSpec
 
@@ -56,7 +56,7 @@ def trained(small_dataset, tmp_path_factory):
             storage = tmp_path_factory.mktemp(name)
             cfg = small_run_config(small_dataset, storage, "epochs=1", *ARCHITECTURES[name])
             root = Location.parse(str(small_dataset))
-            inputs = driver.check_model(cfg, read_manifest(root), root)
+            inputs = preflight.check_model(cfg, read_manifest(root), root)
             with pytest.MonkeyPatch.context() as monkeypatch:
                 OneWorker(monkeypatch, storage / "run").run(cfg, inputs)
             checkpoints[name] = Location.parse(str(storage / "run" / checkpoint_dir_name(0)))

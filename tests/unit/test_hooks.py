@@ -45,7 +45,7 @@ from pipeline.model.device import DevicePolicy
 from pipeline.model.loading import load_model
 from pipeline.model.runs import checkpoint_dir_name, history_csv
 from pipeline.tracking import pyfunc
-from pipeline.train import driver
+from pipeline.train import preflight
 from pipeline.train.augment import train_transform
 from pipeline.train.config import TrainConfig
 from pipeline.train.hooks import build_loss, build_metrics, class_weights
@@ -144,7 +144,7 @@ def test_balanced_class_weights_weigh_the_loss_by_the_train_counts(small_dataset
     assert class_weights(listed, manifest).tolist() == [1.0, 2.0, 3.0]
     wrong = small_run_config(small_dataset, tmp_path, "class_weights=[1, 2]")
     with pytest.raises(ConfigError, match=r"^class_weights has 2 weights and the dataset 3 "):
-        driver.check_hooks(wrong, manifest)
+        preflight.check_hooks(wrong, manifest)
 
 
 def test_crop_scale_ratio_and_flip_reach_the_transform():
@@ -202,8 +202,8 @@ def test_hooks_train_report_rank_and_the_checkpoint_loads_without_them(
     cfg = small_run_config(small_dataset, storage, "epochs=2", *hooks)
     root = Location.parse(str(small_dataset))
     manifest = read_manifest(root)
-    inputs = driver.check_model(cfg, manifest, root)
-    cfg = driver.check_hooks(cfg, manifest)
+    inputs = preflight.check_model(cfg, manifest, root)
+    cfg = preflight.check_hooks(cfg, manifest)
     assert cfg.checkpoint.mode == "max"  # from MulticlassF1Score.higher_is_better
     import my_hooks
 
@@ -271,9 +271,9 @@ def test_a_metric_without_an_order_needs_checkpoint_mode(small_dataset, tmp_path
     keys = ("metrics=[unordered:score]", "checkpoint.metric=val_score")
     cfg = small_run_config(small_dataset, tmp_path, *keys)
     with pytest.raises(ConfigError, match=r"higher_is_better=None: set checkpoint.mode=max or min"):
-        driver.check_hooks(cfg, manifest)
+        preflight.check_hooks(cfg, manifest)
     cfg = small_run_config(small_dataset, tmp_path, *keys, "checkpoint.mode=min")
-    assert driver.check_hooks(cfg, manifest).checkpoint.mode == "min"
+    assert preflight.check_hooks(cfg, manifest).checkpoint.mode == "min"
     sys.modules.pop("unordered", None)
 
 
@@ -290,7 +290,7 @@ def test_hooks_are_checked_on_the_driver(small_dataset, tmp_path, user_hooks, se
     manifest = read_manifest(Location.parse(str(small_dataset)))
     cfg = small_run_config(small_dataset, tmp_path, setting)
     with pytest.raises(ConfigError, match="^" + re.escape(said)):
-        driver.check_hooks(cfg, manifest)
+        preflight.check_hooks(cfg, manifest)
 
 
 def test_checkpoint_metric_must_be_one_the_run_computes(small_dataset, tmp_path):
@@ -299,7 +299,7 @@ def test_checkpoint_metric_must_be_one_the_run_computes(small_dataset, tmp_path)
     keys = ("metrics=[macro_f1, per_class_recall]", "checkpoint.metric=val_macro_f1")
     cfg = small_run_config(small_dataset, tmp_path, *keys)
     manifest = read_manifest(Location.parse(str(small_dataset)))
-    resolved = driver.check_hooks(cfg, manifest)
+    resolved = preflight.check_hooks(cfg, manifest)
     assert config_score(resolved.model_dump()).mode == "max"
     with pytest.raises(ConfigError, match=r"checkpoint.metric=val_recall: use val_loss, "):
         small_run_config(
@@ -373,10 +373,10 @@ def test_a_per_class_metric_cannot_rank_checkpoints(small_dataset, tmp_path, my_
     with pytest.raises(
         ConfigError, match=r"my_metrics:each_recall's Metric computes one value per"
     ):
-        driver.check_hooks(small_run_config(small_dataset, tmp_path, *keys), manifest)
+        preflight.check_hooks(small_run_config(small_dataset, tmp_path, *keys), manifest)
     # Reported, not ranked by, it passes.
     cfg = small_run_config(small_dataset, tmp_path, "metrics=[my_metrics:each_recall]")
-    driver.check_hooks(cfg, manifest)
+    preflight.check_hooks(cfg, manifest)
 
 
 def test_a_metric_built_not_to_sync_is_computed_over_all_ranks(
@@ -388,7 +388,7 @@ def test_a_metric_built_not_to_sync_is_computed_over_all_ranks(
     assert metric.compute().item() == 4 + 5  # this rank's rows and the other's
     manifest = read_manifest(Location.parse(str(small_dataset)))
     with caplog.at_level("INFO", logger="pipeline.train.hooks"):
-        driver.check_hooks(cfg, manifest)
+        preflight.check_hooks(cfg, manifest)
     assert "my_metrics:rows's Metric has sync_on_compute=False: computing val_rows over all" in (
         caplog.text
     )
@@ -400,7 +400,7 @@ def test_the_examples_hooks_pass_the_drivers_check(small_dataset, tmp_path):
         TrainConfig, example, [f"dataset={small_dataset}", f"storage_path={tmp_path}"]
     )
     manifest = read_manifest(Location.parse(str(small_dataset)))
-    checked = driver.check_hooks(cfg, manifest)
+    checked = preflight.check_hooks(cfg, manifest)
     assert config_score(checked.model_dump()).mode == "max"
     loss = build_loss(checked, manifest, torch.device("cpu"))
     logits, targets = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])

@@ -55,7 +55,6 @@ from pipeline.data.images import (
 )
 from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train.augment import train_transform
-from pipeline.train.driver import with_partitions
 from pipeline.train.epoch import train_one_epoch
 from pipeline.train.input import decoding, ray_data
 from pipeline.train.input.decoding import Decoded, decode
@@ -63,6 +62,7 @@ from pipeline.train.input.loaders import train_data
 from pipeline.train.input.ring import BatchRing, Reused, RingLoader
 from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.train.optim import build_optimizer
+from pipeline.train.preflight import with_partitions
 
 CLASSES = ["a", "b", "c", "d"]
 # The numbered dataset: files of 97 rows in row groups of 10 (the last one of 7), so groups

@@ -31,7 +31,7 @@ from pipeline.model.loading import load_model
 from pipeline.model.networks import architecture, batchnorm_layers, build_model
 from pipeline.model.runs import checkpoint_dir_name
 from pipeline.model.weights import head_keys
-from pipeline.train import driver
+from pipeline.train import preflight
 from pipeline.train.config import TrainConfig
 from pipeline.train.input.decoding import Decoded
 from pipeline.train.input.rows import RowGroupStream, StreamSpec
@@ -96,7 +96,7 @@ def test_a_model_trains_resumes_and_infers_as_in_memory(
         )
     root = Location.parse(str(small_dataset))
     manifest = read_manifest(root)
-    inputs = driver.check_model(cfg, manifest, root)
+    inputs = preflight.check_model(cfg, manifest, root)
     assert inputs.image_size == (16 if name == "timm/test_vit" else 32)
 
     run = OneWorker(monkeypatch, storage / "run")
@@ -144,7 +144,7 @@ def test_the_examples_config_names_the_examples_module(small_dataset):
     cfg = load_config(TrainConfig, example, [f"dataset={small_dataset}", "storage_path=/runs"])
     assert cfg.model.name == USER_MODEL
     root = Location.parse(str(small_dataset))
-    assert driver.check_model(cfg, read_manifest(root), root).image_size == 32
+    assert preflight.check_model(cfg, read_manifest(root), root).image_size == 32
 
 
 def test_a_vision_transformer_by_name_for_small_images(small_dataset):
@@ -152,7 +152,7 @@ def test_a_vision_transformer_by_name_for_small_images(small_dataset):
     root = Location.parse(str(small_dataset))
     vit = ["model.name=vit_b_16", "model.kwargs.image_size=32"]
     cfg = small_run_config(small_dataset, small_dataset.parent, *vit)
-    assert driver.check_model(cfg, read_manifest(root), root).image_size == 32
+    assert preflight.check_model(cfg, read_manifest(root), root).image_size == 32
     assert head_keys(architecture("vit_b_16", {"image_size": 32}), 3) == {
         "heads.head.weight",
         "heads.head.bias",
@@ -199,10 +199,10 @@ def test_timm_weights_by_name_come_from_the_hugging_face_hub(tmp_path, monkeypat
     timm_default = ["model.name=timm/test_convnext", "model.weights=DEFAULT"]
     cfg = small_run_config(small_dataset, tmp_path, *timm_default)
     with pytest.raises(InputError, match=r"stores 32 px .* the 160 px model timm/test_convnext"):
-        driver.check_model(cfg, manifest, root)
+        preflight.check_model(cfg, manifest, root)
     cfg = small_run_config(small_dataset, tmp_path, *timm_default, "model.input.image_size=32")
     expected = ModelInput(32, "bicubic", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
-    assert driver.check_model(cfg, manifest, root) == expected
+    assert preflight.check_model(cfg, manifest, root) == expected
 
 
 # torchvision's MobileNetV3 (momentum 0.01, eps 0.001), timm's BatchNormAct2d, the user's own.

@@ -44,23 +44,18 @@ from pipeline.model.runs import (
     resume_changes,
     training_since,
 )
-from pipeline.train import driver
+from pipeline.train import driver, failures, preflight
 from pipeline.train.augment import Augment, batch_mix
 from pipeline.train.config import TrainConfig
-from pipeline.train.driver import (
-    STARTUP_ATTEMPTS_UNLIMITED,
-    check_dataset,
-    failure_config,
-    input_verdict,
-    pick_dataset_version,
-    startup_attempts,
-)
+from pipeline.train.driver import input_verdict
 from pipeline.train.ema import ModelEMA
 from pipeline.train.epoch import StepRecipe, evaluate, train_one_epoch
+from pipeline.train.failures import STARTUP_ATTEMPTS_UNLIMITED, failure_config, startup_attempts
 from pipeline.train.input.decoding import Decoded
 from pipeline.train.input.loaders import train_data
 from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.train.optim import build_optimizer, grad_scaler, restore_optimizer
+from pipeline.train.preflight import check_dataset, pick_dataset_version
 
 
 def config(dataset, storage, *overrides) -> TrainConfig:
@@ -231,15 +226,15 @@ def test_an_elastic_run_waits_for_room_a_bounded_time(monkeypatch):
     from pipeline.core.ray_internals import RestartingState, RunningState
 
     clock = iter([0.0, 5.0, 6.0, 15.0, 17.0])
-    monkeypatch.setattr(driver.time, "monotonic", lambda: next(clock))
-    limit = driver.ElasticWaitLimit(10, min_workers=2)
+    monkeypatch.setattr(failures.time, "monotonic", lambda: next(clock))
+    limit = failures.ElasticWaitLimit(10, min_workers=2)
     waiting, running = RestartingState(training_failed_error=None), RunningState()
     limit.after_controller_state_update(running, waiting)  # t=0: a wait starts
     limit.after_controller_state_update(waiting, waiting)  # t=5
     limit.after_controller_state_update(waiting, running)  # placed: that wait is over
     limit.after_controller_state_update(running, waiting)  # t=6: a new wait
     limit.after_controller_state_update(waiting, waiting)  # t=15: 9 s of it
-    with pytest.raises(driver.WorkersNotPlacedError, match=r"waited 10 s for room for 2 workers"):
+    with pytest.raises(failures.WorkersNotPlacedError, match=r"waited 10 s for room for 2 workers"):
         limit.after_controller_state_update(waiting, waiting)  # t=17: 11 s
 
 
@@ -362,7 +357,7 @@ def test_driver_finds_missing_shards_and_bad_initial_weights(tiny_dataset, tmp_p
     def check(*overrides):
         cfg = config(tiny_dataset, tmp_path, *overrides)
         root = Location.parse(cfg.dataset)
-        return driver.check_model(cfg, read_manifest(root), root)
+        return preflight.check_model(cfg, read_manifest(root), root)
 
     with pytest.raises(InputError, match=r"model.weights \S+missing.pt do not exist"):
         check(f"model.weights={tmp_path / 'missing.pt'}")

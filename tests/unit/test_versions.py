@@ -37,7 +37,7 @@ from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.runs import STEPS, checkpoint_dir_name, step_dir_name
 from pipeline.model.source import trained_version
 from pipeline.train.config import TrainConfig
-from pipeline.train.driver import newest_meta, pick_dataset_version
+from pipeline.train.preflight import newest_meta, pick_dataset_version
 
 BUCKET = "versions-test"
 
