@@ -7,7 +7,6 @@ import faulthandler
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 
 import yaml
 
@@ -368,10 +366,8 @@ def stacks_and_exit(what: str, limit_s: float) -> None:
 
 
 def generated_dataset(out: Path, *overrides: str):
-    """Preprocess generated images into `out` (an in-process Ray for the job's tasks); returns
-    the manifest."""
-    import ray
-
+    """Preprocess generated images into `out`, the shards in this process (no Ray: the tiers
+    that start none use it too); returns the manifest."""
     from pipeline.core.config import load_config
     from pipeline.core.storage import Location
     from pipeline.data.config import PreprocessConfig
@@ -379,11 +375,7 @@ def generated_dataset(out: Path, *overrides: str):
 
     args = [f"output={out}", "source.kind=synthetic", *overrides]
     cfg = load_config(PreprocessConfig, None, args)
-    local_ray()
-    try:
-        return preprocess(cfg, output=Location.parse(str(out)))
-    finally:
-        ray.shutdown()
+    return preprocess(cfg, output=Location.parse(str(out)), in_process=True)
 
 
 def recorded_run(run: Location, record: list[tuple], monkeypatch) -> Location:
@@ -443,63 +435,118 @@ ARCHITECTURES = {
 
 
 class OneWorker:
-    """Ray Train's worker API for one worker in this process, as train_loop_per_worker uses
-    it: checkpoints reported go to `run_dir/<name>`, and the model it prepares is kept."""
+    """One worker of a run in this process, train_loop_per_worker in a local run context: its
+    checkpoints go to `run_dir/<name>`; after a run, `context` holds what it reported and
+    `model` the model it prepared."""
 
-    def __init__(self, monkeypatch, run_dir: Path):
-        import ray.train
-        import ray.train.torch
-        import torch
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.context = run_dir, None
 
-        from pipeline.train import worker
-
-        self.run_dir, self.resume_from, self.model = run_dir, None, None
-        import pyarrow.fs
-
-        storage = SimpleNamespace(
-            build_checkpoint_path_from_name=lambda name: str(run_dir / name),
-            storage_filesystem=pyarrow.fs.LocalFileSystem(),
-        )
-        context = SimpleNamespace(
-            get_world_rank=lambda: 0, get_world_size=lambda: 1, get_storage=lambda: storage
-        )
-        monkeypatch.setattr(worker, "setup_logging", lambda: None)
-        monkeypatch.setattr(worker, "quiet_train_reports", lambda: None)
-        monkeypatch.setattr(ray.train, "get_context", lambda: context)
-        monkeypatch.setattr(ray.train, "get_checkpoint", lambda: self.resume_from)
-        monkeypatch.setattr(ray.train, "report", self.report)
-        monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cpu"))
-        monkeypatch.setattr(ray.train.torch, "prepare_model", self.prepare)
-
-    def prepare(self, model):
-        self.model = model
-        return model
-
-    def report(self, metrics, *, checkpoint, checkpoint_dir_name, checkpoint_upload_fn=None, **_):
-        if checkpoint_upload_fn is not None:  # as Ray's upload thread would, here at once
-            checkpoint_upload_fn(checkpoint, checkpoint_dir_name)
-            shutil.rmtree(checkpoint.path)  # as Ray does after an ASYNC upload
-            return
-        (self.run_dir / checkpoint_dir_name).mkdir(parents=True)
-        for file in Path(checkpoint.path).iterdir():  # moved: as the upload, without a copy
-            file.replace(self.run_dir / checkpoint_dir_name / file.name)
+    @property
+    def model(self):
+        return self.context.model
 
     def run(self, cfg: TrainConfig, inputs: ModelInput, *, resume_from: str | None = None):
-        import ray.train
+        """Train `cfg` to its end, in a fresh loop; `resume_from`: the checkpoint (a name in
+        the run) the runner's record names, as Ray's would after a restart."""
+        from pipeline.train.worker import train_loop_per_worker
 
-        from pipeline.train import worker
+        recorded = str(self.run_dir / resume_from) if resume_from else None
+        self.context = keeping_model(recorded=recorded)
+        train_loop_per_worker(worker_config(cfg, inputs, self.run_dir), self.context)
 
-        self.resume_from = resume_from and ray.train.Checkpoint(str(self.run_dir / resume_from))
-        dataset = Location.parse(cfg.dataset)
-        worker.train_loop_per_worker(
-            {
-                "config": cfg.model_dump(mode="json"),
-                "dataset": dataset,
-                "dataset_version": read_manifest(dataset).version,
-                "model_input": inputs,
-                "run_dir": Location.parse(str(self.run_dir)),
-            }
-        )
+
+def worker_config(cfg: TrainConfig, inputs: ModelInput, run_dir: Path) -> dict:
+    """train_loop_per_worker's `config` for `cfg`'s run at `run_dir`, as the driver builds it."""
+    dataset = Location.parse(cfg.dataset)
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "dataset": dataset,
+        "dataset_version": read_manifest(dataset).version,
+        "model_input": inputs,
+        "run_dir": Location.parse(str(run_dir)),
+    }
+
+
+def keeping_model(**fields):
+    """A local run context (of `fields`) that keeps the model it prepares, as `model`."""
+    from pipeline.train.context import LocalContext
+
+    class KeepsModel(LocalContext):
+        model = None
+
+        def prepare_model(self, model):
+            self.model = super().prepare_model(model)
+            return self.model
+
+    return KeepsModel(**fields)
+
+
+class Stopped(Exception):
+    """A loop stopped on purpose inside an epoch, as a worker killed there would be."""
+
+
+def stopping_after(steps: int, **fields):
+    """A local run context (of `fields`) that stops the loop after its `steps`-th step, before
+    that step's checkpoint: the loop asks it for a preemption notice after each step (with
+    checkpoint.every_steps), as every rank asks Ray."""
+    from pipeline.train.context import LocalContext
+
+    class StoppingAfter(LocalContext):
+        asked = 0
+
+        def preemption(self):
+            self.asked += 1
+            if self.asked > steps:
+                raise Stopped(f"after step {steps}")
+            return None
+
+    return StoppingAfter(**fields)
+
+
+def waiting_for_step_checkpoints(monkeypatch, directory: Path) -> None:
+    """Each checkpoint inside an epoch on storage before the loop goes on: the fault point
+    after it armed, as fired already (pipeline.core.faults), so the loop waits for the write and
+    passes the point. A loop stopped after a step then leaves its last checkpoint whole."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / faults.STEP_CHECKPOINTED).write_text("fired")
+    monkeypatch.setenv(faults.ENV, f"{faults.STEP_CHECKPOINTED}:{directory}")
+
+
+def assert_same_state(checkpoint: Path, expected: Path) -> None:
+    """The two checkpoints hold equal weights, bit for bit, and the same optimisation state
+    (the optimizer's, the schedule, the scaler, the EMA, the generators) and position."""
+    import torch
+
+    from pipeline.model.checkpoint import load_train_state, load_weights
+
+    got, want = Location.parse(str(checkpoint)), Location.parse(str(expected))
+    weights, expected_weights = load_weights(got), load_weights(want)
+    assert weights.keys() == expected_weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, expected_weights[name]), name
+    state, expected_state = load_train_state(got), load_train_state(want)
+    assert_equal_tree(state["optim"], expected_state["optim"], "optim")
+    position = ("epoch", "step", "global_step")
+    assert [state["loop"][k] for k in position] == [expected_state["loop"][k] for k in position]
+
+
+def assert_equal_tree(value, expected, where: str) -> None:
+    """`value` equals `expected`, nested dicts, lists and tensors (bit for bit) alike."""
+    import torch
+
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(value, torch.Tensor) and torch.equal(value, expected), where
+    elif isinstance(expected, dict):
+        assert value.keys() == expected.keys(), where
+        for key in expected:
+            assert_equal_tree(value[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(value) == len(expected), where
+        for i, (v, e) in enumerate(zip(value, expected, strict=True)):
+            assert_equal_tree(v, e, f"{where}[{i}]")
+    else:
+        assert value == expected, where
 
 
 def small_run_config(dataset: Path, storage: Path, *overrides: str) -> TrainConfig:
@@ -569,3 +616,74 @@ def bundle_hidden_env(tmp_path: Path) -> dict[str, str]:
     assert b"No module named 'pipeline'" in proc.stderr, proc.stderr
     (tmp_path / "found").unlink()
     return env
+
+
+# --- the online classifier (tests/unit/test_serve_app.py, tests/ray/test_serve.py) ------------
+
+# The Serve app's max_request_bytes in the tests: small enough for a test to exceed at once,
+# large enough for the test images (a few KiB).
+MAX_REQUEST_BYTES = 100_000
+
+
+def truncated_jpeg() -> bytes:
+    data = jpeg_bytes(CLASSES[0], 999, size=64)
+    return data[: len(data) // 2]
+
+
+def decompression_bomb() -> bytes:
+    """144 M pixels, past PIL's safety limit, in a 1-bit PNG of a few KiB."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (12_000, 12_000)).save(buf, format="PNG")
+    assert len(buf.getvalue()) < MAX_REQUEST_BYTES
+    return buf.getvalue()
+
+
+# What docs/errors.md's serving table lists: the request, its status, how the message starts,
+# and the body that makes it (None: a PUT).
+BAD_REQUESTS = [
+    ("an empty body", 400, "empty request body", lambda: b""),
+    ("a body that is no image", 415, "not an image (unrecognised format)", lambda: b"hello\n"),
+    ("a truncated image", 400, "truncated or corrupt image", truncated_jpeg),
+    (
+        "a body over `max_request_bytes`",
+        413,
+        "request body larger than max_request_bytes=<n>",
+        lambda: b"\xff" * (MAX_REQUEST_BYTES + 1),
+    ),
+    ("an image too large to decode safely", 413, "too large to decode safely", decompression_bomb),
+    ("a method other than POST or GET", 405, "PUT is not served here", None),
+]
+
+
+def serve_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Two untrained checkpoints of CLASSES, different weights: "a" is deployed first, "b"
+    rolled out."""
+    import torch
+
+    from pipeline.model.checkpoint import save_checkpoint
+    from pipeline.model.networks import build_model
+
+    paths = {}
+    for seed, name in enumerate("ab"):
+        path = tmp_path_factory.mktemp(f"checkpoint_{name}")
+        torch.manual_seed(seed)
+        meta = checkpoint_meta(classes=list(CLASSES))
+        save_checkpoint(path, build_model(len(CLASSES)).eval().state_dict(), meta, {})
+        paths[name] = path
+    return paths
+
+
+def registered_version(checkpoint: Path, server, name: str) -> str:
+    """`checkpoint` logged and registered as the train job registers its best checkpoint,
+    version 1 of model `name` in `server` (a harness.mlflow_server.MLflowServer), with the alias
+    `production`: its URI."""
+    from pipeline.tracking.client import connect
+    from pipeline.tracking.registry import log_best_model
+
+    conn = connect(server.uri, name)
+    run_id = conn.client.create_run(conn.experiment_id).info.run_id
+    log_best_model(conn, run_id, Location.parse(str(checkpoint)), name)
+    conn.client.set_registered_model_alias(name, "production", "1")
+    return f"models:/{name}@production"

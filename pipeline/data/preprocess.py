@@ -106,9 +106,7 @@ def read_source(reader: Reader, item: Item) -> bytes:
         ) from None
 
 
-# Retries cover lost workers and nodes; a shard rewrites only its own files, so a retry is safe.
-@ray.remote(num_cpus=1, max_retries=3)
-def _process_shard(
+def process_shard(
     cfg_dict: dict,
     classes: list[str],
     shard: int,
@@ -128,8 +126,14 @@ def _process_shard(
     return result
 
 
-def preprocess(cfg: PreprocessConfig, *, output: Location) -> Manifest:
-    """Build the dataset at `output` (Ray must be initialised); return its manifest."""
+# Retries cover lost workers and nodes; a shard rewrites only its own files, so a retry is safe.
+_process_shard = ray.remote(num_cpus=1, max_retries=3)(process_shard)
+
+
+def preprocess(cfg: PreprocessConfig, *, output: Location, in_process: bool = False) -> Manifest:
+    """Build the dataset at `output` (Ray must be initialised); return its manifest.
+    `in_process`: the shards one after another in this process, without Ray, for a dataset
+    small enough to need no cluster (the tests' generated datasets)."""
     # With overwrite the newest manifest is not read: it may be the unreadable one to replace.
     existing = None if cfg.overwrite else read_manifest(output)
     if existing and existing.fingerprint == cfg.fingerprint():
@@ -152,7 +156,8 @@ def preprocess(cfg: PreprocessConfig, *, output: Location) -> Manifest:
     # This job writes below data/<version>/ only; its entry in the versions log commits it.
     version = start_version(output)
     try:
-        results = _write_shards(cfg, classes, items, source, output, version)
+        write = _write_shards_here if in_process else _write_shards
+        results = write(cfg, classes, items, source, output, version)
         manifest = _build_manifest(cfg, classes, version, results, total=len(items))
     except BaseException:
         output.child(DATA, version).delete()
@@ -172,8 +177,20 @@ def in_flight_limit(source: Source, cpus: int) -> int | float:
     return max(4, 2 * cpus) if source.reads_on_driver else math.inf
 
 
+def _shards(cfg: PreprocessConfig, items: list[Item]) -> list[list[Item]]:
+    return [items[i : i + cfg.shard_size] for i in range(0, len(items), cfg.shard_size)]
+
+
+def _write_shards_here(cfg, classes, items, source, root: Location, version: str):
+    cfg_dict = cfg.model_dump(mode="json")
+    return [
+        process_shard(cfg_dict, classes, i, shard, source.reader(shard), root, version)
+        for i, shard in enumerate(_shards(cfg, items))
+    ]
+
+
 def _write_shards(cfg, classes, items, source, root: Location, version: str) -> list[ShardResult]:
-    shards = [items[i : i + cfg.shard_size] for i in range(0, len(items), cfg.shard_size)]
+    shards = _shards(cfg, items)
     cfg_dict = cfg.model_dump(mode="json")
     log.info(
         "%d shards of up to %d images (shard_size) as Ray tasks, 1 CPU each; the cluster has "
