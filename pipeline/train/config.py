@@ -1,222 +1,38 @@
-"""The train job's config."""
+"""The train job's config: `TrainConfig`, its top-level settings and the checks across them.
+Its parts are pipeline.train.config_parts, the names its settings take
+pipeline.train.config_names."""
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from pipeline.core.config import AbsolutePathOrURI, StallConfig, Strict, TrackingConfig
+from pipeline.core.config import AbsolutePathOrURI, StallConfig, Strict
 from pipeline.model.config import ModelConfig
+from pipeline.train.config_names import (
+    FIXED_SCORES,
+    PER_CLASS,
+    RESERVED_NAMES,
+    check_augment,
+    check_class_weights,
+    check_loss,
+    check_metric,
+    is_hook,
+    metric_name,
+)
+from pipeline.train.config_parts import (
+    CheckpointConfig,
+    CostConfig,
+    EMAConfig,
+    OptimizerConfig,
+    TrainScalingConfig,
+    TrainTrackingConfig,
+)
 from pipeline.train.input.order import default_partitions
 
-
-class TrainTrackingConfig(TrackingConfig):
-    registered_model: str | None = Field(
-        "ray-cv-classifier",
-        description="Registered model the best checkpoint becomes a version of; null: logged, "
-        "not registered.",
-    )
-
-
 RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=100)]
-
-# The user's own code, as model.name names it: module:function, the module a .py file that ships
-# with the job (dots for folders).
-HOOK = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-# The metrics by name: top-k accuracy (top3_accuracy), macro F1, and each class's recall.
-TOP_K = re.compile(r"^top([1-9]\d*)_accuracy$")
-NAMED_METRICS = ("macro_f1", "per_class_recall")
-PER_CLASS = "per_class_recall"  # a value per class: no score to rank checkpoints by
-PER_CLASS_NAME = "recall"  # what per_class_recall reports as: val_recall/<class>
-# The job's own val_images, val_loss and val_accuracy: no `metrics` entry reports as these.
-RESERVED_NAMES = ("images", "loss", "accuracy")
-# checkpoint.metric's own choices, beside val_<name> of a `metrics` entry.
-FIXED_SCORES = ("val_loss", "val_accuracy", "last")
-
-
-def is_hook(name: str) -> bool:
-    """Whether a setting names the user's own module:function."""
-    return bool(HOOK.match(name))
-
-
-def metric_name(entry: str) -> str:
-    """The name a `metrics` entry reports under (val_<name>): its own, a hook's function, or
-    recall for per_class_recall."""
-    if entry == PER_CLASS:
-        return PER_CLASS_NAME
-    return entry.partition(":")[2] if is_hook(entry) else entry
-
-
-def _loss(value: str | None) -> str | None:
-    if value is not None and not is_hook(value):
-        raise ValueError(
-            "not module:function: give your module and its function, e.g. my_loss:focal (or "
-            "null for cross-entropy)"
-        )
-    return value
-
-
-def _augment(value: str) -> str:
-    if value in AUGMENTS or is_hook(value):
-        return value
-    raise ValueError(
-        f"use {', '.join(AUGMENTS)}, or module:function returning a torchvision v2 transform "
-        "(e.g. my_augment:build)"
-    )
-
-
-def _metric(value: str) -> str:
-    if TOP_K.match(value) or value in NAMED_METRICS or is_hook(value):
-        return value
-    raise ValueError(
-        f"unknown metric {value!r}: use top<k>_accuracy (top3_accuracy), macro_f1, "
-        "per_class_recall, or module:function returning a torchmetrics Metric (my_metrics:f1)"
-    )
-
-
-def _class_weights(value: Any) -> Any:
-    if value is None or value == "balanced":
-        return value
-    if (
-        isinstance(value, list | tuple)
-        and value
-        and all(isinstance(w, int | float) and not isinstance(w, bool) and w > 0 for w in value)
-    ):
-        return [float(w) for w in value]
-    raise ValueError("give balanced (from the train split's counts) or one weight > 0 per class")
-
-
-AUGMENTS = ("random_resized_crop", "crop_flip", "none")
-
-
-class OptimizerConfig(Strict):
-    name: Literal["sgd", "adamw"] = Field("sgd", description="SGD (Nesterov momentum) or AdamW.")
-    lr: float = Field(0.1, gt=0, description="Peak learning rate, for the global batch size.")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum.")
-    weight_decay: float = Field(5e-5, ge=0, description="Weight decay.")
-    schedule: Literal["cosine", "constant"] = Field("cosine", description="Per-epoch LR schedule.")
-    warmup_epochs: int = Field(0, ge=0, description="Epochs of linear warm-up before the schedule.")
-    label_smoothing: float = Field(
-        0.0, ge=0, lt=1, description="Cross-entropy label smoothing (the built-in loss only)."
-    )
-    clip_grad_norm: float | None = Field(
-        None,
-        gt=0,
-        description="Clip the gradients' total norm to this before each step; null: off.",
-    )
-
-
-def _worker_range(value: Any) -> Any:
-    # One error that says what is allowed, rather than one per member of the union.
-    if isinstance(value, bool) or not isinstance(value, int | tuple):
-        raise ValueError("give a number of workers, or [min, max] for elastic training")
-    if isinstance(value, int):
-        if value < 1:
-            raise ValueError(f"{value} workers: at least 1")
-        return value
-    if len(value) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in value):
-        raise ValueError("give [min, max] for elastic training: two numbers, e.g. [1, 4]")
-    if not 1 <= value[0] <= value[1]:
-        raise ValueError("[min, max] needs 1 <= min <= max, e.g. [1, 4]")
-    return value
-
-
-WorkerCount = Annotated[int | tuple[int, ...], BeforeValidator(_worker_range)]
-
-
-class EMAConfig(Strict):
-    enabled: bool = Field(
-        False,
-        description="Keep an exponential moving average of the weights, evaluated and "
-        "checkpointed beside them.",
-    )
-    decay: float = Field(
-        0.99,
-        gt=0,
-        lt=1,
-        description="Weight of the average at each update: it spans about every_steps / "
-        "(1 - decay) steps.",
-    )
-    every_steps: int = Field(4, ge=1, description="Optimizer steps between two updates of the EMA.")
-
-
-class CheckpointConfig(Strict):
-    metric: str = Field(
-        "val_loss",
-        description="What makes a checkpoint best (kept, served, exported, a sweep's score): "
-        "val_loss, val_accuracy, last (the newest epoch), or val_<name> of a `metrics` entry.",
-    )
-    mode: Literal["min", "max"] | None = Field(
-        None,
-        description="Whether the lowest or highest val_<name> is best; null: the metric's own "
-        "(accuracies and F1: max; a hook's Metric: its higher_is_better), which the train job "
-        "records here.",
-    )
-    num_to_keep: int = Field(
-        2, ge=1, description="Best checkpoints kept by `metric` (the latest is kept too)."
-    )
-    every_steps: int | None = Field(
-        None,
-        ge=1,
-        description="Also a checkpoint every N steps inside an epoch, and one at a preemption "
-        "notice, to resume from exactly there (ingest=torch); null: at epoch ends only.",
-    )
-
-
-class CostConfig(Strict):
-    price_per_worker_hour: float | None = Field(
-        None,
-        ge=0,
-        description="What an hour of one training worker costs (its share of a node: the "
-        "node's price over its workers), for each epoch's and the run's `cost`; null: "
-        "worker-hours and GPU-hours only.",
-    )
-    currency: str = Field("USD", description="The price's currency, as the reports name it.")
-
-
-class TrainScalingConfig(Strict):
-    num_workers: WorkerCount = Field(
-        2,
-        description=(
-            "Training workers: a number, or [min, max] for elastic training (fewer when nodes are"
-            " lost, back up when they return)."
-        ),
-    )
-    cpus_per_worker: int = Field(1, ge=1, description="CPUs reserved per worker (torch threads).")
-    use_gpu: bool = Field(False, description="One GPU per worker; mixed precision on it.")
-    loader_workers: int = Field(
-        2, ge=0, description="DataLoader processes per worker that decode and augment images."
-    )
-    startup_timeout_s: float = Field(
-        120,
-        gt=0,
-        description="Seconds one attempt to place the workers waits before it counts as a failure.",
-    )
-    resize_interval_s: float = Field(
-        60,
-        gt=0,
-        description=(
-            "With [min, max] num_workers: seconds between checks for room to grow (a restart from"
-            " the latest checkpoint)."
-        ),
-    )
-
-    @property
-    def min_workers(self) -> int:
-        n = self.num_workers
-        return n if isinstance(n, int) else n[0]
-
-    @property
-    def max_workers(self) -> int:
-        n = self.num_workers
-        return n if isinstance(n, int) else n[1]
-
-    @property
-    def elastic(self) -> bool:
-        return self.min_workers < self.max_workers
 
 
 class TrainConfig(Strict):
@@ -268,7 +84,7 @@ class TrainConfig(Strict):
             "device; JPEG only), auto (gpu on CUDA workers with JPEG datasets)."
         ),
     )
-    augment: Annotated[str, AfterValidator(_augment)] = Field(
+    augment: Annotated[str, AfterValidator(check_augment)] = Field(
         "random_resized_crop",
         description="Train-time augmentation (never val's): random_resized_crop, crop_flip, "
         "none, or module:function(image_size=) returning a v2 transform of uint8 images.",
@@ -297,17 +113,17 @@ class TrainConfig(Strict):
         description="CutMix's alpha; 0: off. With both on, each batch gets one of the two.",
     )
     ema: EMAConfig = EMAConfig()
-    loss: Annotated[str | None, AfterValidator(_loss)] = Field(
+    loss: Annotated[str | None, AfterValidator(check_loss)] = Field(
         None,
         description="module:function(num_classes=, class_weights=) returning the loss, a "
         "callable (logits, targets) -> scalar; null: cross-entropy.",
     )
-    class_weights: Annotated[Any, BeforeValidator(_class_weights)] = Field(
+    class_weights: Annotated[Any, BeforeValidator(check_class_weights)] = Field(
         None,
         description="Weights of the classes in the loss: balanced (train rows / (classes x the "
         "class's rows), from the train split's counts), a list of one per class, or null.",
     )
-    metrics: tuple[Annotated[str, AfterValidator(_metric)], ...] = Field(
+    metrics: tuple[Annotated[str, AfterValidator(check_metric)], ...] = Field(
         (),
         description="Scores of the whole val split per epoch, as val_<name>: top<k>_accuracy, "
         "macro_f1, per_class_recall, or module:function(num_classes=) returning a Metric.",

@@ -23,7 +23,8 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, M
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.data.dataset import Manifest
 from pipeline.model.networks import user_function
-from pipeline.train.config import PER_CLASS, TOP_K, TrainConfig, is_hook, metric_name
+from pipeline.train.config import TrainConfig
+from pipeline.train.config_names import PER_CLASS, TOP_K, is_hook, metric_name
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from pipeline.data.dataset import (
 from pipeline.model.checkpoint import CheckpointMeta, DamagedCheckpoint, ModelInput, read_meta
 from pipeline.model.resume import check_resumable
 from pipeline.model.runs import epoch_of, latest_checkpoint, run_checkpoints
-from pipeline.train.config import TrainConfig, is_hook
+from pipeline.train.config import TrainConfig
+from pipeline.train.config_names import is_hook
 
 log = logging.getLogger(__name__)
 
