@@ -32,7 +32,7 @@ from harness.cluster import BUNDLE_ROOT, LocalCluster
 from pipeline.core.config import load_config
 from pipeline.model.runs import HISTORY_CSV
 from pipeline.tune.config import SweepConfig
-from pipeline.tune.sweep import SWEEP_SUMMARY
+from pipeline.tune.summary import SWEEP_SUMMARY
 
 CONFIG = BUNDLE_ROOT / "configs" / "demo-tune.yaml"
 LRS = (0.003, 0.002, 0.001, 0.0005)

@@ -52,7 +52,7 @@ from pipeline.train.hooks import build_loss, build_metrics, class_weights
 from pipeline.train.input.decoding import augmented
 from pipeline.train.input.device_decode import pick_decode
 from pipeline.train.input.loaders import train_data
-from pipeline.tune import sweep
+from pipeline.tune import sweep, trials
 from pipeline.tune.config import SweepConfig
 
 HOOKS = '''
@@ -423,12 +423,12 @@ def test_a_sweep_ranks_its_trials_by_your_metric_in_its_order(small_dataset, tmp
     mode = sweep._check_inputs(cfg.trial_configs(), root, read_manifest(root).version)
     assert mode == "min"  # MulticlassHammingDistance.higher_is_better is False
     resolved = cfg.with_checkpoint_mode(mode)
-    assert sweep.ranking(resolved.score) == ("val_errors", "min")
+    assert trials.ranking(resolved.score) == ("val_errors", "min")
     assert {c.checkpoint.mode for c in resolved.trial_configs()} == {"min"}
     # A built-in metric needs no resolving: the highest is best.
     builtin = [*given[:4], "train.metrics=[macro_f1]", "train.checkpoint.metric=val_macro_f1"]
     plain = load_config(SweepConfig, BUNDLE_ROOT / "configs" / "demo-tune.yaml", builtin)
-    assert sweep.ranking(plain.score) == ("val_macro_f1", "max")
+    assert trials.ranking(plain.score) == ("val_macro_f1", "max")
 
 
 def test_decode_auto_keeps_your_own_augment_on_the_cpu(small_dataset, tmp_path):

@@ -49,7 +49,7 @@ from pipeline.model.runs import (
 from pipeline.model.trust import PY_MODULES_FILES, check_model_code, py_module_dirs
 from pipeline.serve import app as serve_app
 from pipeline.tracking import pyfunc
-from pipeline.tune import sweep as tune_sweep
+from pipeline.tune import summary as sweep_summary
 from pipeline.tune.config import SweepConfig
 
 CLASSES = ["a", "b", "c"]
@@ -461,19 +461,19 @@ def test_a_diverged_trial_is_not_the_sweeps_best(tmp_path, monkeypatch, caplog):
             raise DivergedRun(run_dir, SCORES["val_loss"], [{"epoch": 0, "val_loss": math.nan}])
         return {"epochs": 2, "best_metrics": {"epoch": 1, "val_loss": scores[trial]}}
 
-    monkeypatch.setattr(tune_sweep, "_run_summary", run_summary)
+    monkeypatch.setattr(sweep_summary, "_run_summary", run_summary)
     results = [
         SimpleNamespace(path=f"{tmp_path}/tune/{t}", config={}, error=None, metrics={})
         for t in ("t_00000", "t_00001", "t_00002")
     ]
-    monkeypatch.setattr(tune_sweep, "latest_checkpoint", lambda run: run)
+    monkeypatch.setattr(sweep_summary, "latest_checkpoint", lambda run: run)
     monkeypatch.setattr(
-        tune_sweep,
+        sweep_summary,
         "read_meta",
         lambda _: SimpleNamespace(history=[{"epoch": 0, "val_loss": 1.0}]),
     )
-    monkeypatch.setattr(tune_sweep, "plot_trials", lambda *_, **__: b"png")
-    summary = tune_sweep.write_summary(
+    monkeypatch.setattr(sweep_summary, "plot_trials", lambda *_, **__: b"png")
+    summary = sweep_summary.write_summary(
         cfg, Location.parse(str(tmp_path)), results, "v", 1.0, tracking=None
     )
     assert (summary["best_trial"], summary["best_score"]) == ("t_00001", 0.7)

@@ -10,7 +10,7 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.tune.config import SweepConfig
-from pipeline.tune.sweep import _param_space, ranking, trials_at_once
+from pipeline.tune.trials import _param_space, ranking, trials_at_once
 
 BASE = ["dataset=/data/d", "storage_path=/data/runs", "name=s"]
 
