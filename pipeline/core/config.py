@@ -292,3 +292,14 @@ def _type_name(annotation: Any) -> str:
     if origin is tuple:
         return f"list of {_type_name(args[0])}"
     return getattr(annotation, "__name__", str(annotation))
+
+
+def flatten_config(config: dict, prefix: str = "") -> dict:
+    """A config as one level of dotted keys (`optimizer.lr`), as overrides name them."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat |= flatten_config(value, f"{prefix}{key}.")
+        else:
+            flat[prefix + key] = value
+    return flat

@@ -15,7 +15,7 @@ from __future__ import annotations
 # does not) from `gcs_state`, as Ray Train does to tell whether its workers can ever be placed.
 from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
 
-# A run's training marker (pipeline.model.runs) names the job that trains it: a job's driver
+# A run's training marker (pipeline.model.run_status) names the job that trains it: a job's driver
 # finds its submission id in the job config that Ray's job supervisor passes it in this
 # variable, as metadata under JOB_ID_METADATA_KEY (below).
 from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR

@@ -12,16 +12,8 @@ from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.data.dataset import committed_versions
 from pipeline.model.checkpoint import METADATA, CheckpointMeta
-from pipeline.model.runs import (
-    RUN_SUMMARY,
-    SNAPSHOT,
-    TRAINING,
-    best_checkpoint,
-    describe_marker,
-    load_result,
-    run_summary,
-    summary_score,
-)
+from pipeline.model.run_status import TRAINING, describe_marker, run_summary
+from pipeline.model.runs import RUN_SUMMARY, SNAPSHOT, best_checkpoint, load_result, summary_score
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import time
 
 from mlflow.entities import Metric
 
+from pipeline.core.config import flatten_config
 from pipeline.core.storage import Location
 from pipeline.data.config import PreprocessConfig
 from pipeline.infer.config import InferConfig
-from pipeline.model.runs import flatten_config
 from pipeline.tracking.client import (
     CHECKPOINT,
     CODE_VERSION,

@@ -22,10 +22,11 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
+from pipeline.core.config import flatten_config
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import read_meta
-from pipeline.model.runs import COST_KEYS, CURVES_PNG, HISTORY_CSV, RUN_SUMMARY, flatten_config
+from pipeline.model.runs import COST_KEYS, CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
 from pipeline.tracking import registry
 from pipeline.tracking.client import (
     CODE_VERSION,

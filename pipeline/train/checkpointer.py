@@ -42,9 +42,9 @@ from pipeline.model.checkpoint import (
     save_checkpoint,
 )
 from pipeline.model.networks import unwrap
+from pipeline.model.resume import check_resumable
 from pipeline.model.runs import (
     STEPS,
-    check_resumable,
     checkpoint_dir_name,
     epoch_of,
     remove_partial_writes,

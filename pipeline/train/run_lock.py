@@ -22,7 +22,7 @@ import ray
 from pipeline.core.errors import ConfigError
 from pipeline.core.job_table import job_running, job_started_ms
 from pipeline.core.storage import Location
-from pipeline.model.runs import job_holder
+from pipeline.model.run_status import job_holder
 
 log = logging.getLogger(__name__)
 

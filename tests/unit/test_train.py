@@ -31,19 +31,16 @@ from pipeline.model import source
 from pipeline.model.checkpoint import ModelInput, save_checkpoint
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import build_model
-from pipeline.model.runs import (
+from pipeline.model.resume import check_resumable, resume_changes
+from pipeline.model.run_status import (
     FINISHED,
     HEARTBEAT_S,
-    RUN_SUMMARY,
-    SNAPSHOT,
     STALE_BEATS,
     TRAINING,
     TrainingMark,
-    check_resumable,
-    checkpoint_dir_name,
-    resume_changes,
     training_since,
 )
+from pipeline.model.runs import RUN_SUMMARY, SNAPSHOT, checkpoint_dir_name
 from pipeline.train import driver, failures, preflight
 from pipeline.train.augment import Augment, batch_mix
 from pipeline.train.config import TrainConfig
@@ -457,7 +454,7 @@ def test_a_run_whose_train_job_stopped_heartbeating_goes_as_it_last_finished(
     assert training_since(run, now=beat + stale_s + 1) is None
     beat -= stale_s + 1
     TrainingMark.hold(run, clock=lambda: beat).release(restore=False)
-    caplog.set_level(logging.WARNING, logger="pipeline.model.runs")
+    caplog.set_level(logging.WARNING, logger="pipeline.model.run_status")
     assert resolve_checkpoint(run).path == str(tmp_path / checkpoint_dir_name(4))
     assert f"(pid {os.getpid()}), training it again since" in caplog.text
     assert "it has ended without finishing, so the run goes as it last finished" in caplog.text
