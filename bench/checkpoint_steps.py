@@ -49,9 +49,9 @@ from pipeline.core.storage import Location, publish_directory
 from pipeline.model.checkpoint import METADATA, CheckpointMeta, save_checkpoint
 from pipeline.model.device import DevicePolicy
 from pipeline.model.networks import build_model
-from pipeline.train.checkpointer import StepWriter, step_dir_name
+from pipeline.model.runs import step_dir_name
 from pipeline.train.epoch import train_one_epoch
-from pipeline.train.saving import Background, Snapshot, publish_checkpoint
+from pipeline.train.saving import Background, Snapshot, StepWriter, publish_checkpoint
 
 CLASSES = 10
 STEP_WAYS = ("none", "worker", "previous")

@@ -174,6 +174,24 @@ class CheckpointMeta(BaseModel):
         return ModelInput(size, self.interpolation, self.mean, self.std)
 
 
+# What metadata.json says of one checkpoint: its place in the run and its metrics. The rest (the
+# network, what it takes, the data, the config) is the run's, the same in each of its checkpoints.
+PLACE = ("epoch", "step", "metrics", "history")
+
+
+def checkpoint_meta(
+    run: dict, metrics: dict, *, history: list[dict], step: int | None = None
+) -> CheckpointMeta:
+    """metadata.json of a checkpoint at the end of epoch `metrics["epoch"]`, or inside it after
+    `step` steps; `run`: the run's fields of CheckpointMeta, those but PLACE; `history`: every
+    epoch's metrics up to it. The one builder, whoever's loop it is: the train job's
+    (pipeline.train.checkpointer) and a loop of the user's own (pipeline.train.api.ModelCard)."""
+    assert not set(run) & set(PLACE), f"a run's fields hold no checkpoint's place: {run.keys()}"
+    return CheckpointMeta(
+        **run, epoch=metrics["epoch"], step=step, metrics=metrics, history=history
+    )
+
+
 def save_checkpoint(
     directory: str | Path,
     weights: dict,

@@ -8,6 +8,9 @@ transfer to storage happen in the thread. One checkpoint of a kind is written at
 next snapshot waits for the write before it, so host memory holds one copy of the state per
 kind (checkpoints inside an epoch, and the epoch's own), and a store slower than the checkpoints
 come holds the loop rather than letting copies pile up.
+
+`StepWriter` is rank 0's writer of the checkpoints inside an epoch (`<run>/steps/`): two kept
+per epoch, those of an epoch gone once its own checkpoint is on storage.
 """
 
 from __future__ import annotations
@@ -17,15 +20,22 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
 import torch
 
 from pipeline.core.storage import Location, new_version, publish_directory
 from pipeline.model.checkpoint import METADATA
+from pipeline.model.runs import STEPS, step_checkpoints, step_dir_name
+
+if TYPE_CHECKING:
+    from pipeline.train.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +138,71 @@ class Background:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.result()
+
+
+KEEP = 2  # step checkpoints per epoch: the newest, and one more should the newest be unreadable
+
+
+class StepWriter:
+    """Rank 0's writer: the state copied in the step loop, written by a thread of its own, one
+    checkpoint at a time."""
+
+    def __init__(self, run_dir: Location, telemetry: Telemetry | None = None):
+        self.run_dir, self.telemetry = run_dir, telemetry
+        self.background = Background("step-checkpoint")
+        self.snapshot = Snapshot()
+        # The epochs whose own checkpoints are on storage, told by Ray's upload thread.
+        self.lock = threading.Lock()
+        self.done_epoch: int | None = None
+
+    def save(self, epoch: int, step: int, state, write: Callable[[Path, object], None]) -> None:
+        """Copy `state` now (after the checkpoint before it is written: its copy is reused);
+        `write(directory, copy)` fills the checkpoint's directory in the background."""
+        began = time.perf_counter()
+        self.background.wait()
+        copied = self.snapshot.take(state)
+        if self.telemetry is not None:
+            self.telemetry.held("step", time.perf_counter() - began)
+        self.background.submit(lambda: self._publish(epoch, step, lambda d: write(d, copied)))
+
+    def _publish(self, epoch: int, step: int, write: Callable[[Path], None]) -> None:
+        began = time.perf_counter()
+        target = self.run_dir.child(STEPS, step_dir_name(epoch, step))
+        publish_checkpoint(target, write)
+        log.info("checkpoint of epoch %d step %d saved: %s", epoch, step, target.uri)
+        if self.telemetry is not None:
+            took = time.perf_counter() - began
+            self.telemetry.checkpointed("step", target.uri, epoch=epoch, step=step, upload_s=took)
+        self.prune(keep=KEEP)
+
+    def wait(self) -> None:
+        """Until the checkpoint being written is on storage; its error, if it failed."""
+        self.background.wait()
+
+    def epoch_done(self, epoch: int) -> None:
+        """Epoch `epoch`'s own checkpoint is on storage: its checkpoints inside it can go (and
+        any of them written later, as they are written)."""
+        with self.lock:
+            self.done_epoch = max(epoch, self.done_epoch if self.done_epoch is not None else -1)
+        self.prune()
+
+    def on_storage(self, epoch: int) -> None:
+        """A restored run's epochs up to `epoch` are done: their checkpoints inside them go with
+        the next prune (not now: the other ranks may be reading the run's checkpoints)."""
+        with self.lock:
+            self.done_epoch = max(epoch, self.done_epoch if self.done_epoch is not None else -1)
+
+    def prune(self, *, keep: int | None = None) -> None:
+        """Remove the checkpoints of epochs whose epoch checkpoints are on storage, and with
+        `keep`, all but the newest `keep` of each other epoch: an epoch whose own checkpoint is
+        still being uploaded keeps its newest beside the next epoch's."""
+        with self.lock:
+            done_epoch = self.done_epoch
+            found = step_checkpoints(self.run_dir)
+            stale = [f for f in found if done_epoch is not None and f[0] <= done_epoch]
+            if keep is not None:
+                for epoch in {f[0] for f in found}:
+                    of_epoch = [f for f in found if f[0] == epoch and f not in stale]
+                    stale += of_epoch[: max(len(of_epoch) - keep, 0)]
+            for *_, directory in stale:
+                directory.delete()

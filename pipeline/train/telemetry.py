@@ -2,7 +2,8 @@
 as Ray metrics, and rank 0's progress, ETA, checkpoints, val scores and cost as Ray metrics, in
 its progress lines and in the run's progress.json, which `status` reads (docs/metrics.md).
 
-`Pace` and `eta_s` are plain arithmetic; `Telemetry` is one rank's, fed by the training loop.
+`Pace` and `eta_s` are plain arithmetic; `Telemetry` is one rank's, fed by the training loop;
+where the loop is (epoch, step, history) it reads from the loop's own LoopState.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pipeline.core.storage import Location
 from pipeline.model.checkpoint import config_score
 from pipeline.train import stall
 from pipeline.train.config import TrainConfig
+from pipeline.train.progress import LoopState
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +128,9 @@ class Telemetry:
         self.status = ProgressWriter(run_dir) if rank == 0 else None
         self.pace = Pace()
         self.cost = EpochCost()
-        self.epoch = self.step = self.steps = 0
+        self.loop = LoopState()  # the loop's position and history, once it starts an epoch
         self.state = "starting"
         self.whole = False  # whether the epoch in progress started at its first step here
-        self.history: list[dict] = []
         self.checkpoint: dict | None = None
         self.last = self.epoch_began = self.logged = self.written = time.perf_counter()
         self.waited, self.images = 0.0, 0  # this attempt's of the epoch so far
@@ -138,25 +139,25 @@ class Telemetry:
 
     # -- fed by the training loop ---------------------------------------------------------------
 
-    def start_epoch(self, epoch: int, steps: int, done: int, history: list[dict]) -> None:
-        """Epoch `epoch` of `steps` steps starts, or goes on after `done` of them (a resume);
-        `history`: the loop's list of finished epochs (LoopState.history), read as it grows."""
+    def start_epoch(self, loop: LoopState) -> None:
+        """The loop's epoch starts, or goes on after the steps a resume found done; `loop`: its
+        position and history, read as they move."""
         now = time.perf_counter()
         if self.state != "starting" and self.whole:  # the last epoch ran whole in this attempt
             self.cost.epochs_s.append(now - self.epoch_began)
-        self.whole = done == 0
-        self.epoch, self.steps, self.step, self.history = epoch, steps, done, history
+        self.whole = loop.step == 0
+        self.loop = loop
         self.last = self.epoch_began = self.logged = now
         self.waited, self.images, self.state = 0.0, 0, "training"
         self._publish_progress()
 
-    def stepped(self, step: int, images: int, waited_s: float) -> None:
-        """After step `step` of the epoch; `images` and `waited_s` this attempt's of the epoch
-        so far on this rank (train_one_epoch's progress callback)."""
+    def stepped(self, images: int, waited_s: float) -> None:
+        """After each step (the loop's position moved on); `images` and `waited_s` this
+        attempt's of the epoch so far on this rank."""
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         self.pace.add(seconds, waited_s - self.waited, images - self.images)
-        self.waited, self.images, self.step = waited_s, images, step
+        self.waited, self.images = waited_s, images
         rank = str(self.rank)
         self.gauges.set("cv_train_images_per_second", self.pace.images_per_s, rank=rank)
         self.gauges.set("cv_train_input_wait_share", self.pace.wait_share, rank=rank)
@@ -164,12 +165,13 @@ class Telemetry:
         if self.rank != 0:
             return
         self._publish_progress()
-        if now - self.logged >= self.cfg.log_every_s and step < self.steps:
+        loop = self.loop
+        if now - self.logged >= self.cfg.log_every_s and loop.step < loop.steps:
             self.logged = now
             log.info(
                 "epoch %d/%d: batch %d/%d, %.1f images/s on this worker, %.0f%% waiting for "
                 "input, ETA %s",
-                *(self.epoch, self.cfg.epochs - 1, step, self.steps, self.pace.images_per_s),
+                *(loop.epoch, self.cfg.epochs - 1, loop.step, loop.steps, self.pace.images_per_s),
                 100 * self.pace.wait_share,
                 duration_text(self.eta_s()),
             )
@@ -222,19 +224,18 @@ class Telemetry:
         price = self.cfg.cost.price_per_worker_hour
         if price is not None:
             cost["cost"] = hours * price
-        self.epoch, self.step = metrics["epoch"] + 1, 0
         return cost
 
     def ended_epoch(self, metrics: dict) -> None:
-        """Epoch `metrics` (with its cost) is in the loop's history now: its scores and the run's
-        cost so far are published."""
+        """Epoch `metrics` (with its cost) is in the loop's history now (LoopState.end_epoch):
+        its scores and the run's cost so far are published."""
         if self.rank != 0:
             return
         for key, value in metrics.items():
             if key.startswith(("val_", "ema_val_")) and "/" not in key and key != "val_images":
                 self.gauges.set("cv_train_val", value, metric=key)
         for key in ("worker_hours", "gpu_hours", "cost"):
-            self.gauges.set(f"cv_train_{key}", _sum(self.history, key))
+            self.gauges.set(f"cv_train_{key}", _sum(self.loop.history, key))
         self._publish_progress(force=True)
 
     def close(self, state: str) -> None:
@@ -248,33 +249,36 @@ class Telemetry:
     # -- what it tells ---------------------------------------------------------------------------
 
     def eta_s(self) -> float | None:
-        if not self.pace or not self.steps:
+        loop = self.loop
+        if not self.pace or not loop.steps:
             return None
-        if self.epoch >= self.cfg.epochs:
+        if loop.epoch >= self.cfg.epochs:
             return 0.0
         train, val = self.rows.get("train", 0), self.rows.get("val", 0)
-        estimate = val / max(train, 1) * self.steps * self.pace.step_s * EVAL_SHARE
+        estimate = val / max(train, 1) * loop.steps * self.pace.step_s * EVAL_SHARE
         left = eta_s(
-            epoch=self.epoch,
+            epoch=loop.epoch,
             epochs=self.cfg.epochs,
-            step=self.step,
-            steps=self.steps,
+            step=loop.step,
+            steps=loop.steps,
             step_s=self.pace.step_s,
             cost=self.cost,
             eval_estimate_s=estimate,
         )
-        if self.state == "evaluating" and self.eval_began is not None and self.step >= self.steps:
+        if self.state == "evaluating" and self.eval_began is not None and loop.step >= loop.steps:
             left -= min(time.perf_counter() - self.eval_began, self.cost.eval_s or estimate)
         return max(left, 0.0)
 
     def progress(self) -> float:
-        total = self.cfg.epochs * max(self.steps, 1)
-        done = min(self.epoch, self.cfg.epochs) * max(self.steps, 1) + self.step
+        loop = self.loop
+        total = self.cfg.epochs * max(loop.steps, 1)
+        done = min(loop.epoch, self.cfg.epochs) * max(loop.steps, 1) + loop.step
         return min(done / total, 1.0)
 
     def record(self) -> dict:
         """Rank 0's progress record (progress.json)."""
-        best = _best(self.history, self.score)
+        loop, history = self.loop, self.loop.history
+        best = _best(history, self.score)
         pace = self.pace
         return {
             "kind": "train",
@@ -282,10 +286,10 @@ class Telemetry:
             "name": self.cfg.name,
             "job_id": self.job_id,
             "state": self.state,
-            "epoch": min(self.epoch, self.cfg.epochs - 1),
+            "epoch": min(loop.epoch, self.cfg.epochs - 1),
             "epochs": self.cfg.epochs,
-            "step": self.step if self.epoch < self.cfg.epochs else self.steps,
-            "steps": self.steps,
+            "step": loop.step if loop.epoch < self.cfg.epochs else loop.steps,
+            "steps": loop.steps,
             "progress": round(self.progress(), 4),
             "workers": self.world,
             # All workers' together: each takes the same share of every step.
@@ -295,9 +299,9 @@ class Telemetry:
             "eta_s": None if (eta := self.eta_s()) is None else round(eta, 1),
             "last_checkpoint": self.checkpoint,
             "best": best,
-            "worker_hours": _sum(self.history, "worker_hours"),
-            "gpu_hours": _sum(self.history, "gpu_hours"),
-            "cost": _sum(self.history, "cost") if self.cfg.cost.price_per_worker_hour else None,
+            "worker_hours": _sum(history, "worker_hours"),
+            "gpu_hours": _sum(history, "gpu_hours"),
+            "cost": _sum(history, "cost") if self.cfg.cost.price_per_worker_hour else None,
             "currency": self.cfg.cost.currency,
             "started_at": self.started_at,
         }
@@ -305,11 +309,11 @@ class Telemetry:
     def _publish_progress(self, *, force: bool = False) -> None:
         if self.rank != 0:
             return
-        g = self.gauges
-        g.set("cv_train_epoch", min(self.epoch, self.cfg.epochs - 1))
+        g, loop = self.gauges, self.loop
+        g.set("cv_train_epoch", min(loop.epoch, self.cfg.epochs - 1))
         g.set("cv_train_epochs", self.cfg.epochs)
-        g.set("cv_train_step", self.step)
-        g.set("cv_train_steps", self.steps)
+        g.set("cv_train_step", loop.step)
+        g.set("cv_train_steps", loop.steps)
         g.set("cv_train_progress", self.progress())
         g.set("cv_train_eta_seconds", self.eta_s())
         now = time.perf_counter()

@@ -15,24 +15,22 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import ray.train
-import ray.train.torch
 import torch
 import torch.distributed as dist
 
 from pipeline.core.config import validate_config
 from pipeline.core.logs import quiet_train_reports, setup_logging
 from pipeline.core.progress import duration_text
-from pipeline.core.storage import Location
 from pipeline.core.tracking import EpochSink
-from pipeline.data.dataset import Manifest, read_manifest
+from pipeline.data.dataset import read_manifest
 from pipeline.model.checkpoint import ModelInput
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.model.networks import batchnorm_layers, build_model, unwrap
 from pipeline.train import stall
 from pipeline.train.augment import Augment, batch_mix
-from pipeline.train.checkpointer import Checkpointer, State
+from pipeline.train.checkpointer import Checkpointer
 from pipeline.train.config import TrainConfig, is_hook
+from pipeline.train.context import RayContext, RunContext
 from pipeline.train.epoch import (
     StepRecipe,
     all_reduce,
@@ -45,46 +43,48 @@ from pipeline.train.input.device_decode import pick_decode
 from pipeline.train.input.loaders import EpochLoader, epoch_layout, train_data, val_data
 from pipeline.train.optim import OptimState
 from pipeline.train.progress import LoopState
+from pipeline.train.run import TrainRun
+from pipeline.train.state import State
 from pipeline.train.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-CPU = torch.device("cpu")
-
 
 @dataclass
-class Worker:
-    """What one worker holds for the whole run: the config, the data and the run's place, and
-    this rank's place and device."""
+class Worker(TrainRun):
+    """What one worker holds for the whole run: the run it trains, and its context (its rank,
+    device and runner), its device policy, tracking and telemetry."""
 
-    cfg: TrainConfig
-    dataset: Location
-    run_dir: Location
-    manifest: Manifest
-    inputs: ModelInput  # what the network takes: its size and normalisation (the driver's)
-    rank: int
-    world: int
-    device: torch.device = CPU
+    context: RunContext | None = None
     policy: DevicePolicy | None = None
     tracking: EpochSink | None = None  # where rank 0 logs each epoch, if the run is tracked
     telemetry: Telemetry | None = None  # what this rank tells while it runs
 
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world(self) -> int:
+        return self.context.world
+
+    @property
+    def device(self) -> torch.device:
+        return self.context.device
+
     @classmethod
-    def start(cls, config: dict) -> Worker:
+    def start(cls, config: dict, context: RunContext) -> Worker:
         """This rank's, from the train loop's `config`: the TrainConfig as a plain dict, the
         dataset's and the run's Locations, parsed once on the driver, and the dataset version."""
         cfg = validate_config(TrainConfig, config["config"])
-        ctx = ray.train.get_context()
         # The version the driver pinned, whatever was committed since: through worker restarts
         # and resizes every rank reads the same data.
         manifest = read_manifest(config["dataset"], config["dataset_version"])
-        device = ray.train.torch.get_device()
         inputs: ModelInput = config["model_input"]
-        policy = DevicePolicy.for_input(device, pick_precision(cfg.precision, device), inputs)
-        rank, world = ctx.get_world_rank(), ctx.get_world_size()
-        tracking = config.get("tracking")
-        w = cls(cfg, config["dataset"], config["run_dir"], manifest, inputs, rank, world)
-        w.device, w.policy, w.tracking = device, policy, tracking
+        device, rank, world = context.device, context.rank, context.world
+        w = cls(cfg, config["dataset"], config["run_dir"], manifest, inputs, context)
+        w.policy = DevicePolicy.for_input(device, pick_precision(cfg.precision, device), inputs)
+        w.tracking = config.get("tracking")
         w.telemetry = Telemetry(
             cfg,
             rank=rank,
@@ -97,55 +97,64 @@ class Worker:
         if rank == 0:
             log.info(
                 "%d workers on %s, precision %s (precision=%s), %d images per worker batch",
-                *(world, device.type, policy.precision, cfg.precision),
+                *(world, device.type, w.policy.precision, cfg.precision),
                 cfg.batch_size_per_worker(world),
             )
         return w
 
 
-def train_loop_per_worker(config: dict) -> None:
-    """What each Ray Train worker runs (`config`: see Worker.start)."""
-    setup_logging()
-    quiet_train_reports()
-    w = Worker.start(config)
-    cfg, classes = w.cfg, w.manifest.classes
-    checkpointer = Checkpointer(w)
-    torch.manual_seed(cfg.seed)
+def train_loop_per_worker(config: dict, context: RunContext | None = None) -> None:
+    """What each Ray Train worker runs (`config`: see Worker.start), in Ray's run context; or
+    in this process with `context` (pipeline.train.context.LocalContext)."""
+    if context is None:
+        setup_logging()
+        quiet_train_reports()
+        context = RayContext()
+    w = Worker.start(config, context)
+    checkpointer = Checkpointer(w, context, telemetry=w.telemetry, tracking=w.tracking)
+    torch.manual_seed(w.cfg.seed)
     # A resumed run's weights come from its checkpoint: no need to fetch the initial ones.
-    model = build(w, weights=None if checkpointer.resuming() else cfg.model.weights)
-    optim = OptimState(model, cfg, precision=w.policy.precision, device=w.device)
+    model = build(w, weights=None if checkpointer.resuming() else w.cfg.model.weights)
+    optim = OptimState(model, w.cfg, precision=w.policy.precision, device=w.device)
     train_loader, val_loader = loaders(w)
     state = State(model, optim, LoopState(), train_loader)
     checkpointer.restore(state)
+    log_start(w, state.loop.epoch)
+    train_epochs(w, state, checkpointer, val_loader)
+    checkpointer.close()
+    w.telemetry.close("finished")
+
+
+def train_epochs(w: Worker, state: State, checkpointer: Checkpointer, val_loader) -> None:
+    """From the epoch `state` is at to the last: train, evaluate, save."""
+    cfg, classes, telemetry, optim = w.cfg, w.manifest.classes, w.telemetry, state.optim
     criterion = build_loss(cfg, w.manifest, w.device)
     mix = batch_mix(
         mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, num_classes=len(classes)
     )
     scores = (lambda: build_metrics(cfg, len(classes))) if cfg.metrics else None
-    log_start(w, state.loop.epoch)
-    telemetry = w.telemetry
     for epoch in range(state.loop.epoch, cfg.epochs):
         state.start_epoch(epoch)
         stall.at_epoch(epoch, state.loop.step)
-        telemetry.start_epoch(epoch, len(train_loader), state.loop.step, state.loop.history)
+        telemetry.start_epoch(state.loop)
         t = train_one_epoch(
-            model,
-            train_loader,
+            state.model,
+            state.loader,
             optim.optimizer,
             criterion,
             policy=w.policy,
             scaler=optim.scaler,
-            progress=telemetry.stepped,
+            progress=stepped(state, telemetry),
             recipe=step_recipe(w, mix, optim, epoch),
             start=state.loop.step,
             after_step=noting_steps(checkpointer.after_step),
         )
-        broadcast_buffers(unwrap(model))
+        broadcast_buffers(unwrap(state.model))
         if optim.ema is not None:
             broadcast_buffers(optim.ema.module)  # each rank averaged its own BatchNorm statistics
         telemetry.evaluating()
         v = evaluate(
-            unwrap(model),
+            unwrap(state.model),
             val_loader,
             policy=w.policy,
             num_classes=len(classes),
@@ -157,12 +166,21 @@ def train_loop_per_worker(config: dict) -> None:
         telemetry.evaluated()
         metrics = epoch_metrics(w, state, t, v)
         state.end_epoch(metrics)
+        log_epoch(w, state, metrics)
         checkpointer.save_epoch(metrics)
         stall.progressed("checkpoint")
         stall.progressed("epoch")
         telemetry.ended_epoch(metrics)
-    checkpointer.close()
-    telemetry.close("finished")
+
+
+def stepped(state: State, telemetry: Telemetry) -> Callable:
+    """train_one_epoch's `progress`: the loop's position moves on, then the telemetry tells."""
+
+    def progress(step: int, images: int, waited_s: float) -> None:
+        state.loop.advance(step)
+        telemetry.stepped(images, waited_s)
+
+    return progress
 
 
 def noting_steps(after_step: Callable) -> Callable:
@@ -187,7 +205,7 @@ def build(w: Worker, *, weights: str | None) -> torch.nn.Module:
         bn_momentum=m.bn_momentum,
         bn_eps=m.bn_eps,
     )
-    model = ray.train.torch.prepare_model(w.policy.prepare(model))  # to the device, then DDP
+    model = w.context.prepare_model(w.policy.prepare(model))  # to the device, then DDP
     if w.cfg.compile:
         # Around DDP, as PyTorch advises; checkpoints hold the bare model's state_dict (unwrap).
         model = torch.compile(model)
@@ -209,7 +227,7 @@ def step_recipe(w: Worker, mix: Callable | None, optim: OptimState, epoch: int) 
 
 def epoch_metrics(w: Worker, state: State, t: dict, v: dict) -> dict:
     """The epoch's metrics over all ranks (a collective: every rank calls it), with what the
-    epoch's steps before this attempt added up to (a resume inside it); rank 0 logs them."""
+    epoch's steps before this attempt added up to (a resume inside it)."""
     carried = state.loop.carried
     loss_sum, images = all_reduce([t["loss_sum"], t["images"]], device=w.device)
     loss_sum, images = loss_sum + carried["loss_sum"], images + carried["images"]
@@ -239,19 +257,23 @@ def epoch_metrics(w: Worker, state: State, t: dict, v: dict) -> dict:
         "dataset_version": w.manifest.version,  # changes only where the run was told to switch
     }
     # Its worker-hours, GPU-hours and cost: the workers' time on it, resumed parts included.
-    m |= w.telemetry.end_epoch(m, carried_s=carried["seconds"])
-    if w.rank == 0:
-        left = w.telemetry.eta_s() if m["epoch"] + 1 < w.cfg.epochs else None
-        log.info(
-            "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f "
-            "images/s, %.0f%% of the time waiting for input, %.3g worker-hours%s",
-            *(m["epoch"], w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m["val_accuracy"]),
-            scores_text(m),
-            *(m["lr"], m["images_per_s"], 100 * m["input_wait_share"], m["worker_hours"]),
-            f", ETA {duration_text(left)}" if left is not None else "",
-        )
-        warn_if_at_chance(m, len(w.manifest.classes), unwrap(state.model))
-    return m
+    return m | w.telemetry.end_epoch(m, carried_s=carried["seconds"])
+
+
+def log_epoch(w: Worker, state: State, m: dict) -> None:
+    """Rank 0's line on the epoch `m` just ended (`State.end_epoch`), with the run's ETA."""
+    if w.rank != 0:
+        return
+    left = w.telemetry.eta_s() if m["epoch"] + 1 < w.cfg.epochs else None
+    log.info(
+        "epoch %d/%d: train_loss %.4f val_loss %.4f val_accuracy %.4f%s lr %.3g %.1f "
+        "images/s, %.0f%% of the time waiting for input, %.3g worker-hours%s",
+        *(m["epoch"], w.cfg.epochs - 1, m["train_loss"], m["val_loss"], m["val_accuracy"]),
+        scores_text(m),
+        *(m["lr"], m["images_per_s"], 100 * m["input_wait_share"], m["worker_hours"]),
+        f", ETA {duration_text(left)}" if left is not None else "",
+    )
+    warn_if_at_chance(m, len(w.manifest.classes), unwrap(state.model))
 
 
 # The epoch's numbers that are not scores of the val split, and those the log line shows first.

@@ -24,7 +24,7 @@ from helpers import (
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
-from pipeline.train.checkpointer import STEPS
+from pipeline.model.runs import STEPS
 
 pytestmark = pytest.mark.xdist_group("head_and_two_nodes")  # its costly fixture, made once
 

@@ -26,7 +26,7 @@ from harness.cluster import NODE_JOIN_TIMEOUT_S, LocalCluster
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import WEIGHTS
-from pipeline.train.checkpointer import STEPS, step_checkpoints, step_dir_name
+from pipeline.model.runs import STEPS, step_checkpoints, step_dir_name
 
 pytestmark = pytest.mark.xdist_group("head_and_two_nodes")  # its costly fixture, made once
 

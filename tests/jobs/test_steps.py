@@ -9,13 +9,11 @@ import logging
 import shutil
 import threading
 import uuid
+from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import ray
-import ray.train
 import torch
 from helpers import armed_runtime_env, held_worker, history, in_background, kill_worker, train_job
 
@@ -29,28 +27,29 @@ from pipeline.model.checkpoint import (
     METADATA,
     WEIGHTS,
     ModelInput,
+    checkpoint_meta,
     load_train_state,
     load_weights,
     read_meta,
     save_checkpoint,
 )
 from pipeline.model.networks import build_model
-from pipeline.model.runs import checkpoint_dir_name, latest_step_checkpoint
-from pipeline.train.checkpointer import (
+from pipeline.model.runs import (
     STEPS,
-    Checkpointer,
-    State,
-    StepWriter,
-    checkpoint_meta,
+    checkpoint_dir_name,
+    latest_step_checkpoint,
     step_checkpoints,
     step_dir_name,
 )
+from pipeline.train.checkpointer import Checkpointer, recorded
 from pipeline.train.config import TrainConfig
+from pipeline.train.context import LocalContext
 from pipeline.train.input.loaders import EpochLoader, epoch_layout
 from pipeline.train.optim import OptimState
 from pipeline.train.progress import LoopState
-from pipeline.train.saving import Snapshot, publish_checkpoint
-from pipeline.train.worker import Worker
+from pipeline.train.run import TrainRun
+from pipeline.train.saving import Snapshot, StepWriter, publish_checkpoint
+from pipeline.train.state import State
 
 EVERY = 4
 # Two workers of two loader processes each; MixUp and an EMA, whose draws and state a resume
@@ -183,13 +182,20 @@ def test_a_writer_that_fails_says_so_at_the_next_save(tmp_path):
         writer.wait()
 
 
+@dataclass
+class Worker(TrainRun):
+    """A run, trained by `world` workers."""
+
+    world: int = 1
+
+
 def worker(tiny_dataset, run_dir: Location, world: int, overrides=("scaling.loader_workers=0",)):
     required = [f"dataset={tiny_dataset}", f"storage_path={run_dir.parent.uri}"]
     cfg = load_config(TrainConfig, None, [*required, "model.name=resnet18", *overrides])
     root = Location.parse(str(tiny_dataset))
     manifest = read_manifest(root)
     inputs = ModelInput(manifest.image_size, "bilinear", manifest.mean, manifest.std)
-    return Worker(cfg, root, run_dir, manifest, inputs, rank=0, world=world)
+    return Worker(cfg, root, run_dir, manifest, inputs, world=world)
 
 
 class Stream:
@@ -230,7 +236,7 @@ def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_goes_on_at_its_step
 
     def step_checkpoint(epoch: int, step: int) -> None:
         metrics = {"epoch": epoch, "step": step, "workers": 2}
-        meta = checkpoint_meta(taken, metrics, history=[{"epoch": 0}], step=step)
+        meta = checkpoint_meta(recorded(taken), metrics, history=[{"epoch": 0}], step=step)
         directory = tmp_path / "r" / STEPS / step_dir_name(epoch, step)
         directory.mkdir(parents=True)
         save_checkpoint(directory, model.state_dict(), meta, state)
@@ -277,7 +283,7 @@ def test_a_resume_takes_the_step_checkpoint_of_its_epoch_and_goes_on_at_its_step
 
 def newest(w: Worker) -> Location | None:
     """The checkpoint a restore of `w` tries first."""
-    return next(Checkpointer(w).candidates(), None)
+    return next(Checkpointer(w, LocalContext(world=w.world)).candidates(), None)
 
 
 def test_an_epoch_checkpoint_resumes_at_the_next_epochs_start(tiny_dataset, tmp_path):
@@ -290,7 +296,7 @@ def test_an_epoch_checkpoint_resumes_at_the_next_epochs_start(tiny_dataset, tmp_
     loader.step = 12  # the epoch's steps, yielded
     state.end_epoch({"epoch": 0, "val_loss": 1.0})
     assert optim.scheduler.last_epoch == 1
-    meta = checkpoint_meta(w, {"epoch": 0}, history=state.loop.history)
+    meta = checkpoint_meta(recorded(w), {"epoch": 0}, history=state.loop.history)
     weights, train_state, _ = state.files()
     save_checkpoint(tmp_path, weights, meta, train_state)
     state_now = resumed(w, Location.parse(str(tmp_path)))
@@ -298,31 +304,6 @@ def test_an_epoch_checkpoint_resumes_at_the_next_epochs_start(tiny_dataset, tmp_
     assert state_now.loop.history == [{"epoch": 0, "val_loss": 1.0}]
     assert state_now.loader.stream.asked == (1, 0)
     assert state_now.optim.scheduler.last_epoch == 1
-
-
-class RayRecord:
-    """Stands in for Ray Train's worker API in `Checkpointer.restore`: Ray's latest checkpoint
-    (`latest`, a directory name) and the reports made."""
-
-    Checkpoint = ray.train.Checkpoint
-
-    def __init__(self, run_dir: Location, latest: str | None = None):
-        self.run_dir, self.latest, self.reports = run_dir, latest, []
-
-    def get_checkpoint(self):
-        return ray.train.Checkpoint(self.run_dir.child(self.latest).path) if self.latest else None
-
-    def report(self, metrics, checkpoint=None, checkpoint_dir_name=None, **options):
-        upload = options.get("checkpoint_upload_fn")
-        recorded = upload(checkpoint, checkpoint_dir_name).path if upload else None
-        self.reports.append((metrics["epoch"], recorded))
-
-    def get_context(self):
-        storage = SimpleNamespace(
-            build_checkpoint_path_from_name=lambda name: self.run_dir.child(name).path,
-            storage_filesystem=self.run_dir.fs,
-        )
-        return SimpleNamespace(get_storage=lambda: storage)
 
 
 NO_TOTALS = {"loss_sum": 0.0, "images": 0, "seconds": 0.0}
@@ -351,23 +332,29 @@ def run_of_checkpoints(w: Worker, *taken: tuple[int, int | None]) -> dict[tuple,
         )
         directory = Path(w.run_dir.path) / name
         directory.mkdir(parents=True)
-        meta = checkpoint_meta(w, metrics, history=history, step=step)
+        meta = checkpoint_meta(recorded(w), metrics, history=history, step=step)
         save_checkpoint(directory, model.state_dict(), meta, state)
         written[(epoch, step)] = directory
     return written
 
 
-def restored(w: Worker) -> State:
+def restored(w: Worker, record: LocalContext) -> State:
+    """A fresh state of `w`'s, restored by the checkpointer; `record`: the runner's record."""
     model = build_model(len(w.manifest.classes))
     optim = OptimState(model, w.cfg, precision="fp32", device=torch.device("cpu"))
     loader = EpochLoader([], Stream(), layout=epoch_layout(w.cfg, w.world))
     state = State(model, optim, LoopState(), loader)
-    Checkpointer(w).restore(state)
+    Checkpointer(w, record).restore(state)
     return state
 
 
+def reported(record: LocalContext) -> list[tuple[int, str | None]]:
+    """The epochs reported to `record`, each with the checkpoint's path (None: without one)."""
+    return [(m["epoch"], c.path if c is not None else None) for m, c in record.reports]
+
+
 def test_a_resume_goes_on_from_the_newest_checkpoint_on_storage_and_brings_rays_record_in_line(
-    tiny_dataset, tmp_path, monkeypatch, caplog
+    tiny_dataset, tmp_path, caplog
 ):
     """Epoch 0's checkpoint is on storage but not in Ray's record (its upload had not returned
     when rank 0 was lost); the loop trained on into epoch 1 and wrote its step-10 and step-20
@@ -380,31 +367,30 @@ def test_a_resume_goes_on_from_the_newest_checkpoint_on_storage_and_brings_rays_
     partial = tmp_path / "r" / STEPS / f".{step_dir_name(1, 30)}.tmp-20261129T120000-1a2b3c4d"
     partial.mkdir()
     (partial / WEIGHTS).write_bytes(b"half a file")
-    record = RayRecord(run_dir)
-    monkeypatch.setattr(ray, "train", record)
+    record = LocalContext()
 
     with caplog.at_level(logging.INFO, logger="pipeline.train.checkpointer"):
-        state = restored(w)
+        state = restored(w, record)
     # Epoch 1 goes on after its step 10: the damaged step-20 checkpoint gives way, said so.
     assert (state.loop.epoch, state.loop.step) == (1, 10)
     assert all(torch.all(p == 3) for p in state.model.parameters())
     assert f"{cut.as_posix()} is damaged" in caplog.text
     assert "resuming from the run's checkpoint before it" in caplog.text
     # Ray records epoch 0's checkpoint where it is, with its metrics; the kill's copy is gone.
-    assert record.reports == [(0, str(written[(0, None)]))]
+    assert reported(record) == [(0, str(written[(0, None)]))]
     assert not partial.exists()
     assert written[(1, 10)].exists() and written[(0, 40)].exists()  # pruned by the next save
 
     # Ray's record has caught up: nothing more to record on the next restore.
-    record.latest, record.reports = "epoch_0000", []
-    state = restored(w)
+    record = LocalContext(recorded=run_dir.child("epoch_0000").path)
+    state = restored(w, record)
     assert (state.loop.epoch, state.loop.step) == (1, 10) and record.reports == []
 
     # Every checkpoint damaged: the run is not trained again from scratch without a word.
     for directory in written.values():
         (directory / WEIGHTS).write_bytes(b"not a torch file")
     with pytest.raises(InputError, match=r"has checkpoints, and none of them reads"):
-        restored(w)
+        restored(w, LocalContext())
 
 
 @pytest.fixture(scope="module")

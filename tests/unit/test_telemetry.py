@@ -15,6 +15,7 @@ from pipeline.core.progress import PROGRESS, ProgressWriter, duration_text, read
 from pipeline.core.storage import Location
 from pipeline.infer.telemetry import held_batch, stall_limit_s, thread_stacks
 from pipeline.train.config import TrainConfig
+from pipeline.train.progress import LoopState
 from pipeline.train.telemetry import EpochCost, Pace, Telemetry, eta_s
 
 
@@ -52,14 +53,19 @@ def test_duration_text():
     assert [duration_text(s) for s in (None, 4.4, 200, 7500)] == ["?", "4s", "3m20s", "2h05m"]
 
 
-def feed(t: Telemetry, epoch: int, steps: int, *, step_s: float, images: int = 8) -> None:
-    t.start_epoch(epoch, steps, 0, t.history)  # the loop's history, as the worker passes it
+def feed(
+    t: Telemetry, loop: LoopState, epoch: int, steps: int, *, step_s: float, images: int = 8
+) -> None:
+    """Epoch `epoch` of `steps` steps of `step_s` each, as the loop moves `loop` through it."""
+    loop.start_epoch(epoch, steps)
+    t.start_epoch(loop)
     waited = 0.0
     for step in range(1, steps + 1):
         t.last -= step_s  # as if the step took step_s
         t.logged -= step_s
         waited += step_s / 4
-        t.stepped(step, step * images, waited)
+        loop.advance(step)
+        t.stepped(step * images, waited)
 
 
 def test_a_run_reports_its_progress_eta_cost_and_best(tmp_path, caplog):
@@ -75,7 +81,8 @@ def test_a_run_reports_its_progress_eta_cost_and_best(tmp_path, caplog):
         rows={"train": 160, "val": 40},
     )
     caplog.set_level(logging.INFO, logger="pipeline.train.telemetry")
-    feed(t, 0, 10, step_s=0.5)
+    loop = LoopState()
+    feed(t, loop, 0, 10, step_s=0.5)
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith("epoch 0/2: batch 1/10, 16.0 images/s on this worker, 25% waiting")
     assert "ETA" in lines[0] and len(lines) == 9  # none after the last step: the epoch line says
@@ -91,19 +98,19 @@ def test_a_run_reports_its_progress_eta_cost_and_best(tmp_path, caplog):
     assert metrics["worker_hours"] == pytest.approx(2.0, abs=0.01)  # 2 workers, 1 h each
     assert metrics["gpu_hours"] == metrics["worker_hours"]
     assert metrics["cost"] == pytest.approx(2 * metrics["worker_hours"])
-    t.history.append(metrics)  # as LoopState.end_epoch does
+    loop.end_epoch(metrics)
     t.ended_epoch(metrics)
     values = t.gauges.values()
     assert values["cv_train_val{metric=val_accuracy}"] == 0.5
     assert values["cv_train_epoch"] == 1 and values["cv_train_progress"] == pytest.approx(1 / 3)
     assert values["cv_train_worker_hours"] == pytest.approx(2.0, abs=0.01)
     assert values["cv_train_images_per_second{rank=0}"] == pytest.approx(16.0, rel=0.01)
-    feed(t, 1, 10, step_s=0.5)
+    feed(t, loop, 1, 10, step_s=0.5)
     t.checkpointed("epoch", "file:///x/checkpoint_000000", epoch=0, step=None, upload_s=0.2)
     t.evaluating()
     t.evaluated()
     last = {"epoch": 1, "val_loss": 0.7, "val_accuracy": 0.75} | t.end_epoch({"epoch": 1}, 0)
-    t.history.append(last)
+    loop.end_epoch(last)
     t.ended_epoch(last)
     t.close("finished")
     written = read_progress(run_dir)
@@ -120,7 +127,7 @@ def test_only_rank_0_writes_progress(tmp_path):
     t = Telemetry(
         config(), rank=1, world=2, run_dir=run_dir, job_id="j", gpus_per_worker=0, rows={}
     )
-    feed(t, 0, 3, step_s=0.1)
+    feed(t, LoopState(), 0, 3, step_s=0.1)
     t.close("finished")
     assert read_progress(run_dir) is None
     assert set(t.gauges.values()) == {
@@ -168,9 +175,12 @@ def test_step_time_is_wall_time_between_steps(tmp_path):
         gpus_per_worker=0,
         rows={},
     )
-    t.start_epoch(0, 3, 0, [])
+    loop = LoopState()
+    loop.start_epoch(0, 3)
+    t.start_epoch(loop)
     time.sleep(0.05)
-    t.stepped(1, 4, 0.0)
+    loop.advance(1)
+    t.stepped(4, 0.0)
     assert t.pace.step_s >= 0.05
     t.close("finished")
 
