@@ -456,6 +456,16 @@ class OneWorker:
         train_loop_per_worker(worker_config(cfg, inputs, self.run_dir), self.context)
 
 
+def loop_here(cfg: TrainConfig, run_dir: Path, context) -> None:
+    """train_loop_per_worker of `cfg`'s run at `run_dir` in this process, in the run context
+    `context`, the network fed at its dataset's stored size."""
+    from pipeline.train.worker import train_loop_per_worker
+
+    manifest = read_manifest(Location.parse(cfg.dataset))
+    inputs = ModelInput(manifest.image_size, "bilinear", manifest.mean, manifest.std)
+    train_loop_per_worker(worker_config(cfg, inputs, run_dir), context)
+
+
 def worker_config(cfg: TrainConfig, inputs: ModelInput, run_dir: Path) -> dict:
     """train_loop_per_worker's `config` for `cfg`'s run at `run_dir`, as the driver builds it."""
     dataset = Location.parse(cfg.dataset)

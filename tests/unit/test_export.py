@@ -57,8 +57,7 @@ def trained(small_dataset, tmp_path_factory):
             cfg = small_run_config(small_dataset, storage, "epochs=1", *ARCHITECTURES[name])
             root = Location.parse(str(small_dataset))
             inputs = preflight.check_model(cfg, read_manifest(root), root)
-            with pytest.MonkeyPatch.context() as monkeypatch:
-                OneWorker(monkeypatch, storage / "run").run(cfg, inputs)
+            OneWorker(storage / "run").run(cfg, inputs)
             checkpoints[name] = Location.parse(str(storage / "run" / checkpoint_dir_name(0)))
         return checkpoints[name]
 

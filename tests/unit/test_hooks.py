@@ -208,7 +208,7 @@ def test_hooks_train_report_rank_and_the_checkpoint_loads_without_them(
     import my_hooks
 
     my_hooks.CALLS.update(loss=0, augment=0)  # the driver's check called each once
-    run = OneWorker(monkeypatch, storage / "run")
+    run = OneWorker(storage / "run")
     run.run(cfg, inputs)
     # The loss trained every step, and the augmentation every image a step trained.
     steps = math.ceil(manifest.splits["train"].rows / 8)

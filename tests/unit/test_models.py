@@ -79,7 +79,7 @@ MODELS = [pytest.param(s, name in FROM_FILE, id=name) for name, s in ARCHITECTUR
 
 @pytest.mark.parametrize(("settings", "from_file"), MODELS)
 def test_a_model_trains_resumes_and_infers_as_in_memory(
-    small_dataset, tmp_path, monkeypatch, settings, from_file
+    small_dataset, tmp_path, settings, from_file
 ):
     storage = tmp_path / "runs"
     cfg = small_run_config(small_dataset, storage, "epochs=1", *settings)
@@ -99,7 +99,7 @@ def test_a_model_trains_resumes_and_infers_as_in_memory(
     inputs = preflight.check_model(cfg, manifest, root)
     assert inputs.image_size == (16 if name == "timm/test_vit" else 32)
 
-    run = OneWorker(monkeypatch, storage / "run")
+    run = OneWorker(storage / "run")
     run.run(cfg, inputs)
     first = run.run_dir / checkpoint_dir_name(0)
     meta = read_meta(Location.parse(str(first)))
