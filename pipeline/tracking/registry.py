@@ -79,41 +79,63 @@ def log_best_model(
 ) -> None:
     """Log `checkpoint` as a model of run `run_id` and register it as a version of
     `registered_model` (unless None); each only if not done already."""
+    meta = read_meta(checkpoint)
+    tags = model_tags(checkpoint, meta, conn.client.get_run(run_id).data.tags)
+    model = find_logged_model(conn, run_id, tags)
+    if model is None:
+        model = log_model(conn, run_id, checkpoint, meta, tags)
+    if registered_model is not None:
+        register_model(conn, run_id, checkpoint, model.model_id, registered_model, tags)
+
+
+def log_model(
+    conn: Connection, run_id: str, checkpoint: Location, meta: CheckpointMeta, tags: dict
+):
+    """A new logged model of run `run_id`: `checkpoint` (but its training state) as a pyfunc
+    model, READY once its artifacts are in, FAILED where they did not get there."""
     from pipeline.tracking import pyfunc  # torch, pandas: only where a model is logged
 
     client = conn.client
-    meta = read_meta(checkpoint)
-    tags = model_tags(checkpoint, meta, client.get_run(run_id).data.tags)
-    model = find_logged_model(conn, run_id, tags)
-    if model is None:
-        model = client.create_logged_model(
-            conn.experiment_id,
-            name=posixpath.basename(posixpath.dirname(checkpoint.path)) or "model",
-            source_run_id=run_id,
-            tags=tags,
-            params={"epoch": str(meta.epoch), "classes": json.dumps(meta.classes)},
-        )
-        try:
-            with tempfile.TemporaryDirectory(prefix="ray-cv-model-") as d:
-                copy = Path(d) / pyfunc.CHECKPOINT
-                for f in checkpoint.list_files():
-                    name = posixpath.relpath(f.path, checkpoint.path)
-                    if name != TRAIN_STATE:  # the optimizer's state: for resuming, not for use
-                        (copy / name).parent.mkdir(parents=True, exist_ok=True)
-                        (copy / name).write_bytes(checkpoint.child(name).read_bytes())
-                pyfunc.save(copy, Path(d) / "model", meta)
-                client.log_model_artifacts(model.model_id, str(Path(d) / "model"))
-        except BaseException:
-            # Not left PENDING: a later submission logs a new one (find_logged_model).
-            with contextlib.suppress(MlflowException, OSError):
-                client.finalize_logged_model(model.model_id, "FAILED")
-            raise
-        client.finalize_logged_model(model.model_id, "READY")
-        log.info("logged checkpoint %s as MLflow model %s", checkpoint.uri, model.model_id)
-    if registered_model is None:
-        return
+    model = client.create_logged_model(
+        conn.experiment_id,
+        name=posixpath.basename(posixpath.dirname(checkpoint.path)) or "model",
+        source_run_id=run_id,
+        tags=tags,
+        params={"epoch": str(meta.epoch), "classes": json.dumps(meta.classes)},
+    )
+    try:
+        with tempfile.TemporaryDirectory(prefix="ray-cv-model-") as d:
+            copy = Path(d) / pyfunc.CHECKPOINT
+            for f in checkpoint.list_files():
+                name = posixpath.relpath(f.path, checkpoint.path)
+                if name != TRAIN_STATE:  # the optimizer's state: for resuming, not for use
+                    (copy / name).parent.mkdir(parents=True, exist_ok=True)
+                    (copy / name).write_bytes(checkpoint.child(name).read_bytes())
+            pyfunc.save(copy, Path(d) / "model", meta)
+            client.log_model_artifacts(model.model_id, str(Path(d) / "model"))
+    except BaseException:
+        # Not left PENDING: a later submission logs a new one (find_logged_model).
+        with contextlib.suppress(MlflowException, OSError):
+            client.finalize_logged_model(model.model_id, "FAILED")
+        raise
+    client.finalize_logged_model(model.model_id, "READY")
+    log.info("logged checkpoint %s as MLflow model %s", checkpoint.uri, model.model_id)
+    return model
+
+
+def register_model(
+    conn: Connection,
+    run_id: str,
+    checkpoint: Location,
+    model_id: str,
+    registered_model: str,
+    tags: dict,
+) -> None:
+    """Register the logged model `model_id` as a new version of `registered_model`, unless a
+    version of the run already is it."""
+    client = conn.client
     query = f"name = '{registered_model}' and run_id = '{run_id}'"
-    source = f"models:/{model.model_id}"
+    source = f"models:/{model_id}"
     versions = [v for v in client.search_model_versions(query) if v.source == source]
     if versions:
         log.info("%s version %s is this checkpoint already", registered_model, versions[0].version)
@@ -128,7 +150,7 @@ def log_best_model(
         source=source,
         run_id=run_id,
         tags=tags,
-        model_id=model.model_id,
+        model_id=model_id,
     )
     log.info(
         "registered checkpoint %s as models:/%s/%s",
