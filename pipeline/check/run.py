@@ -11,19 +11,21 @@ import os
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipeline.check import collective, probes, rows
+from pipeline.check import collective, gpus, probes, rows
 from pipeline.check.config import CheckConfig
 from pipeline.check.needs import DEFAULT_IMAGE_SIZE
 from pipeline.check.report import Row, one_line, report, table, verdict
 from pipeline.core.errors import InputError, first_line, is_transient
 from pipeline.core.storage import Location, new_version
-from pipeline.data.dataset import check_files, read_manifest
+from pipeline.data.dataset import read_manifest
+from pipeline.data.shards import check_files
 from pipeline.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -39,46 +41,9 @@ def check(cfg: CheckConfig, train: TrainConfig, *, dashboard: str | None) -> dic
     storage, dataset = Location.parse(train.storage_path), Location.parse(train.dataset)
     nodes = alive_nodes()
     log.info("checking %d nodes against %s", len(nodes), ", ".join(cfg.train))
-
-    scratch_dir = storage.child(f".check-{check_id}")
-    write, scratch = write_scratch(scratch_dir.child(SCRATCH), int(cfg.scratch_mb * 1e6))
-    try:
-        node_calls = {
-            n.node_id: pinned(probes.node_facts, n.node_id).remote(
-                cfg.packages, scratch, write.get("bytes", 0)
-            )
-            for n in nodes
-        }
-        gpu_calls = {
-            n.node_id: pinned(probes.gpu_facts, n.node_id, gpus=n.gpus).remote(sample_jpeg())
-            for n in nodes
-            if n.gpus > 0
-        }
-        answers, seconds = gather(node_calls, cfg.timeout_s)
-        gpu, _ = gather(gpu_calls, cfg.timeout_s)
-    finally:
-        if scratch is not None:
-            write |= delete_scratch(scratch_dir)
+    probed = probe_nodes(cfg, nodes, storage.child(f".check-{check_id}"))
     found = read_dataset(dataset)
-    table_rows = [
-        rows.nodes_row(
-            nodes, answers, min_nodes=cfg.min_nodes, timeout_s=cfg.timeout_s, seconds=seconds
-        ),
-        rows.versions_row(probes.versions(), read_lock(), nodes, answers),
-        rows.packages_row(cfg.packages, nodes, answers),
-        *rows.gpu_rows(train, nodes, gpu, free_gb=cfg.gpu_free_gb),
-        collective_row(cfg, train),
-        rows.storage_row(storage.uri, write, nodes, answers),
-        rows.dataset_row(dataset.uri, found),
-        *rows.memory_rows(
-            train,
-            nodes,
-            answers,
-            image_size=found.get("image_size", DEFAULT_IMAGE_SIZE),
-            image_format=found.get("image_format"),
-        ),
-        auth_row(dashboard),
-    ]
+    table_rows = check_rows(cfg, train, nodes, probed, found, dashboard=dashboard)
     target = (
         Location.parse(cfg.report) if cfg.report else storage.child("checks", f"{check_id}.json")
     )
@@ -104,6 +69,79 @@ def check(cfg: CheckConfig, train: TrainConfig, *, dashboard: str | None) -> dic
     )
     log.info("the cluster check's rows:\n%s", table(table_rows))
     log.info(verdict(table_rows))
+    return write_report(data, target)
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What the probes found: each node's answer, each GPU node's, the seconds the nodes took,
+    and the scratch object's write (its failure, if it failed)."""
+
+    answers: rows.Answers
+    gpu: rows.Answers
+    seconds: float
+    write: dict[str, Any]
+
+
+def probe_nodes(cfg: CheckConfig, nodes: list[rows.Node], scratch_dir: Location) -> Probed:
+    """The probes on every node (and on each GPU node, its GPUs'), around the scratch object
+    written to storage for them to read back, deleted after."""
+    write, scratch = write_scratch(scratch_dir.child(SCRATCH), int(cfg.scratch_mb * 1e6))
+    try:
+        node_calls = {
+            n.node_id: pinned(probes.node_facts, n.node_id).remote(
+                cfg.packages, scratch, write.get("bytes", 0)
+            )
+            for n in nodes
+        }
+        gpu_calls = {
+            n.node_id: pinned(probes.gpu_facts, n.node_id, gpus=n.gpus).remote(sample_jpeg())
+            for n in nodes
+            if n.gpus > 0
+        }
+        answers, seconds = gather(node_calls, cfg.timeout_s)
+        gpu, _ = gather(gpu_calls, cfg.timeout_s)
+    finally:
+        if scratch is not None:
+            write |= delete_scratch(scratch_dir)
+    return Probed(answers, gpu, seconds, write)
+
+
+def check_rows(
+    cfg: CheckConfig,
+    train: TrainConfig,
+    nodes: list[rows.Node],
+    probed: Probed,
+    found: dict[str, Any],
+    *,
+    dashboard: str | None,
+) -> list[Row]:
+    """The table's rows, in its order; the collective runs here, after the probes."""
+    answers, storage = probed.answers, Location.parse(train.storage_path)
+    return [
+        rows.nodes_row(
+            nodes, answers, min_nodes=cfg.min_nodes, timeout_s=cfg.timeout_s, seconds=probed.seconds
+        ),
+        rows.versions_row(probes.versions(), read_lock(), nodes, answers),
+        rows.packages_row(cfg.packages, nodes, answers),
+        *gpus.gpu_rows(train, nodes, probed.gpu, free_gb=cfg.gpu_free_gb),
+        collective_row(cfg, train),
+        rows.storage_row(storage.uri, probed.write, nodes, answers),
+        rows.dataset_row(Location.parse(train.dataset).uri, found),
+        *rows.memory_rows(
+            train,
+            nodes,
+            answers,
+            image_size=found.get("image_size", DEFAULT_IMAGE_SIZE),
+            image_format=found.get("image_format"),
+        ),
+        auth_row(dashboard),
+    ]
+
+
+def write_report(data: dict[str, Any], target: Location) -> dict[str, Any]:
+    """`data` written to `target` as one line of JSON; where storage refuses it, logged and
+    its `report` None."""
     try:
         target.write_bytes((one_line(data) + "\n").encode())
         log.info("report: %s", target.uri)

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from jobs.submit import CHECK, plan
-from pipeline.check import needs, probes, rows
+from pipeline.check import gpus, needs, probes, rows
 from pipeline.check.config import CheckConfig, train_config
 from pipeline.check.report import FAIL, PASS, SKIPPED, exit_code, failed, passed, report, table
 from pipeline.check.report import skipped as skipped_row
@@ -123,10 +123,10 @@ def test_a_package_that_does_not_import_on_a_node_fails_naming_both():
 
 
 def test_without_gpus_the_gpu_rows_are_skipped_or_fail_when_the_run_uses_them():
-    skipped = rows.gpu_rows(train(), [A, B], {}, free_gb=2)
-    assert [(r.name, r.status) for r in skipped] == [(n, SKIPPED) for n in rows.GPU_ROWS]
+    skipped = gpus.gpu_rows(train(), [A, B], {}, free_gb=2)
+    assert [(r.name, r.status) for r in skipped] == [(n, SKIPPED) for n in gpus.GPU_ROWS]
     assert {r.detail for r in skipped} == {"no GPU on any node; the train config does not use GPUs"}
-    asked = rows.gpu_rows(train("scaling.use_gpu=true"), [A, B], {}, free_gb=2)
+    asked = gpus.gpu_rows(train("scaling.use_gpu=true"), [A, B], {}, free_gb=2)
     assert [r.status for r in asked] == [FAIL, SKIPPED, SKIPPED, SKIPPED]
     assert asked[0].detail.startswith("the train config asks for GPUs (scaling.use_gpu=true)")
 
@@ -154,7 +154,7 @@ def gpu_node(**changes):
 def test_the_gpu_rows_from_what_a_gpu_nodes_probe_found():
     node = rows.Node("g" * 56, "10.0.0.3", cpus=8, gpus=1, object_store=10**10)
     gpu = {node.node_id: gpu_node()}
-    found = rows.gpu_rows(train("scaling.use_gpu=true"), [A, node], gpu, free_gb=2)
+    found = gpus.gpu_rows(train("scaling.use_gpu=true"), [A, node], gpu, free_gb=2)
     assert [r.status for r in found] == [PASS] * 4, [r.detail for r in found]
     bad = {
         "devices": [],  # Ray counts 1, torch sees none
@@ -167,15 +167,15 @@ def test_the_gpu_rows_from_what_a_gpu_nodes_probe_found():
         if key == "devices":  # what gpu_facts returns where torch sees no GPU
             probe.update(count=0, cuda=False)
             del probe["decode"]
-        found = rows.gpu_rows(train(), [node], {node.node_id: probe}, free_gb=2)
+        found = gpus.gpu_rows(train(), [node], {node.node_id: probe}, free_gb=2)
         failing = [r.name for r in found if r.status == FAIL]
         if key == "devices":
-            assert failing == list(rows.GPU_ROWS), [r.detail for r in found]
+            assert failing == list(gpus.GPU_ROWS), [r.detail for r in found]
         else:
             assert failing == [
                 {"matmul": "cuda_matmul", "decode": "gpu_decode"}.get(key, "gpu_memory")
             ]
-    silent = rows.gpu_rows(train(), [node], {}, free_gb=2)
+    silent = gpus.gpu_rows(train(), [node], {}, free_gb=2)
     assert {r.status for r in silent} == {FAIL}
     assert "its GPU probe did not answer" in silent[0].detail
 
