@@ -66,7 +66,6 @@ from pipeline.data.dataset import (
     commit,
     read_manifest,
     start_version,
-    write_shard,
 )
 from pipeline.data.images import (
     IMAGENET_MEAN,
@@ -75,6 +74,7 @@ from pipeline.data.images import (
     encode_image,
     resize_center_crop,
 )
+from pipeline.data.shards import write_shard
 from pipeline.data.sources import SyntheticSource, assign_split, render_synthetic
 from pipeline.model.device import DevicePolicy, pick_precision
 from pipeline.train.config import TrainConfig

@@ -33,7 +33,6 @@ from pipeline.data.dataset import (
     read_manifest,
     remove_expired,
     start_version,
-    write_shard,
 )
 from pipeline.data.images import (
     IMAGENET_MEAN,
@@ -43,6 +42,7 @@ from pipeline.data.images import (
     encode_image,
     resize_center_crop,
 )
+from pipeline.data.shards import write_shard
 from pipeline.data.sources import (
     Item,
     Reader,

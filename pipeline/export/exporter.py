@@ -33,7 +33,8 @@ import torch
 from pipeline.core.capacity import wait_for_capacity
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location, foreign_entries, publish_directory
-from pipeline.data.dataset import Manifest, check_files, read_manifest
+from pipeline.data.dataset import Manifest, read_manifest
+from pipeline.data.shards import check_files
 from pipeline.export import formats, parity
 from pipeline.export.config import ExportConfig
 from pipeline.model.checkpoint import (

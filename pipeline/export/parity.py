@@ -19,8 +19,9 @@ import torch
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
-from pipeline.data.dataset import Manifest, read_footer, read_row_group
+from pipeline.data.dataset import Manifest
 from pipeline.data.images import decode_image
+from pipeline.data.shards import read_footer, read_row_group
 from pipeline.model.checkpoint import ModelInput
 from pipeline.model.device import DevicePolicy
 

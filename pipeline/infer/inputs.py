@@ -20,14 +20,8 @@ import ray.data
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
-from pipeline.data.dataset import (
-    SCHEMA,
-    check_files,
-    committed_versions,
-    read_footer,
-    read_manifest,
-    read_row_group,
-)
+from pipeline.data.dataset import committed_versions, read_manifest
+from pipeline.data.shards import SCHEMA, check_files, read_footer, read_row_group
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,8 @@ import logging
 
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
-from pipeline.data.dataset import (
-    VERSIONS,
-    Manifest,
-    check_files,
-    committed_versions,
-    read_manifest,
-)
+from pipeline.data.dataset import VERSIONS, Manifest, committed_versions, read_manifest
+from pipeline.data.shards import check_files
 from pipeline.model.checkpoint import CheckpointMeta, DamagedCheckpoint, ModelInput, read_meta
 from pipeline.model.resume import check_resumable
 from pipeline.model.runs import epoch_of, latest_checkpoint, run_checkpoints

@@ -17,8 +17,9 @@ from pipeline.core.errors import InputError
 from pipeline.core.storage import VERSION_MARKER, Location, mark_version
 from pipeline.data import preprocess
 from pipeline.data.config import FolderSourceConfig, HuggingFaceSourceConfig, PreprocessConfig
-from pipeline.data.dataset import DATA, SCHEMA, read_manifest
+from pipeline.data.dataset import DATA, read_manifest
 from pipeline.data.preprocess import in_flight_limit
+from pipeline.data.shards import SCHEMA
 from pipeline.data.sources import (
     FolderSource,
     HuggingFaceSource,

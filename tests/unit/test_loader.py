@@ -37,14 +37,7 @@ from harness.images import VARIANTS, exif, rgb, save
 from pipeline.core import storage
 from pipeline.core.errors import InputError, failure
 from pipeline.core.storage import Location
-from pipeline.data.dataset import (
-    VERSIONS,
-    Manifest,
-    ShardFile,
-    SplitInfo,
-    read_manifest,
-    write_shard,
-)
+from pipeline.data.dataset import VERSIONS, Manifest, ShardFile, SplitInfo, read_manifest
 from pipeline.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -53,6 +46,7 @@ from pipeline.data.images import (
     decode_image,
     jpeg_header,
 )
+from pipeline.data.shards import write_shard
 from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train.augment import train_transform
 from pipeline.train.epoch import train_one_epoch

@@ -19,15 +19,12 @@ from harness.counting import ByteCounter, CountedReads
 from pipeline.core import storage
 from pipeline.core.errors import InputError, failure
 from pipeline.core.storage import Location
-from pipeline.data.dataset import (
+from pipeline.data.dataset import Manifest, ShardFile, SplitInfo, read_manifest
+from pipeline.data.shards import (
     SCHEMA,
-    Manifest,
     ShardDamaged,
-    ShardFile,
-    SplitInfo,
     check_files,
     read_footer,
-    read_manifest,
     read_row_group,
     write_shard,
 )

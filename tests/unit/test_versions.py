@@ -24,13 +24,12 @@ from pipeline.data.dataset import (
     Manifest,
     ShardFile,
     SplitInfo,
-    check_files,
     commit,
     committed_versions,
     read_manifest,
     remove_expired,
-    write_shard,
 )
+from pipeline.data.shards import check_files, write_shard
 from pipeline.export.config import ExportConfig
 from pipeline.export.exporter import parity_dataset
 from pipeline.model.checkpoint import save_checkpoint

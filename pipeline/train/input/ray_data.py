@@ -28,7 +28,8 @@ from ray.train import DataConfig
 from pipeline.core.errors import InputError, task_error
 from pipeline.core.logs import quiet_ray_data
 from pipeline.core.storage import Location
-from pipeline.data.dataset import Manifest, ShardFooter, read_footer, read_row_group
+from pipeline.data.dataset import Manifest
+from pipeline.data.shards import ShardFooter, read_footer, read_row_group
 
 SHUFFLE_BUFFER_BATCHES = 4
 DECODE_BATCH = 64  # images per map_batches call

@@ -34,7 +34,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
-from pipeline.data.dataset import Manifest, ShardFooter, damaged, read_footer, read_row_group
+from pipeline.data.dataset import Manifest
+from pipeline.data.shards import ShardFooter, damaged, read_footer, read_row_group
 from pipeline.train.input.order import EpochOrder, cut, default_partitions, row_seed, share
 
 COLUMNS = ["image", "label"]
