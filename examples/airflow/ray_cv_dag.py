@@ -41,7 +41,7 @@ PY_MODULES = shlex.split(os.environ.get("RAY_CV_PY_MODULES", ""))  # e.g. "/opt/
 RETRIES = int(os.environ.get("RAY_CV_RETRIES", "2"))
 
 sys.path.insert(0, BUNDLE)
-from jobs.submit import STEPS, step_command  # noqa: E402  (the bundle: on the path above)
+from pipeline.chain.plan import STEPS, step_command  # noqa: E402  (the bundle: on the path above)
 
 with DAG(
     dag_id="ray_cv",

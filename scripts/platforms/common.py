@@ -1,5 +1,5 @@
 """What the Anyscale and KubeRay files share: the bundle's runtime env and lock, the jobs'
-entrypoints as `jobs.submit` plans them, the images, the limits, and the YAML they are in."""
+entrypoints as the chain plans them, the images, the limits, and the YAML they are in."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import PurePosixPath
 
 import yaml
 
-from jobs.submit import BUNDLE_ROOT, STEPS, plan
+from pipeline.chain.plan import BUNDLE_ROOT, STEPS, plan
 from scripts.platforms.values import Values
 
 LOCK = BUNDLE_ROOT / "requirements" / "cluster.lock"
@@ -46,7 +46,8 @@ def timeout_s(values: Values, step: str) -> int:
 
 
 def entrypoints(values: Values, root: str) -> dict[str, str]:
-    """{step: the job's command line}, each path under `root`, as `jobs.submit` runs them."""
+    """{step: the job's command line}, each path under `root`, as the chain plans them
+    (`pipeline.chain.plan`)."""
     sets = list(values.jobs.set)
     if values.package.path and not any(s.startswith("check.packages=") for s in sets):
         sets.append(f"check.packages=[{values.package.import_name}]")  # on every node

@@ -7,7 +7,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from jobs.submit import BUNDLE_ROOT, CONFIGS
+from pipeline.chain.plan import BUNDLE_ROOT, CONFIGS
 from pipeline.core.errors import ConfigError
 from scripts.platforms import anyscale, kuberay
 from scripts.platforms.common import HEADER, LOCK, TIMEOUT_S, bases, image, ray_version

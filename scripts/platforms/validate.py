@@ -17,7 +17,7 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from jobs.submit import BUNDLE_ROOT
+from pipeline.chain.plan import BUNDLE_ROOT
 
 CRDS = BUNDLE_ROOT / "platforms" / "kuberay" / "crds"
 # {kind: its vendored CRD}

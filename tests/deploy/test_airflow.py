@@ -15,7 +15,7 @@ from helpers import in_background, wait_for
 
 from harness.airflow import Airflow
 from harness.cluster import BUNDLE_ROOT
-from jobs.submit import STEPS, step_command
+from pipeline.chain.plan import STEPS, step_command
 from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.infer.predictions import SUMMARY, VERSIONS, read_predictions, read_summary

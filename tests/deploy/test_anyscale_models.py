@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from platform_values import TEAM, files, render
 
-from jobs.submit import CONFIGS
+from pipeline.chain.plan import CONFIGS
 from scripts.platforms.render import OUT
 
 

@@ -22,7 +22,7 @@ from helpers import (
 )
 
 from harness.cluster import LocalCluster
-from jobs.submit import STEPS, step_command
+from pipeline.chain.plan import STEPS, step_command
 from pipeline.infer.predictions import SUMMARY
 from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.networks import build_model

@@ -24,19 +24,10 @@ from test_hooks import HOOKS
 from test_loading import NETWORK
 
 from harness.cluster import BUNDLE_ROOT
-from jobs.follow import Patience, follow
-from jobs.submit import (
-    RAY_NOISE,
-    check_py_modules,
-    committed_version,
-    main,
-    parse_env,
-    pin_dataset,
-    plan,
-    runtime_env,
-    step_command,
-    without_noise,
-)
+from jobs.submit import main
+from pipeline.chain.follow import Patience, follow
+from pipeline.chain.plan import check_py_modules, parse_env, plan, runtime_env, step_command
+from pipeline.chain.run import RAY_NOISE, committed_version, pin_dataset, without_noise
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.infer.predictions import read_predictions, read_summary
@@ -124,7 +115,7 @@ def test_all_runs_the_chain_and_export_and_tune_only_when_named(monkeypatch):
         log.append("INFO jobs.preprocess: current dataset version: 20261123T1-aa\n")
         return 0
 
-    monkeypatch.setattr("jobs.submit.submit_and_wait", submit)
+    monkeypatch.setattr("pipeline.chain.run.submit_and_wait", submit)
     args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
     assert main([*args, "all"]) == 0
     assert list(submitted) == ["preprocess", "train", "infer"]
@@ -149,7 +140,7 @@ def test_check_runs_first_and_a_failed_check_submits_nothing_after_it(monkeypatc
         submitted.append(job.step)
         return codes.get(job.step, 0)
 
-    monkeypatch.setattr("jobs.submit.submit_and_wait", submit)
+    monkeypatch.setattr("pipeline.chain.run.submit_and_wait", submit)
     args = ["--address", "http://127.0.0.1:9", "--root", "s3://b/x", "--profile", "demo"]
     assert main([*args, "--check", "all"]) == 0
     assert submitted == ["check", "preprocess", "train", "infer"]
@@ -181,7 +172,7 @@ def test_the_users_package_ships_with_every_job_as_py_modules(tmp_path, monkeypa
         shipped[job.step] = py_modules
         return 0
 
-    monkeypatch.setattr("jobs.submit.submit_and_wait", submit)
+    monkeypatch.setattr("pipeline.chain.run.submit_and_wait", submit)
     command = step_command("http://127.0.0.1:9", "s3://b/x", "all", py_modules=given)
     assert main([*command[3:-1], "--profile", "demo", "all"]) == 0
     assert shipped == dict.fromkeys(["preprocess", "train", "infer"], modules)
@@ -276,9 +267,9 @@ LINES = [f"2026-11-24 17:00:{i:02d},000 INFO jobs.preprocess: line {i}\n" for i 
 @pytest.fixture
 def chain(tmp_path, capsys, monkeypatch):
     """Run the chain's preprocess step against `api`, in this process: (exit code, out, err)."""
-    monkeypatch.setattr("jobs.follow.POLL_S", 0.05)
+    monkeypatch.setattr("pipeline.chain.follow.POLL_S", 0.05)
     # Nothing to upload: the stand-in holds every package.
-    monkeypatch.setattr("jobs.submit.runtime_env", lambda env_vars=None, py_modules=(): {})
+    monkeypatch.setattr("pipeline.chain.run.runtime_env", lambda env_vars=None, py_modules=(): {})
 
     def run(api: JobsAPI, *flags: str) -> tuple[int, str, str]:
         args = ["--address", api.address, "--root", str(tmp_path), "--profile", "demo", *flags]
@@ -337,8 +328,8 @@ def test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id(
     # "vanish": the cluster stops answering (connection refused), for longer than the bound;
     # "hang": the connection stays open and silent, and requests go unanswered; "forget": a
     # restarted head that no longer knows the job.
-    monkeypatch.setattr("jobs.follow.QUIET_S", 0.5)
-    monkeypatch.setattr("jobs.follow.REQUEST_S", 2.0)
+    monkeypatch.setattr("pipeline.chain.follow.QUIET_S", 0.5)
+    monkeypatch.setattr("pipeline.chain.follow.REQUEST_S", 2.0)
     with JobsAPI(LINES, drop_after=5, after_drop=after_drop) as api:
         code, out, err = chain(api, "--reconnect-timeout-s=1")
         (submission_id,) = api.jobs
@@ -380,7 +371,7 @@ class SilentStream:
 
 @pytest.mark.parametrize("status", ["SUCCEEDED", "FAILED", "STOPPED"])
 def test_a_log_stream_silent_after_the_job_ended_is_left_at_the_jobs_end(status, monkeypatch):
-    monkeypatch.setattr("jobs.follow.QUIET_S", 0.05)
+    monkeypatch.setattr("pipeline.chain.follow.QUIET_S", 0.05)
     client, written, ended = SilentStream(status), [], []
 
     def chain():
@@ -463,16 +454,16 @@ class LateJob:
 
 
 def test_a_job_the_head_registers_after_the_interrupt_is_stopped(monkeypatch):
-    from jobs.follow import Submission, stop
+    from pipeline.chain.follow import Submission, stop
 
-    monkeypatch.setattr("jobs.follow.POLL_S", 0.01)
+    monkeypatch.setattr("pipeline.chain.follow.POLL_S", 0.01)
     sent = Submission("http://head:8265", "raysubmit_1", sent=True)
     head = LateJob(late=2)
-    monkeypatch.setattr("jobs.follow.job_client", lambda address: head)
+    monkeypatch.setattr("pipeline.chain.follow.job_client", lambda address: head)
     assert stop(sent) == "interrupted: stopped raysubmit_1" and head.asked == 3
     never = LateJob(late=None)
-    monkeypatch.setattr("jobs.follow.job_client", lambda address: never)
-    monkeypatch.setattr("jobs.follow.TAKEN_S", 0.1)
+    monkeypatch.setattr("pipeline.chain.follow.job_client", lambda address: never)
+    monkeypatch.setattr("pipeline.chain.follow.TAKEN_S", 0.1)
     assert stop(sent) == "interrupted; the cluster did not take job raysubmit_1: nothing runs"
 
 

@@ -17,7 +17,7 @@ from helpers import history
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
 from harness.prometheus import Prometheus
-from jobs.submit import step_command
+from pipeline.chain.plan import step_command
 from pipeline.core.progress import read_progress
 from pipeline.core.storage import Location
 from pipeline.model.runs import RUN_SUMMARY

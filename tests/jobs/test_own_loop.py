@@ -20,7 +20,7 @@ from test_chain import TINY
 from torchvision.transforms import v2
 
 from harness.cluster import BUNDLE_ROOT
-from jobs.submit import step_command
+from pipeline.chain.plan import step_command
 from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.infer.predictions import read_predictions, read_summary

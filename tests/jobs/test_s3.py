@@ -15,7 +15,7 @@ import torchvision
 from helpers import CLASSES, make_image_folder, start_task, wait_for
 
 from harness.cluster import BUNDLE_ROOT, LocalCluster
-from jobs.submit import STEPS, step_command
+from pipeline.chain.plan import STEPS, step_command
 from pipeline.core import faults
 from pipeline.core.progress import PROGRESS
 from pipeline.core.storage import VERSION_MARKER, Location

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from jobs.submit import CHECK, plan
+from pipeline.chain.plan import CHECK, plan
 from pipeline.check import gpus, needs, probes, rows
 from pipeline.check.config import CheckConfig, train_config
 from pipeline.check.report import FAIL, PASS, SKIPPED, exit_code, failed, passed, report, table

@@ -24,7 +24,7 @@ from grafana_foundation_sdk.models.dashboard import Dashboard
 from platform_values import TEAM, files, render
 
 from jobs.cli import job_config, job_parser
-from jobs.submit import BUNDLE_ROOT, CONFIGS
+from pipeline.chain.plan import BUNDLE_ROOT, CONFIGS
 from pipeline.core.config import validate_config
 from pipeline.core.errors import ConfigError
 from pipeline.serve.config import ServeConfig

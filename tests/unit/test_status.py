@@ -1,5 +1,6 @@
 """The chain's `status` without a cluster: where it looks, what it says, and its answer when
-there is nothing to say (jobs/status.py; on a real cluster: tests/jobs/test_metrics.py)."""
+there is nothing to say (pipeline/chain/status.py; on a real cluster:
+tests/jobs/test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 import time
 
 from harness.cluster import free_port
-from jobs.status import describe, progress_places
-from jobs.submit import main, plan
+from jobs.submit import main
+from pipeline.chain.plan import plan
+from pipeline.chain.status import describe, progress_places
 from pipeline.core.progress import PROGRESS
 
 

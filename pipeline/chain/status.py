@@ -21,7 +21,7 @@ import shlex
 import sys
 import time
 
-from jobs.follow import job_client, not_yet
+from pipeline.chain.follow import job_client, not_yet
 from pipeline.core.errors import EXIT_CODES, ConfigError, first_line
 from pipeline.core.progress import PROGRESS, duration_text, read_progress
 from pipeline.core.uris import join_uri
@@ -31,7 +31,7 @@ PROGRESS_KEY = "ray_cv_progress"
 
 
 def progress_places(jobs) -> dict[str, str]:
-    """Where the chain's train and infer jobs (`jobs`, jobs.submit.plan's) keep progress.json:
+    """Where the chain's train and infer jobs (`jobs`, the plan's) keep progress.json:
     the run directory and the output their configs name."""
     places = {}
     for job in jobs:
@@ -199,7 +199,7 @@ def _pct(x: float | None) -> str:
 
 
 def main_status(args, jobs) -> int:
-    """jobs.submit's `status` step."""
+    """The chain's `status` step: the progress of `jobs` (the plan's), or of `args.job`."""
     try:
         places = progress_places(jobs)
         return status(args.address, places, job=args.job, as_json=args.json)
