@@ -1,5 +1,5 @@
 """A seeded corpus of image files for the decoding fuzz tests (tests/unit/test_transforms.py, and a
-share of it through the Serve app in tests/jobs/test_serve.py): every format and kind decode_image
+share of it through the Serve app in tests/ray/test_serve.py): every format and kind decode_image
 reads, extreme shapes and every EXIF orientation, each whole, cut short at many places, and
 with bytes changed at many places. Made in the test, the same on every run."""
 

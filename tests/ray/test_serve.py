@@ -1,11 +1,13 @@
-"""Online inference: configs/serve.yaml deployed with `serve deploy` to the session's 2-CPU
-cluster, and a real HTTP client on loopback. Untrained checkpoints and tiny images: what is
-tested is the serving, not the model."""
+"""Online inference with Ray in the test process: configs/serve.yaml deployed as `serve run` of
+the file deploys it (Serve's controller builds the application), and a real HTTP client on
+loopback. Answers equal batch inference's, bad requests get their 4xx and the replica serves on,
+body limits, autoscaling and a killed replica replaced, a rollout that drops no request.
+Untrained checkpoints and tiny images: what is tested is the serving, not the model. (The
+application's arguments and the docs' table of bad requests: tests/unit/test_serve_app.py.)"""
 
 from __future__ import annotations
 
 import http.client
-import io
 import re
 import socket
 import time
@@ -14,125 +16,42 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 import torch
 from corpus import REASONS, share
 from helpers import (
+    BAD_REQUESTS,
     CLASSES,
-    checkpoint_meta,
-    errors_table,
-    jpeg_bytes,
+    MAX_REQUEST_BYTES,
     make_image_folder,
+    registered_version,
+    serve_checkpoints,
     wait_for,
 )
-from PIL import Image
+from ray import serve
+from ray.serve._private.api import serve_start
+from ray.serve.schema import ServeDeploySchema
 
 from harness.load import Client, Load, post
-from harness.serving import ServeApp
-from pipeline.core.config import validate_config
-from pipeline.core.errors import ConfigError, InputError
+from harness.serving import APP, ServeApp
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError
 from pipeline.infer.batch import Predictor
-from pipeline.model.checkpoint import save_checkpoint
 from pipeline.model.classifier import Classifier, prepare_image
-from pipeline.model.networks import build_model
-from pipeline.serve.app import BAD_IMAGE_STATUS, build_app
-from pipeline.serve.config import ServeConfig
-from pipeline.tracking.client import connect
-from pipeline.tracking.registry import log_best_model
+from pipeline.serve.app import BAD_IMAGE_STATUS
 
-# Small enough for a test to exceed at once, large enough for the test images (a few KiB).
-MAX_REQUEST_BYTES = 100_000
-
-
-def truncated_jpeg() -> bytes:
-    data = jpeg_bytes(CLASSES[0], 999, size=64)
-    return data[: len(data) // 2]
-
-
-def decompression_bomb() -> bytes:
-    # 144 M pixels, past PIL's safety limit, in a 1-bit PNG of a few KiB.
-    buf = io.BytesIO()
-    Image.new("1", (12_000, 12_000)).save(buf, format="PNG")
-    assert len(buf.getvalue()) < MAX_REQUEST_BYTES
-    return buf.getvalue()
-
-
-# What docs/errors.md's serving table lists: the request, its status, how the message starts.
-BAD_REQUESTS = [
-    ("an empty body", 400, "empty request body", lambda: b""),
-    ("a body that is no image", 415, "not an image (unrecognised format)", lambda: b"hello\n"),
-    ("a truncated image", 400, "truncated or corrupt image", truncated_jpeg),
-    (
-        "a body over `max_request_bytes`",
-        413,
-        "request body larger than max_request_bytes=<n>",
-        lambda: b"\xff" * (MAX_REQUEST_BYTES + 1),
-    ),
-    ("an image too large to decode safely", 413, "too large to decode safely", decompression_bomb),
-    ("a method other than POST or GET", 405, "PUT is not served here", None),
-]
-
-
-# --- the application's arguments, without a cluster -------------------------------------------
+pytestmark = pytest.mark.usefixtures("ray_in_process")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """Two untrained checkpoints of the helpers' three classes, different weights: "a" is
-    deployed first, "b" rolled out."""
-    paths = {}
-    for seed, name in enumerate("ab"):
-        path = tmp_path_factory.mktemp(f"checkpoint_{name}")
-        torch.manual_seed(seed)
-        meta = checkpoint_meta(classes=list(CLASSES))
-        save_checkpoint(path, build_model(len(CLASSES)).eval().state_dict(), meta, {})
-        paths[name] = path
-    return paths
+    return serve_checkpoints(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def registered(checkpoints, mlflow_server) -> str:
-    """Checkpoint "b" logged and registered as the train job registers its best checkpoint,
-    version 1 of `serve-test` in `mlflow_server`, with the alias `production`: its URI."""
-    conn = connect(mlflow_server.uri, "serve-test")
-    run_id = conn.client.create_run(conn.experiment_id).info.run_id
-    log_best_model(conn, run_id, Location.parse(str(checkpoints["b"])), "serve-test")
-    conn.client.set_registered_model_alias("serve-test", "production", "1")
-    return "models:/serve-test@production"
-
-
-def test_the_application_args_are_checked_when_it_is_built(
-    checkpoints, registered, mlflow_server, tmp_path
-):
-    with pytest.raises(ConfigError, match=r"model: 'runs/x' is relative; use an absolute path"):
-        build_app({"model": "runs/x"})
-    with pytest.raises(InputError, match=r"model=\S+ does not exist"):
-        build_app({"model": str(tmp_path / "nope")})
-    with pytest.raises(ConfigError, match=r"max_batch_size: Input should be greater than"):
-        build_app({"model": str(checkpoints["a"]), "max_batch_size": 0})
-    with pytest.raises(ConfigError, match=r"unknown key \(allowed here: model, tracking_uri,"):
-        build_app({"model": str(checkpoints["a"]), "batch_size": 8})
-    # `serve run pipeline.serve.app:build_app key=value` passes strings: read as YAML values.
-    app = build_app({"model": str(checkpoints["a"]), "max_batch_size": "8", "top_k": "2"})
-    deployment = app._bound_deployment
-    checkpoint, config = deployment.init_args
-    assert checkpoint == str(checkpoints["a"])
-    assert validate_config(ServeConfig, config).max_batch_size == 8 and config["top_k"] == 2
-    assert deployment.max_ongoing_requests == 32  # 4 batches: the replica queues, not the proxy
-    # A registered model: the alias pinned to its version when built, for every replica.
-    with pytest.raises(ConfigError, match=r"'models:/serve-test' names no version: give"):
-        build_app({"model": "models:/serve-test"})
-    with pytest.raises(ConfigError, match=r"no tracking server to read it from: set MLFLOW_"):
-        build_app({"model": registered})
-    uri = {"tracking_uri": mlflow_server.uri}
-    with pytest.raises(InputError, match=r"^models:/serve-test/9 is no registered model version"):
-        build_app({"model": "models:/serve-test/9", **uri})
-    app = build_app({"model": registered, **uri})
-    assert app._bound_deployment.init_args[0] == "models:/serve-test/1"
-
-
-# --- on the cluster ----------------------------------------------------------------------------
+    """Checkpoint "b", version 1 of `serve-test` with the alias `production`: its URI."""
+    return registered_version(checkpoints["b"], mlflow_server, "serve-test")
 
 
 @pytest.fixture(scope="module")
@@ -169,38 +88,62 @@ def batch_predictions(checkpoints, images) -> dict[str, dict]:
     }
 
 
-class TestApp(ServeApp):
-    """The application as the tests deploy it: small enough for the session's 2 CPUs."""
+class InProcessApp(ServeApp):
+    """configs/serve.yaml, with ServeApp's changes, deployed with this process's Ray as `serve run`
+    of the file deploys it: Serve started with the file's HTTP options, then the controller
+    given the applications, which it builds in a task of their runtime env. Small enough for
+    the 2 CPUs of `ray_in_process`."""
 
-    __test__ = False
+    def __init__(self, directory: Path):
+        super().__init__(cluster=None, directory=directory)
 
     def deploy(self, model, env: dict[str, str] | None = None) -> None:
-        super().deploy(
-            model,
-            env=env,
-            args={"max_request_bytes": MAX_REQUEST_BYTES},
-            deployment={
-                # Two replicas and a batch job's actor fit in the 2 CPUs.
-                "ray_actor_options": {"num_cpus": 0.5},
-                # Up as soon as more than 2 requests per replica wait; never down in a test.
-                "autoscaling_config": {
-                    "max_replicas": 2,
-                    "target_ongoing_requests": 2,
-                    "upscale_delay_s": 1,
-                    "downscale_delay_s": 600,
-                    "look_back_period_s": 2,
+        """Returns once Serve took the config (not once it runs)."""
+        cfg = ServeDeploySchema.model_validate(
+            self.config(
+                model,
+                env=env,
+                args={"max_request_bytes": MAX_REQUEST_BYTES},
+                deployment={
+                    # Two replicas and a batch actor fit in the 2 CPUs.
+                    "ray_actor_options": {"num_cpus": 0.5},
+                    # Up as soon as more than 2 requests per replica wait; never down in a test.
+                    "autoscaling_config": {
+                        "max_replicas": 2,
+                        "target_ongoing_requests": 2,
+                        "upscale_delay_s": 1,
+                        "downscale_delay_s": 600,
+                        "look_back_period_s": 2,
+                    },
                 },
-            },
-            # A request a killed replica leaves unanswered ends within the test.
-            http={"request_timeout_s": 10},
+                # A request a killed replica leaves unanswered ends within the test.
+                http={"request_timeout_s": 10},
+            )
         )
+        client = serve_start(
+            http_options=cfg.http_options.model_dump(), proxy_location=cfg.proxy_location
+        )
+        client.deploy_apps(cfg)
+
+    def status(self) -> dict:
+        """The application's details, as the controller gives them to `serve status`."""
+        details = serve.context._get_global_client().get_serve_details()
+        return (details.get("applications") or {}).get(APP, {})
+
+    def kill_replica(self) -> tuple[str, float]:
+        """`ray.kill` of one running replica actor: its name, and when (time.monotonic())."""
+        name = next(r["actor_name"] for r in self.replicas() if r["state"] == "RUNNING")
+        ray.kill(ray.get_actor(name, namespace="serve"))
+        return name, time.monotonic()
+
+    def shutdown(self) -> None:
+        serve.shutdown()
 
 
 @pytest.fixture(scope="module")
-def app(cluster_2cpu, checkpoints, tmp_path_factory):
-    """Checkpoint "a" behind HTTP; Serve shut down after the module, leaving the shared cluster
-    as it was."""
-    served = TestApp(cluster_2cpu, tmp_path_factory.mktemp("serve"))
+def app(checkpoints, tmp_path_factory):
+    """Checkpoint "a" behind HTTP; Serve shut down after the module."""
+    served = InProcessApp(tmp_path_factory.mktemp("serve"))
     try:
         served.deploy(checkpoints["a"])
         wait_for(lambda: served.running(1), "classifier running", 240)
@@ -389,8 +332,3 @@ def test_a_registered_version_rolls_out_under_load_without_dropping_a_request(
         assert any(
             all(abs(got[c] - float(p[i])) < 1e-5 for i, c in enumerate(CLASSES)) for p in expected_b
         ), got
-
-
-def test_the_docs_table_lists_every_bad_request():
-    documented = errors_table("Serving: bad requests")
-    assert documented == [(what, status, message) for what, status, message, _ in BAD_REQUESTS]
