@@ -49,6 +49,7 @@ def metric_name(entry: str) -> str:
 
 
 def check_loss(value: str | None) -> str | None:
+    """`loss`: module:function, or null for cross-entropy."""
     if value is not None and not is_hook(value):
         raise ValueError(
             "not module:function: give your module and its function, e.g. my_loss:focal (or "
@@ -58,6 +59,7 @@ def check_loss(value: str | None) -> str | None:
 
 
 def check_augment(value: str) -> str:
+    """`augment`: a built-in augmentation, or module:function."""
     if value in AUGMENTS or is_hook(value):
         return value
     raise ValueError(
@@ -67,6 +69,7 @@ def check_augment(value: str) -> str:
 
 
 def check_metric(value: str) -> str:
+    """A `metrics` entry: top<k>_accuracy, a named metric, or module:function."""
     if TOP_K.match(value) or value in NAMED_METRICS or is_hook(value):
         return value
     raise ValueError(
@@ -76,6 +79,7 @@ def check_metric(value: str) -> str:
 
 
 def check_class_weights(value: Any) -> Any:
+    """`class_weights`: balanced, one weight > 0 per class, or null."""
     if value is None or value == "balanced":
         return value
     if (

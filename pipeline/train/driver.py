@@ -104,6 +104,8 @@ def _train(
     tracking: TrainingTracker | None,
     callbacks: Sequence[UserCallback],
 ) -> dict:
+    """The held run's life: what it resumes from, the checks, then fit and its reports (or,
+    for a run that has trained all its epochs, its reports alone)."""
     started = time.monotonic()
     run_dir = runs.child(cfg.name)
     latest, meta = recorded_latest(run_dir)
