@@ -20,8 +20,7 @@ import pytest
 from helpers import CLASSES, history, make_image_folder, metric_steps, mlflow_run, wait_for
 from jobs_api import JobsAPI
 from ray.job_submission import JobStatus
-from test_hooks import HOOKS
-from test_loading import NETWORK
+from user_code import HOOKS, NETWORK
 
 from harness.cluster import BUNDLE_ROOT
 from jobs.submit import main

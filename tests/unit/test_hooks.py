@@ -24,6 +24,7 @@ from helpers import (
     small_run_config,
 )
 from PIL import Image
+from user_code import HOOKS
 
 from harness.cluster import BUNDLE_ROOT
 from pipeline.core.config import load_config
@@ -54,52 +55,6 @@ from pipeline.train.input.device_decode import pick_decode
 from pipeline.train.input.loaders import train_data
 from pipeline.tune import sweep, trials
 from pipeline.tune.config import SweepConfig
-
-HOOKS = '''
-"""A user's own focal loss, macro-F1 and augmentation."""
-
-import torch
-import torch.nn.functional as F
-from torchmetrics.classification import MulticlassF1Score, MulticlassHammingDistance
-from torchvision.transforms import v2
-
-CALLS = {"loss": 0, "augment": 0}
-
-
-def focal(num_classes, class_weights=None, gamma=2.0):
-    def loss(logits, targets):
-        CALLS["loss"] += 1
-        ce = F.cross_entropy(logits, targets, weight=class_weights, reduction="none")
-        return ((1 - torch.exp(-ce)) ** gamma * ce).mean()
-
-    return loss
-
-
-def macro_f1(num_classes):
-    return MulticlassF1Score(num_classes, average="macro")
-
-
-def errors(num_classes):
-    return MulticlassHammingDistance(num_classes)  # the share wrong: the lowest is best
-
-
-class Counted(v2.Transform):
-    def transform(self, inpt, params):
-        CALLS["augment"] += 1
-        return inpt
-
-
-def augment(image_size):
-    return v2.Compose(
-        [
-            v2.RandomResizedCrop(image_size, scale=(0.5, 1.0)),
-            v2.RandomRotation(15),
-            v2.ColorJitter(brightness=0.3, contrast=0.3),
-            v2.RandomErasing(p=0.5, value=0),
-            Counted(),
-        ]
-    )
-'''
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import pytest
 import ray.train
 import torch
 from helpers import bundle_hidden_env, checkpoint_meta, png_bytes, recorded_run
+from user_code import NETWORK
 
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError, InputError, failure
@@ -282,18 +283,6 @@ def test_a_wheel_py_module_admits_its_own_modules_not_its_dependencies(tmp_path,
 
 # --- a network in a package, as an MLflow model ------------------------------------------------
 
-NETWORK = """
-import torch
-
-
-def build(num_classes, width=4):
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, width, 3),
-        torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(),
-        torch.nn.Linear(width, num_classes),
-    )
-"""
 # mlflow.pyfunc.load_model(path).predict on one image, for each model: the classes they answer.
 PREDICT = """
 import json, sys
