@@ -5,7 +5,7 @@ tensor shapes found on the meta device, without memory or compute."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -13,8 +13,15 @@ from pipeline.core.errors import InputError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import load_tensors
 
-if TYPE_CHECKING:  # only a type: the architectures load their weights through this module
-    from pipeline.model.networks import Architecture
+
+class Buildable(Protocol):
+    """What fitting weights asks of a network (pipeline.model.networks.Architecture): its name
+    and builder arguments, for errors, and a build with a head of `num_classes`."""
+
+    name: str
+    kwargs: dict[str, Any]
+
+    def build(self, num_classes: int) -> torch.nn.Module: ...
 
 
 def read_state_dict(loc: Location) -> dict[str, torch.Tensor]:
@@ -48,7 +55,7 @@ def read_state_dict(loc: Location) -> dict[str, torch.Tensor]:
     return state
 
 
-def head_keys(arch: Architecture, num_classes: int) -> set[str]:
+def head_keys(arch: Buildable, num_classes: int) -> set[str]:
     """The names of the head's tensors: those whose shapes change with num_classes."""
     a, b = (shapes(lambda n=n: arch.build(n)) for n in (num_classes, num_classes + 1))
     return {k for k, shape in a.items() if b.get(k) != shape}
@@ -57,7 +64,7 @@ def head_keys(arch: Architecture, num_classes: int) -> set[str]:
 def load_backbone(
     model: torch.nn.Module,
     state: dict[str, torch.Tensor],
-    arch: Architecture,
+    arch: Buildable,
     num_classes: int,
     *,
     what: str,
@@ -74,7 +81,7 @@ def check_fit(
     given: dict[str, tuple],
     wanted: dict[str, tuple],
     head: set[str],
-    arch: Architecture,
+    arch: Buildable,
     what: str,
     error: type[Exception],
 ) -> None:

@@ -93,7 +93,8 @@ def log_model(
 ):
     """A new logged model of run `run_id`: `checkpoint` (but its training state) as a pyfunc
     model, READY once its artifacts are in, FAILED where they did not get there."""
-    from pipeline.tracking import pyfunc  # torch, pandas: only where a model is logged
+    # torch, pandas: only where a model is logged
+    from pipeline.tracking.pyfunc import CHECKPOINT, save
 
     client = conn.client
     model = client.create_logged_model(
@@ -105,13 +106,13 @@ def log_model(
     )
     try:
         with tempfile.TemporaryDirectory(prefix="ray-cv-model-") as d:
-            copy = Path(d) / pyfunc.CHECKPOINT
+            copy = Path(d) / CHECKPOINT
             for f in checkpoint.list_files():
                 name = posixpath.relpath(f.path, checkpoint.path)
                 if name != TRAIN_STATE:  # the optimizer's state: for resuming, not for use
                     (copy / name).parent.mkdir(parents=True, exist_ok=True)
                     (copy / name).write_bytes(checkpoint.child(name).read_bytes())
-            pyfunc.save(copy, Path(d) / "model", meta)
+            save(copy, Path(d) / "model", meta)
             client.log_model_artifacts(model.model_id, str(Path(d) / "model"))
     except BaseException:
         # Not left PENDING: a later submission logs a new one (find_logged_model).
