@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
-from pipeline.tracking import registry
 from pipeline.tracking.client import (
     CODE_VERSION,
     DATASET,
@@ -36,6 +35,7 @@ from pipeline.tracking.client import (
     start_error,
     write_once,
 )
+from pipeline.tracking.registry import log_best_model
 from pipeline.tracking.training import MLflowTraining
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class MLflowSweep:
             steps.append(
                 (
                     "the best checkpoint as a model",
-                    lambda: registry.log_best_model(
+                    lambda: log_best_model(
                         self.conn,
                         self.run_id,
                         Location.parse(checkpoint["best_checkpoint"]),

@@ -27,7 +27,6 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import read_meta
 from pipeline.model.runs import COST_KEYS, CURVES_PNG, HISTORY_CSV, RUN_SUMMARY
-from pipeline.tracking import registry
 from pipeline.tracking.client import (
     CODE_VERSION,
     DATASET,
@@ -51,6 +50,7 @@ from pipeline.tracking.client import (
     start_error,
     write_once,
 )
+from pipeline.tracking.registry import log_best_model
 from pipeline.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -284,9 +284,7 @@ class MLflowTraining:
             (f"artifacts {names}", lambda: log_files(self.conn, self.run_id, reports)),
             (
                 model,
-                lambda: registry.log_best_model(
-                    self.conn, self.run_id, best, self.registered_model
-                ),
+                lambda: log_best_model(self.conn, self.run_id, best, self.registered_model),
             ),
         ]
         lacking, failed = log_steps(steps)
