@@ -50,6 +50,7 @@ from pipeline.model.checkpoint import (
     CheckpointMeta,
     ModelSpec,
     Score,
+    checkpoint_meta,
     config_score,
     load_train_state,
     load_weights,
@@ -165,18 +166,17 @@ class ModelCard:
 
     def meta(self, metrics: dict, history: list[dict]) -> CheckpointMeta:
         """metadata.json of the checkpoint of epoch `metrics["epoch"]`."""
+        return checkpoint_meta(self.recorded(), metrics, history=history)
+
+    def recorded(self) -> dict:
+        """What every checkpoint of the run records of the card: CheckpointMeta's fields of the
+        run (the network, what it takes, the data, the config with the score it ranks by)."""
         ranked = {"metric": self.metric} | ({"mode": self.mode} if self.mode else {})
         config = {**self.config, "checkpoint": ranked}
         if self.dataset:
             config["dataset"] = self.dataset  # inference of it reads the version trained on
-        return CheckpointMeta(
-            model=ModelSpec(name=self.model, kwargs=self.kwargs),
-            epoch=metrics["epoch"],
-            metrics=metrics,
-            history=history,
-            config=config,
-            **{k: getattr(self, k) for k in RECORDED},
-        )
+        model = ModelSpec(name=self.model, kwargs=self.kwargs)
+        return {"model": model, "config": config, **{k: getattr(self, k) for k in RECORDED}}
 
 
 def run_config(
