@@ -34,11 +34,12 @@ from ray.serve.schema import ServeDeploySchema
 
 from harness.load import Client, Load, post
 from harness.serving import APP, ServeApp
+from pipeline.core.errors import ConfigError, InputError
 from pipeline.core.storage import Location
 from pipeline.data.images import BadImageError
 from pipeline.infer.batch import Predictor
 from pipeline.model.classifier import Classifier, prepare_image
-from pipeline.serve.app import BAD_IMAGE_STATUS
+from pipeline.serve.app import BAD_IMAGE_STATUS, build_app
 
 pytestmark = pytest.mark.usefixtures("ray_in_process")
 
@@ -52,6 +53,19 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 def registered(checkpoints, mlflow_server) -> str:
     """Checkpoint "b", version 1 of `serve-test` with the alias `production`: its URI."""
     return registered_version(checkpoints["b"], mlflow_server, "serve-test")
+
+
+def test_a_registered_models_alias_is_pinned_to_its_version_when_built(registered, mlflow_server):
+    # For every replica: the version the alias named when the application was built.
+    with pytest.raises(ConfigError, match=r"'models:/serve-test' names no version: give"):
+        build_app({"model": "models:/serve-test"})
+    with pytest.raises(ConfigError, match=r"no tracking server to read it from: set MLFLOW_"):
+        build_app({"model": registered})
+    uri = {"tracking_uri": mlflow_server.uri}
+    with pytest.raises(InputError, match=r"^models:/serve-test/9 is no registered model version"):
+        build_app({"model": "models:/serve-test/9", **uri})
+    app = build_app({"model": registered, **uri})
+    assert app._bound_deployment.init_args[0] == "models:/serve-test/1"
 
 
 @pytest.fixture(scope="module")
