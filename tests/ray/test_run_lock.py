@@ -145,7 +145,9 @@ def test_a_train_job_refuses_the_run_another_live_train_job_trains(
     cfg = train_config(small_dataset, tmp_path / "runs")
     args = {"dataset": Location.parse(cfg.dataset), "runs": Location.parse(cfg.storage_path)}
     said = tmp_path / "training"
-    path = os.pathsep.join([str(BUNDLE_ROOT), str(BUNDLE_ROOT / "tests")])
+    path = os.pathsep.join(
+        map(str, [BUNDLE_ROOT, BUNDLE_ROOT / "tests", BUNDLE_ROOT / "tests" / "ray"])
+    )
     address = ray.get_runtime_context().gcs_address
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, address, cfg.dataset, cfg.storage_path, str(said)],

@@ -2,7 +2,6 @@
 DataLoader processes, each row read about once per epoch."""
 
 import collections
-import io
 import math
 import multiprocessing
 import os
@@ -12,12 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-import ray.data
 import torch
 from corpus import (
     damage_footer,
@@ -28,7 +25,13 @@ from corpus import (
     rewrite_shard,
 )
 from helpers import checkpoint_meta, small_run_config
-from PIL import Image
+from numbered import (
+    CLASSES,
+    GROUP_ROWS,
+    SIZE,
+    damaged_copy,
+    numbered_dataset,
+)
 from torchvision.transforms import v2
 
 from harness.baseline import PillowDecoded, torchvisions_crop
@@ -37,7 +40,7 @@ from harness.images import VARIANTS, exif, rgb, save
 from pipeline.core import storage
 from pipeline.core.errors import InputError, failure
 from pipeline.core.storage import Location
-from pipeline.data.dataset import VERSIONS, Manifest, ShardFile, SplitInfo, read_manifest
+from pipeline.data.dataset import read_manifest
 from pipeline.data.images import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -46,24 +49,16 @@ from pipeline.data.images import (
     decode_image,
     jpeg_header,
 )
-from pipeline.data.shards import write_shard
 from pipeline.model.device import DevicePolicy, normalize
 from pipeline.train.augment import train_transform
 from pipeline.train.epoch import train_one_epoch
-from pipeline.train.input import decoding, ray_data
+from pipeline.train.input import decoding
 from pipeline.train.input.decoding import Decoded, decode
 from pipeline.train.input.loaders import train_data
 from pipeline.train.input.ring import BatchRing, Reused, RingLoader
 from pipeline.train.input.rows import RowGroupStream, StreamSpec
 from pipeline.train.optim import build_optimizer
 from pipeline.train.preflight import with_partitions
-
-CLASSES = ["a", "b", "c", "d"]
-# The numbered dataset: files of 97 rows in row groups of 10 (the last one of 7), so groups
-# straddle every batch and rank boundary. Row ids: 100 * file + row in file; val's files come
-# after train's.
-FILE_ROWS, GROUP_ROWS, TRAIN_FILES, VAL_FILES = 97, 10, 10, 3
-SIZE = 16
 
 
 @pytest.fixture
@@ -72,56 +67,10 @@ def dataset(tiny_dataset):
     return root, read_manifest(root)
 
 
-def numbered_image(row_id: int, rng: np.random.Generator) -> bytes:
-    """A noise PNG (so the images are most of the bytes, as real ones are) whose first pixel's
-    red and green hold the row id."""
-    pixels = rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
-    pixels[0, 0, :2] = (row_id % 256, row_id // 256)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def numbered(tmp_path_factory):
     """(root, manifest, {split: all row ids}) of a dataset whose images carry their row id."""
-    out = tmp_path_factory.mktemp("numbered")
-    root = Location.parse(str(out))
-    rng = np.random.default_rng(0)
-    splits, ids = {}, {}
-    for split, first, files in (("train", 0, TRAIN_FILES), ("val", TRAIN_FILES, VAL_FILES)):
-        info = SplitInfo()
-        for file in range(first, first + files):
-            rows = [
-                {
-                    "image": numbered_image(100 * file + r, rng),
-                    "label": (100 * file + r) % len(CLASSES),
-                    "label_name": CLASSES[(100 * file + r) % len(CLASSES)],
-                    "source_id": f"{split}/{file}/{r}",
-                }
-                for r in range(FILE_ROWS)
-            ]
-            path = f"{split}/part-{file:05d}.parquet"
-            write_shard(root.child(path), rows, row_group_size=GROUP_ROWS)
-            info.files.append(ShardFile(path=path, rows=FILE_ROWS))
-            info.rows += FILE_ROWS
-        splits[split] = info
-        ids[split] = [100 * f + r for f in range(first, first + files) for r in range(FILE_ROWS)]
-    manifest = Manifest(
-        version="numbered",
-        created_at=Manifest.now(),
-        fingerprint="numbered",
-        classes=CLASSES,
-        image_size=SIZE,
-        image_format="png",
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-        splits=splits,
-        skipped=[],
-        config={},
-    )
-    root.child(VERSIONS, "numbered.json").write_bytes(manifest.model_dump_json().encode())
-    return root, manifest, ids
+    return numbered_dataset(tmp_path_factory.mktemp("numbered"))
 
 
 def row_ids(images: torch.Tensor) -> list[int]:
@@ -250,17 +199,6 @@ def test_a_failed_read_raises_in_the_consumer(numbered, tmp_path, workers):
         InputError, match=r"part-00005\.parquet is listed in the manifest but missing"
     ):
         list(loader)
-
-
-def damaged_copy(numbered, tmp_path, split: str, file: int, damage) -> tuple[Location, str]:
-    """A copy of the numbered dataset with `damage(path)` done to file `file` of `split`; the
-    copy, and the file's path in it."""
-    root, manifest, _ = numbered
-    copy = Location.parse(str(tmp_path / "copy"))
-    shutil.copytree(root.path, copy.path)
-    path = manifest.splits[split].files[file].path
-    damage(Path(copy.child(path).path))
-    return copy, path
 
 
 def loader_error(stream: Decoded, workers: int) -> str:
@@ -751,62 +689,3 @@ def test_a_resumed_run_keeps_the_partitions_it_started_with(tmp_path):
     started = checkpoint_meta(config={**cfg.model_dump(mode="json"), "partitions": 4})
     assert with_partitions(cfg, started).partitions == 4
     assert with_partitions(cfg, None).partitions == cfg.partitions_at_start() == 8
-
-
-def block_order(split) -> list[int]:
-    """The files of the numbered dataset in the order one pass over the split reads them."""
-    files = []
-    for batch in split.iter_batches(batch_format="numpy"):
-        images = batch["image"]
-        for row_id in images[:, 0, 0, 0].astype(int) + 256 * images[:, 1, 0, 0].astype(int):
-            if not files or files[-1] != row_id // 100:
-                files.append(int(row_id // 100))
-    return files
-
-
-def test_ray_data_reads_train_blocks_in_a_new_order_each_epoch(
-    numbered, ray_in_process, monkeypatch
-):
-    root, manifest, _ = numbered
-    # A block per file: Ray Data reads files this small as one block, which has no order.
-    table = pa.concat_tables(
-        pq.read_table(root.child(f.path).path, columns=["image", "label"])
-        for f in manifest.splits["train"].files
-    )
-    rows = table.to_pylist()
-    monkeypatch.setattr(
-        ray_data,
-        "read_split",
-        lambda *_: ray.data.from_items(rows, override_num_blocks=TRAIN_FILES),
-    )
-
-    def epochs(n: int) -> list[list[int]]:
-        train = ray_data.datasets(manifest, root, augment="none", seed=0)["train"]
-        train.context.execution_options.preserve_order = True  # rows leave in block order
-        (split,) = train.streaming_split(1, equal=True)  # as Ray Train splits it
-        return [block_order(split) for _epoch in range(n)]
-
-    first, second = epochs(2)
-    assert sorted(first) == list(range(TRAIN_FILES))
-    assert first != second
-    assert epochs(1) == [first]  # a run with the same seed reads the same orders
-
-
-def test_ray_data_reads_row_groups_as_the_loader_does(numbered, tmp_path, ray_in_process):
-    root, manifest, ids = numbered
-    rows = ray_data.read_split(root, manifest, "val").take_all()
-    assert sorted(r["label"] for r in rows) == sorted(i % len(CLASSES) for i in ids["val"])
-    copy, path = damaged_copy(
-        numbered,
-        tmp_path,
-        "val",
-        2,
-        lambda shard: rewrite_shard(shard, page_checksums=True, label=(12, 9)),
-    )
-    val = ray_data.datasets(manifest, copy, augment="none", seed=0)["val"]
-    with pytest.raises(InputError) as raised:  # as a worker's ShardBatches raises it
-        list(ray_data.input_errors_raised(val.iter_torch_batches(batch_size=16)))
-    assert str(raised.value) == (
-        f"dataset {copy.uri} is damaged: row 2 of row group 1 of {copy.uri}/{path}: label 9, "
-        f"but the dataset has {len(CLASSES)} classes; re-run preprocessing with overwrite=true"
-    )
