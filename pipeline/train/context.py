@@ -91,11 +91,8 @@ class RayContext:
                 write()
             return in_place
 
-        mode = (
-            {}
-            if write is None
-            else {"checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC}
-        )
+        # Written off the loop, in Ray's upload thread; one in place already is recorded as is.
+        mode = ray.train.CheckpointUploadMode.ASYNC if write is not None else None
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(tempfile.mkdtemp(prefix="epoch-")),
