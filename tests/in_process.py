@@ -4,6 +4,7 @@ workers and the workers' logs read back, a node drained as preempted."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -122,3 +123,22 @@ class WorkerLogs:
                 f.seek(self.start.get(path, 0))
                 parts.append(f.read().decode(errors="replace"))
         return "".join(parts)
+
+
+def started(start, attempts: int = 4):
+    """`start()` of a cluster's node, tried up to `attempts` times: Ray waits a fixed 30 s for a
+    new node's raylet to register, which a loaded machine can exceed (as `helpers.local_ray`
+    starts again). The processes of an attempt that timed out are killed before the next."""
+    import psutil
+
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            return start()
+        except Exception as e:
+            if attempt == attempts or "timed out during startup" not in str(e):
+                raise
+        for process in psutil.Process().children(recursive=True):
+            if process.pid not in before:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()

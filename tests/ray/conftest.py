@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import ray
+from in_process import started
 from ray.cluster_utils import Cluster
 
 # The GCS declares a lost node dead within about 2 s, not Ray's default of about 17 s: with
@@ -17,24 +18,24 @@ FAST_NODE_DEATH = {
 }
 
 
+def cluster(head_cpus: int, nodes: int):
+    """A cluster of a head with `head_cpus` CPUs and `nodes` one-CPU nodes, each with its own
+    raylet and object store; the test's driver connects with `in_process.connect`. Shut down
+    after the test, whatever it left."""
+    head = {"num_cpus": head_cpus, "include_dashboard": False, "_system_config": FAST_NODE_DEATH}
+    made = started(lambda: Cluster(initialize_head=True, head_node_args=head))
+    try:
+        for _ in range(nodes):
+            started(lambda: made.add_node(num_cpus=1))
+        made.wait_for_nodes()
+        yield made
+    finally:
+        ray.shutdown()
+        made.shutdown()
+
+
 @pytest.fixture
 def two_node_cluster():
     """A head with no CPUs (it runs the driver, never training, as in cluster.yaml) and two
-    one-CPU nodes, each with its own raylet and object store; the test's driver is connected
-    by `helpers.connect`. Shut down after the test, whatever it left."""
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "_system_config": FAST_NODE_DEATH,
-        },
-    )
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    one-CPU nodes."""
+    yield from cluster(0, 2)
