@@ -1,6 +1,7 @@
 """The sweep job on a real local Ray cluster, sent with `ray job submit`: ASHA's early stops and
 the best run; a trial's worker killed, which its Train run replaces, then the sweep stopped and
-submitted again. (Bad spaces: tests/jobs/test_bad_inputs.py.)"""
+submitted again. (A trial that fails for good, in process: tests/ray/test_tune.py. Bad spaces:
+tests/bad_inputs.py.)"""
 
 from __future__ import annotations
 
@@ -195,42 +196,3 @@ def test_a_trial_replaces_a_killed_worker_and_a_stopped_sweep_resumes_training_n
         (str(second), "finished", 4),
     ]
     assert summary["counts"] == {"finished": 2, "stopped early": 0, "failed": 0}
-
-
-def test_a_trial_that_fails_for_good_is_listed_and_the_sweep_goes_on(
-    cluster_2cpu, tiny_dataset, tmp_path
-):
-    # The second trial's worker asks 3 CPUs of a 2-CPU cluster: Ray Train cannot place it, and
-    # with max_failures=0 its one attempt of 5 s is its last. Both trials at once (the sweep
-    # would run one at a time, by the largest trial's ask): the first trains on meanwhile.
-    args = (
-        "name=failing",
-        "num_samples=1",
-        "asha.enabled=false",
-        "max_concurrent_trials=2",
-        "train.epochs=1",
-        "train.max_failures=0",
-        "train.scaling.startup_timeout_s=5",
-        "space.scaling.cpus_per_worker={grid: [1, 3]}",
-    )
-    proc = tune_job(cluster_2cpu, tiny_dataset, tmp_path, *args)
-    assert proc.returncode == 0, proc.stdout
-    summary = json.loads((tmp_path / "failing" / SWEEP_SUMMARY).read_text())
-    placed, unplaced = summary["trials"]
-    assert placed["status"] == "finished" and summary["best_run"] == placed["run"]
-    assert unplaced["status"] == "failed" and unplaced["epochs"] == 0, unplaced
-    assert unplaced["error"].startswith(
-        "ClusterError: the cluster could not place 1 training workers with {'CPU': 3} each"
-    ), unplaced
-    assert summary["counts"] == {"finished": 1, "stopped early": 0, "failed": 1}
-    # Submitted again with retry_failed=true: the same trial (its id, its run) tries again,
-    # and fails again; the finished one is not trained again.
-    again = tune_job(cluster_2cpu, tiny_dataset, tmp_path, *args, "retry_failed=true")
-    assert again.returncode == 0, again.stdout
-    assert again.stdout.count("starting 1 workers with {'CPU': 3} each") == 1
-    assert "starting 1 workers with {'CPU': 1} each" not in again.stdout
-    retried = json.loads((tmp_path / "failing" / SWEEP_SUMMARY).read_text())
-    assert [(t["trial"], t["status"]) for t in retried["trials"]] == [
-        (placed["trial"], "finished"),
-        (unplaced["trial"], "failed"),
-    ]
