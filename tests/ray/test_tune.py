@@ -40,14 +40,15 @@ def two_cpus():
 
 
 def started_head(attempts: int = 4, **head_args) -> Cluster:
-    """A Cluster of one head node. Ray waits a fixed 30 s for its raylet to register, which a
-    loaded machine can exceed: it is started again, up to `attempts` (what a failed start left
-    ends with this process, as Cluster's nodes do)."""
+    """A Cluster of one head node. Ray waits a fixed 30 s for its raylet to register, and a
+    while for its GCS, which a loaded machine can exceed: it is started again, up to `attempts`
+    (what a failed start left ends with this process, as Cluster's nodes do)."""
     for attempt in range(1, attempts + 1):
         try:
             return Cluster(initialize_head=True, head_node_args=head_args)
         except Exception as e:
-            if attempt == attempts or "timed out during startup" not in str(e):
+            slow = ("timed out during startup", "Failed to start GCS")
+            if attempt == attempts or not any(s in str(e) for s in slow):
                 raise
     raise AssertionError("unreachable")
 
