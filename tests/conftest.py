@@ -66,9 +66,10 @@ CPU_REPORT = (
 )
 # Each tier's timeout in seconds, for a test that names none (@pytest.mark.timeout): past it,
 # pytest-timeout fails the test with every thread's stack, fixtures' setup included, and the
-# run goes on. The jobs tier's longest (a cluster, a training run and its jobs) take minutes on
-# two loaded cores.
-TIMEOUT_S = {"unit": 120, "ray": 600, "jobs": 1200, "deploy": 1500}
+# run goes on. A test's time includes the setup of the session fixtures it is the first to ask
+# for (a generated dataset, the MLflow server's venv on a fresh machine); the jobs tier's longest
+# (a cluster, a training run and its jobs) take minutes on two loaded cores.
+TIMEOUT_S = {"unit": 300, "ray": 600, "jobs": 1200, "deploy": 1500}
 # A test stuck where Python never regains control (a native wait) is past the signal's reach:
 # this long after its timeout (or its timeout again, if shorter), faulthandler writes every
 # thread's stack and ends the process, and xdist reports the test as crashed.

@@ -111,7 +111,7 @@ def test_a_test_no_signal_reaches_ends_its_process_with_every_stack():
 @pytest.mark.parametrize(
     ("path", "seconds"),
     [
-        ("unit/test_a.py", 120),
+        ("unit/test_a.py", 300),
         ("ray/test_a.py", 600),
         ("jobs/test_a.py", 1200),
         ("deploy/test_a.py", 1500),
