@@ -1204,20 +1204,20 @@ CASES = [
         "agent is not up: another cluster on the machine holds the agent's port 52365)",
         3,
         "the cluster at --address <address> did not take the job for <n> s (--submit-timeout-s)",
-        test="tests/jobs/test_chain.py::test_a_cluster_that_never_takes_the_job_ends_the_chain_with_exit_3",
+        test="tests/unit/test_chain.py::test_a_cluster_that_never_takes_the_job_ends_the_chain_with_exit_3",
     ),
     Case(
         "a cluster that answers nothing for `--reconnect-timeout-s` while the chain follows a job",
         3,
         "cannot reach the cluster at --address <address> for <n> s (--reconnect-timeout-s), "
         "following job <id>",
-        test="tests/jobs/test_chain.py::test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id",
+        test="tests/unit/test_chain.py::test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id",
     ),
     Case(
         "a cluster that no longer knows the chain's job (a head restarted without its jobs)",
         3,
         "the cluster at --address <address> no longer knows job <id>",
-        test="tests/jobs/test_chain.py::test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id",
+        test="tests/unit/test_chain.py::test_a_cluster_lost_mid_job_ends_the_chain_with_exit_3_and_the_jobs_id",
     ),
     Case(
         "storage that keeps failing",
@@ -1235,7 +1235,8 @@ CASES = [
         "training workers the cluster cannot place",
         3,
         "the cluster could not place 2 training workers",
-        test="tests/jobs/test_multinode.py::test_node_lost_mid_training",
+        test="tests/ray/test_node_loss.py::"
+        "test_a_lost_node_is_recovered_from_the_last_checkpoint_and_one_never_replaced_fails_the_run",
     ),
     Case(
         "a training failure that outlasts `max_failures`",
