@@ -16,7 +16,7 @@ import pytest
 import ray.train
 import torch
 from helpers import recorded_run
-from test_chain import TINY
+from test_chain_jobs import TINY
 from torchvision.transforms import v2
 
 from harness.cluster import BUNDLE_ROOT
