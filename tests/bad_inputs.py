@@ -1065,7 +1065,7 @@ CASES = [
         "goes on from the newest one that reads, and never starts the run over",
         1,
         "run <path> has checkpoints, and none of them reads",
-        test="tests/jobs/test_steps.py::"
+        test="tests/unit/test_steps.py::"
         "test_a_resume_goes_on_from_the_newest_checkpoint_on_storage_and_brings_rays_record_in_line",
     ),
     Case(
@@ -1249,7 +1249,7 @@ CASES = [
         "and at least `stall.min_s` (every rank's stacks in the log and under `<run>/stalls/`)",
         3,
         "training stalled: rank <n> (pid <n>, node <address>) made no progress",
-        test="tests/jobs/test_stall.py::"
+        test="tests/jobs/test_stall_jobs.py::"
         "test_a_rank_stopped_between_steps_ends_the_job_naming_it_with_every_ranks_stacks",
     ),
     Case(

@@ -1,7 +1,8 @@
 """Resume equivalence in this process, at world size 1: a run stopped inside an epoch and resumed
 from its last checkpoint there, in a fresh loop, ends with exactly the weights and optimisation
 state of the run never stopped, in every precision and augmentation. At world size 2:
-tests/ray/test_resume_ranks.py; a worker really killed on a cluster: tests/jobs/test_steps.py."""
+tests/ray/test_resume_ranks.py; a worker really killed on a cluster:
+tests/jobs/test_steps_jobs.py."""
 
 from __future__ import annotations
 
