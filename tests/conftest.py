@@ -27,6 +27,7 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import pytest
 import ray
+from cloud_stores import BUCKET
 from helpers import (
     CLASSES,
     FAST_NODE_DEATH,
@@ -48,6 +49,7 @@ from helpers import (
 )
 
 from harness import cpu_cost
+from harness.cloud_storage import AzuriteServer, GcsServer
 from harness.cluster import LocalCluster
 from harness.mlflow_server import MLflowServer
 from harness.s3 import S3Server
@@ -246,6 +248,22 @@ def s3_server():
     """An S3-compatible server (moto) on loopback for the whole session; each module that
     claims S3 makes a bucket of its own on it."""
     with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """fake-gcs-server on loopback (npm, on first use), with the tests' bucket."""
+    with GcsServer(tmp_path_factory.mktemp("gcs") / "server.log") as server:
+        server.create_bucket(BUCKET)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory):
+    """Azurite's blob service on loopback (npm, on first use), with the tests' container."""
+    with AzuriteServer(tmp_path_factory.mktemp("azurite") / "server.log") as server:
+        server.create_container(BUCKET)
         yield server
 
 
