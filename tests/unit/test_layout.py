@@ -185,3 +185,21 @@ def test_no_job_but_the_chains_entry_point_imports_the_chain():
         if any(name.startswith("pipeline.chain") for name in imports_of(path))
     }
     assert importers == {"submit.py"}
+
+
+def test_functions_and_modules_stay_short_enough_to_hold():
+    """No function of pipeline/ or jobs/ over 60 lines, no module of pipeline/ over 400: past
+    them, a reader cannot hold one in mind, and a concern hides inside another."""
+    long_functions, long_modules = [], []
+    for path in sorted(
+        [*(BUNDLE_ROOT / "pipeline").rglob("*.py"), *(BUNDLE_ROOT / "jobs").glob("*.py")]
+    ):
+        text = path.read_text()
+        name = str(path.relative_to(BUNDLE_ROOT))
+        if name.startswith("pipeline/") and text.count("\n") > 400:
+            long_modules.append(name)
+        for node in ast.walk(ast.parse(text)):
+            function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            if function and node.end_lineno - node.lineno + 1 > 60:
+                long_functions.append(f"{name}:{node.lineno} {node.name}")
+    assert (long_functions, long_modules) == ([], [])
