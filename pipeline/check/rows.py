@@ -205,6 +205,8 @@ def storage_row(uri: str, write: dict[str, Any], nodes: list[Node], answers: Ans
             f"{uri} is not shared by every node: {'; '.join(problems)}. Use storage every node "
             "reaches (s3://..., or a filesystem mounted on every node)",
         )
+    if not reads:  # no node answered in time: the nodes row fails, naming them
+        return skipped("storage", f"written to {uri}, but no node answered to read it back")
     write_mbps = size / write["seconds"] / MB
     return passed(
         "storage",

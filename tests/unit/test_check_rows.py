@@ -213,6 +213,9 @@ def test_storage_that_a_node_cannot_read_is_not_shared():
     assert rows.storage_row("/x", refused, [A], {}).owner == "input"
     ok = rows.storage_row("/mnt/runs", write, [A], {A.node_id: facts(read=read)})
     assert ok.status == PASS and ok.facts["read_mbps"] == [200.0]
+    # No node answered in time (the nodes row fails for it): nothing was read back.
+    silent = rows.storage_row("/mnt/runs", write, [A], {})
+    assert silent.status == SKIPPED and "no node answered" in silent.detail
 
 
 def test_the_dataset_row_skips_a_dataset_not_there_yet_and_fails_an_unreadable_one():
