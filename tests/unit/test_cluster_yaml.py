@@ -39,7 +39,7 @@ if sys.version_info >= (3, 11):
 else:  # pytest itself depends on tomli before 3.11
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the bundle root: tests/unit/ is two down
 SEPARATORS = {";", "&&", "||", "|", "&"}
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
