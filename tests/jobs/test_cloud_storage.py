@@ -1,6 +1,6 @@
 """gs:// and abfs:// for real, against emulators on loopback: the jobs (preprocess -> train,
 resumed -> infer) with everything on each store (its reads and writes: tests/unit/
-test_cloud_storage.py)."""
+test_cloud_locations.py)."""
 
 import json
 

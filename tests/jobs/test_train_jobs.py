@@ -117,7 +117,7 @@ def test_distributed_accuracy_is_exact(main_run, tiny_dataset):
         policy=DevicePolicy.for_input(torch.device("cpu"), "fp32", meta.model_input),
         ema=ema,
     )
-    assert one["val_images"] == val.rows == 119
+    assert one["val_images"] == val.rows.rows == 119
     last = history(run)[-1]
     for prefix in ("", "ema_"):
         assert one[f"{prefix}val_accuracy"] == pytest.approx(

@@ -1,7 +1,7 @@
 """The sweep job on a real local Ray cluster, sent with `ray job submit`: ASHA's early stops and
 the best run; a trial's worker killed, which its Train run replaces, then the sweep stopped and
-submitted again. (A trial that fails for good, in process: tests/ray/test_tune.py. Bad spaces:
-tests/bad_inputs.py.)"""
+submitted again. (A trial that fails for good, in process: tests/ray/test_tune_trials.py. Bad
+spaces: tests/bad_inputs.py.)"""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
-import conftest
 import pytest
+import tiers
 
 from harness.cluster import BUNDLE_ROOT
 
@@ -120,12 +120,12 @@ def test_a_test_no_signal_reaches_ends_its_process_with_every_stack():
 def test_each_tier_has_its_timeout_and_a_module_its_process(path, seconds):
     marks = []
     item = SimpleNamespace(
-        path=Path(conftest.__file__).parent / path,
+        path=Path(tiers.__file__).parent / path,
         nodeid=f"tests/{path}::test_x",
         get_closest_marker=lambda name: next((m for m in marks if m.name == name), None),
         add_marker=marks.append,
     )
-    conftest.pytest_collection_modifyitems(None, [item])
+    tiers.mark([item])
     timeout, group = (m for m in marks)
     assert timeout.args == (seconds,)
     assert group.args == (f"tests/{path}",)
