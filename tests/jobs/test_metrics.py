@@ -139,7 +139,9 @@ def test_a_train_and_an_infer_job_are_watched_through_prometheus_and_status(scra
         [(labels, value)] = [(r["metric"], float(r["value"][1])) for r in result]
         assert labels == {"run": "watched"}, what
         assert value >= 0 and (value <= 1 or what in ("images/s", "ETA")), (what, value)
-    assert float(found["progress"][0]["value"][1]) > 0.3
+    # Past the first epoch: status saw epoch 1 checkpointed (2 of 8, 0.25); a scrape can lag
+    # the gauge by its interval, on a loaded machine by seconds of training.
+    assert float(found["progress"][0]["value"][1]) > 1 / 8
     # The ETA it gave, against the time the run then took.
     run = root / "runs" / "watched"
     final = read_progress(Location.parse(str(run)))
