@@ -317,7 +317,9 @@ def test_a_registered_version_rolls_out_under_load_without_dropping_a_request(
         # A deploy that cannot build leaves the running replicas serving.
         tracked = {"MLFLOW_TRACKING_URI": mlflow_server.uri}
         app.deploy("models:/serve-test/9", env=tracked)
-        wait_for(lambda: app.status().get("status") == "DEPLOY_FAILED", "the failed deploy", 180)
+        # Serve tries a failing build 4 times, each in a new replica: about 65 s alone, minutes on
+        # a loaded machine.
+        wait_for(lambda: app.status().get("status") == "DEPLOY_FAILED", "the failed deploy", 360)
         assert "models:/serve-test/9 is no registered model version" in app.status()["message"]
         failed_at = time.monotonic()
         app.deploy(registered, env=tracked)
