@@ -47,18 +47,6 @@ from pipeline.train.run import TrainRun
 from pipeline.train.saving import Snapshot, StepWriter, publish_checkpoint
 from pipeline.train.state import State
 
-EVERY = 4
-# Two workers of two loader processes each; MixUp and an EMA, whose draws and state a resume
-# inside an epoch must carry on exactly.
-RECIPE = (
-    "epochs=1",
-    f"checkpoint.every_steps={EVERY}",
-    "scaling.loader_workers=2",
-    "mixup_alpha=0.2",
-    "ema.enabled=true",
-    "ema.every_steps=2",
-)
-
 
 def fill(directory: Path, copied: dict) -> None:
     """A checkpoint's files from the state copied at the save, metadata.json last as
