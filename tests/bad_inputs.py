@@ -1023,7 +1023,7 @@ CASES = [
         1,
         "dataset <path> is damaged: row group <g> of <file>: it does not read as Parquet (could "
         "not verify page integrity",
-        test="tests/jobs/test_train_faults.py::"
+        test="tests/ray/test_worker_kills.py::"
         "test_a_stored_image_damaged_in_place_ends_the_job_at_once_naming_its_row_group",
     ),
     Case(
@@ -1242,7 +1242,7 @@ CASES = [
         "a training failure that outlasts `max_failures`",
         3,
         "training failed and max_failures=0 retries are used up",
-        test="tests/jobs/test_train_faults.py::test_a_kill_with_max_failures_0_fails_the_job",
+        test="tests/ray/test_worker_kills.py::test_a_kill_with_max_failures_0_fails_the_job",
     ),
     Case(
         "a training step that makes no progress for `stall.multiple` times the median step, "

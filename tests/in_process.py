@@ -142,3 +142,34 @@ def started(start, attempts: int = 4):
             if process.pid not in before:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
+
+
+def kill_worker_here(pid: int) -> None:
+    """SIGKILL the Ray Train worker `pid` of the cluster this process is connected to, as a
+    crash would."""
+    import os
+    import signal
+
+    assert pid in {a["Pid"] for a in train_workers_here()}, pid
+    os.kill(pid, signal.SIGKILL)
+
+
+def train_workers_of_this_job() -> list[dict]:
+    """Every Ray Train worker actor the job of this process's driver has started, live or
+    dead."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    actors = ray._private.state.actors().values()
+    return [a for a in actors if a["ActorClassName"] == "RayTrainWorker" and a["JobID"] == job]
+
+
+def preprocess_here(*overrides: str):
+    """What the preprocess job runs (`pipeline.data.preprocess.preprocess`), with its default
+    config file and `overrides`, from this process's driver: returns the manifest it commits."""
+    from pipeline.data.config import PreprocessConfig
+    from pipeline.data.preprocess import preprocess
+
+    default = BUNDLE_ROOT / "configs" / "preprocess.yaml"
+    cfg = load_config(PreprocessConfig, default, list(overrides))
+    return preprocess(cfg, output=Location.parse(cfg.output))

@@ -1,7 +1,8 @@
 """The training job on a real local Ray cluster, sent with `ray job submit`: learning,
 retention, exact distributed accuracy, worker kills at Ray's commit points, both input paths.
-(Each test's own run: test_train_faults. Stop and resubmit: test_s3, with the run on S3. Nodes
-lost: test_multinode, test_elastic.)"""
+(A job stopped while an upload is unrecorded, and submitted again: test_train_faults; worker
+kills and input errors, each on a run of its own: tests/ray/test_worker_kills.py. Stop and
+resubmit: test_s3, with the run on S3. Nodes lost: test_multinode, test_elastic.)"""
 
 from __future__ import annotations
 

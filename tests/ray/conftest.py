@@ -39,3 +39,11 @@ def two_node_cluster():
     """A head with no CPUs (it runs the driver, never training, as in cluster.yaml) and two
     one-CPU nodes."""
     yield from cluster(0, 2)
+
+
+@pytest.fixture(scope="module")
+def one_node_of_three_cpus():
+    """A head of 3 CPUs and no other node, for the tests of a module in turn: two one-CPU
+    training workers and a CPU beside them (where Ray Data decodes). Each test connects as a
+    job of its own (`in_process.connect`), which ends the last test's."""
+    yield from cluster(3, 0)

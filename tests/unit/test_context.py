@@ -1,7 +1,7 @@
 """The run context's Ray side against Ray Train's own API: what RayContext passes to
 `ray.train.report` is what it takes, and a checkpoint is recorded where it was written. Ray's
 functions are stood in for here alone; the loop itself never needs them (test_worker.py), and a
-real cluster runs them (tests/jobs/test_train_faults.py)."""
+real cluster runs them (tests/ray/test_worker_kills.py)."""
 
 from __future__ import annotations
 
