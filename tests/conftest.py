@@ -20,8 +20,9 @@ os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 # and Ray gives a worker of one CPU one thread anyway.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray Train's preemption watcher off in the clusters the tests start, unless a test turns it on
-# (test_preemption's notice test): an actor per worker group, a Python process of its own that
-# polls the GCS for drained nodes, about 2 CPU-seconds each, and only the notice reads it.
+# (tests/ray/test_node_preemption.py's notice test): an actor per worker group, a Python process
+# of its own that polls the GCS for drained nodes, about 2 CPU-seconds each, and only the notice
+# reads it.
 # Ray Train classifies a lost node as preempted without it (docs/development.md).
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
@@ -31,7 +32,6 @@ import tiers
 from cloud_stores import BUCKET
 from helpers import (
     CLASSES,
-    FAST_NODE_DEATH,
     MAIN_RUN_RECIPE,
     SHARED_CLUSTERS,
     armed_runtime_env,
@@ -42,11 +42,9 @@ from helpers import (
     latest_recorded,
     local_ray,
     png_bytes,
-    shared_cluster,
     tracked,
     train_job,
     wait_for,
-    with_worker_nodes,
 )
 
 from harness import cpu_cost
@@ -199,14 +197,6 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 
 # --- training runs, shared by test_train and test_infer --------------------------------------
-
-
-@pytest.fixture
-def head_and_two_nodes(request):
-    """Head with no CPUs (it runs drivers, never training, as in cluster.yaml) + 2 one-CPU nodes,
-    shared by consecutive tests (helpers.shared_cluster): each test starts with two live nodes."""
-    cluster = shared_cluster(request, num_cpus=0, env=FAST_NODE_DEATH)
-    return with_worker_nodes(cluster, 2)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -25,7 +25,7 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.data.sources import render_synthetic
 from pipeline.model.checkpoint import CheckpointMeta, ModelInput
-from pipeline.model.runs import HISTORY_CSV, SNAPSHOT, checkpoint_dir_name
+from pipeline.model.runs import HISTORY_CSV, SNAPSHOT
 from pipeline.train.config import TrainConfig
 
 CLASSES = ("red_circle", "green_square", "blue_triangle")
@@ -183,10 +183,6 @@ def with_worker_nodes(cluster: LocalCluster, count: int) -> LocalCluster:
     return cluster
 
 
-def training_worker_nodes(cluster) -> list[str]:
-    return sorted(a["node_id"] for a in training_workers(cluster))
-
-
 def wait_for(predicate, what: str, timeout_s: float = 300):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -250,23 +246,6 @@ def slow_cnn(directory: Path) -> tuple[Path, str]:
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text(SLOW_CNN)
     return package, "slowcnn:build"
-
-
-def held_on_two_nodes(cluster, dataset, storage: Path, name: str, *args, epoch: int) -> Future:
-    """Train run `name` in `storage` on `cluster`'s two one-CPU nodes, rank 0 held once Ray has
-    recorded the checkpoint of `epoch`, each worker on a node of its own: returns the job, for
-    a node to be lost at that defined point."""
-    fault = storage / f"fault-{name}-{epoch}"
-    fault.mkdir()
-    env, marker = armed_runtime_env(fault, faults.CHECKPOINT_REPORTED)
-    args = (f"name={name}", *args)
-    job = in_background(train_job, cluster, dataset, storage, *args, runtime_env=env)
-    held_worker(marker, job)
-    recorded = checkpoint_dir_name(epoch)
-    wait_for(lambda: latest_recorded(storage / name) == recorded, f"{recorded} in Ray's record", 60)
-    workers = training_worker_nodes(cluster)
-    assert len(set(workers)) == 2, f"the two workers are not on two nodes: {workers}"
-    return job
 
 
 def held_worker(marker: Path, job: Future) -> int:

@@ -93,9 +93,9 @@ def drain_as_preempted(cluster, node, *, deadline_s: float) -> None:
 
 
 def held_on_two_nodes_here(cluster, dataset, storage: Path, name: str, *args, epoch: int):
-    """`held_on_two_nodes` on a cluster of this process: train run `name` with rank 0 held once
-    Ray has recorded the checkpoint of `epoch`, each worker on a node of its own. Returns the
-    run (a Future of its summary) and the held worker's pid."""
+    """Train run `name` on a cluster of this process, rank 0 held once Ray has recorded the
+    checkpoint of `epoch`, each worker on a node of its own: for a node to be lost at that
+    defined point. Returns the run (a Future of its summary) and the held worker's pid."""
     fault = storage / f"fault-{name}-{epoch}"
     fault.mkdir()
     marker = connect_armed(cluster, fault, faults.CHECKPOINT_REPORTED)
