@@ -133,6 +133,11 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     @property
+    def running(self) -> bool:
+        """Started, and not stopped since."""
+        return self._proc is not None
+
+    @property
     def gcs_address(self) -> str:
         """For `ray.init(address=...)`."""
         return f"127.0.0.1:{self.gcs_port}"

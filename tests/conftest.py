@@ -202,11 +202,30 @@ def tiny_dataset(tmp_path_factory) -> Path:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After a test, stop the shared clusters that the next test on this process does not ask
-    for (all of them after the last)."""
+    for (all of them after the last); and the session's cluster once the next test is of another
+    tier and does not ask for it: xdist hands out the tests in the order collected, the jobs tier
+    first, and an idle cluster costs about 4 CPU-seconds a minute while the other tiers run."""
     yield
     for name in list(SHARED_CLUSTERS):
         if nextitem is None or name not in nextitem.fixturenames:
             SHARED_CLUSTERS.pop(name).stop()
+    if nextitem is None or (
+        tiers.tier(nextitem) != "jobs" and "cluster_2cpu" not in nextitem.fixturenames
+    ):
+        for cluster in SESSION_CLUSTER:
+            cluster.stop()
+
+
+def pytest_runtest_setup(item):
+    """The session's cluster started again for a test that asks for it after it was stopped."""
+    if "cluster_2cpu" in item.fixturenames:
+        for cluster in SESSION_CLUSTER:
+            if not cluster.running:
+                cluster.start()
+
+
+# The session's cluster, once made: for the two hooks above.
+SESSION_CLUSTER: list[LocalCluster] = []
 
 
 @pytest.fixture(scope="session")
@@ -247,6 +266,7 @@ def cluster_2cpu(s3_server):
     one for the whole session, shared by the modules whose jobs leave it as they found it. Its
     nodes reach `s3_server` as a real cluster's reach S3: through the nodes' environment."""
     with LocalCluster(num_cpus=2, env=s3_server.env) as c:
+        SESSION_CLUSTER.append(c)
         yield c
 
 
