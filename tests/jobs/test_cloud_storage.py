@@ -64,7 +64,9 @@ def chain(cluster: LocalCluster, root: Location) -> None:
     shards = [f.path for info in manifest.splits.values() for f in info.files]
     assert len(shards) >= 2 and all(dataset.child(s).exists() for s in shards)
 
+    # One worker: the claim is the store's, and a second worker is a process that imports torch.
     train = [*TRAIN, f"dataset={dataset.uri}", f"storage_path={runs.uri}", "name=run"]
+    train.append("scaling.num_workers=1")
     out = run(cluster, [*train, "epochs=1"])
     assert "epoch 0/0: train_loss" in out, out
     # The same run again, one epoch longer: resumed from its checkpoint on the store.
