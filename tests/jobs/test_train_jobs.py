@@ -2,7 +2,8 @@
 retention, exact distributed accuracy, worker kills at Ray's commit points, both input paths.
 (A job stopped while an upload is unrecorded, and submitted again: test_train_faults; worker
 kills and input errors, each on a run of its own: tests/ray/test_worker_kills.py. Stop and
-resubmit: test_s3, with the run on S3. Nodes lost: test_multinode, test_elastic.)"""
+resubmit: test_s3, with the run on S3. Nodes lost: tests/ray/test_node_loss.py, test_elastic.py
+and test_node_preemption.py.)"""
 
 from __future__ import annotations
 
