@@ -81,6 +81,15 @@ class PortTaken(RuntimeError):
     """A port given to the head was taken before Ray bound it: start it on others."""
 
 
+# What `ray start` says when its raylet took longer than Ray's fixed 30 s to register, which a
+# loaded machine exceeds now and then: starting again gets one.
+SLOW_START = "timed out during startup"
+
+
+class SlowStart(RuntimeError):
+    """The head's `ray start` gave up waiting for its own raylet: start it again."""
+
+
 def _ray_cli() -> str:
     # The `ray` next to this interpreter: the venv's, not whatever is first on PATH.
     return str(Path(sys.executable).with_name("ray"))
@@ -163,8 +172,8 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 90, attempts: int = 3) -> LocalCluster:
         """Start the head; ready once its job API and its job agent answer. A port taken by
-        another process before Ray bound it (tests start clusters side by side) starts it
-        again on others."""
+        another process before Ray bound it (tests start clusters side by side), or a raylet
+        slower to register than `ray start` waits for, starts it again on other ports."""
         for attempt in range(1, attempts + 1):
             args = [
                 "--head",
@@ -183,9 +192,9 @@ class LocalCluster:
                 break
             except BaseException as e:
                 self.stop()
-                if not isinstance(e, PortTaken) or attempt == attempts:
+                if not isinstance(e, (PortTaken, SlowStart)) or attempt == attempts:
                     raise
-                log.warning("a port of the head was taken (%s); starting it on others", e)
+                log.warning("the head did not start (%s); starting it again on other ports", e)
                 self._choose_ports()
         log.info("Ray cluster up: dashboard %s, %s CPUs", self.address, self.num_cpus or "all")
         return self
@@ -320,7 +329,8 @@ class LocalCluster:
             if self._proc.poll() is not None:
                 tail = self._log_tail()
                 taken = any(marker in tail for marker in PORT_TAKEN)
-                raise (PortTaken if taken else RuntimeError)(f"`ray start` exited early:\n{tail}")
+                error = PortTaken if taken else SlowStart if SLOW_START in tail else RuntimeError
+                raise error(f"`ray start` exited early:\n{tail}")
             if gave_up := [line for line in self._agent_log() if AGENT_GAVE_UP in line]:
                 raise PortTaken(f"the job agent's port is taken: {gave_up[0]}")
             while checks and _answers(checks[0]):

@@ -67,6 +67,7 @@ CPU_REPORT = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
     tiers.mark(items)
 

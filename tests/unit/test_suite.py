@@ -1,8 +1,8 @@
-"""The suite's own guarantees: each test has its tier's timeout, and no test waits for ever. A
-test that hangs, in its fixture's setup here, fails with every thread's stack once past its
-timeout and the run goes on; one stuck where no signal reaches it (a native wait) ends its
-process with the stacks, which xdist reports. Run as `make test` runs, on probe tests of a
-directory of their own."""
+"""The suite's own guarantees: each test has its tier's timeout, a module's tests run in one
+process (which makes its module fixtures once), and no test waits for ever. A test that hangs, in
+its fixture's setup here, fails with every thread's stack once past its timeout and the run goes
+on; one stuck where no signal reaches it (a native wait) ends its process with the stacks, which
+xdist reports. Run as `make test` runs, on probe tests of a directory of their own."""
 
 from __future__ import annotations
 
@@ -96,6 +96,22 @@ def test_a_test_that_hangs_in_a_fixture_fails_with_its_stack_and_the_rest_runs()
     assert re.search(r"def hangs\(\):\n>\s+time\.sleep\(3600\)", out), out
     assert "Stack of" in out, out
     assert "2 passed, 1 error" in out, out  # the hung test's setup failed; the others ran
+
+
+# Four quick tests a module: three modules, three processes.
+QUICK = "\n".join(f"def test_{n}():\n    pass\n\n" for n in ("a", "b", "c", "d"))
+
+
+def test_a_modules_tests_run_in_one_process():
+    # xdist's loadgroup groups by the nodeid suffix its collection hook writes from each test's
+    # xdist_group mark: tiers.mark's marks must be there before it, and pytest must keep the
+    # suffix (9.2 drops it: pytest-xdist#1386), or each test goes its own way.
+    with probes(test_one=QUICK, test_two=QUICK, test_three=QUICK) as root:
+        proc = pytest_run(root, "-n", "3", "--dist", "loadgroup")
+    assert proc.returncode == 0, proc.stdout
+    ran = re.findall(r"\[(gw\d+)\] \[\s*\d+%\] PASSED \S+/(test_\w+)\.py::test_\w@", proc.stdout)
+    processes = {module: {gw for gw, m in ran if m == module} for _, module in ran}
+    assert len(ran) == 12 and all(len(gws) == 1 for gws in processes.values()), proc.stdout
 
 
 def test_a_test_no_signal_reaches_ends_its_process_with_every_stack():
