@@ -160,7 +160,10 @@ def test_inference_waits_for_a_node_and_its_pool_grows_with_the_cluster_up_to_nu
     slow = checkpoint_meta(model={"name": "slownet:build"})
     save_checkpoint(checkpoint, build(len(slow.classes)).state_dict(), slow, {})
     images = tmp_path / "images"
-    make_image_folder(images, per_class=100, corrupt=False)
+    # 750 images of half a second each: minutes on one actor, time enough for the nodes that
+    # join to start a second on a loaded machine (the pool stayed at one with 300). The wait
+    # sleeps, and costs no CPU.
+    make_image_folder(images, per_class=250, corrupt=False)
     # The job ships the network as a user's package: the runtime env's py_modules.
     runtime_env = job_runtime_env(tmp_path, py_modules=[package])
     job = in_background(
@@ -199,7 +202,7 @@ def test_inference_waits_for_a_node_and_its_pool_grows_with_the_cluster_up_to_nu
     assert "the cluster has 1 CPU(s) now" in proc.stdout
     assert "1 to 2 predictor actors" in proc.stdout
     assert max(n for _, n in sizes) == 2, sizes
-    assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 300
+    assert json.loads((tmp_path / "out" / SUMMARY).read_text())["images"] == 750
 
 
 # --- the chain on Ray's own autoscaler ---------------------------------------------------------
