@@ -25,7 +25,7 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.data.sources import render_synthetic
 from pipeline.model.checkpoint import CheckpointMeta, ModelInput
-from pipeline.model.runs import HISTORY_CSV, SNAPSHOT
+from pipeline.model.runs import HISTORY_CSV, SNAPSHOT, STEPS, load_result
 from pipeline.train.config import TrainConfig
 
 CLASSES = ("red_circle", "green_square", "blue_triangle")
@@ -121,6 +121,24 @@ def history(run: Path) -> list[dict]:
     """history.csv's rows, numbers as floats (the dataset version stays a name)."""
     with open(run / HISTORY_CSV) as f:
         return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def went_on_from(newest: str, said: str, run: Path) -> None:
+    """A run whose epoch 0 checkpoint was on storage but not in Ray's record resumed from
+    `newest`, the newest checkpoint on storage (its output `said` so), recorded epoch 0's, and
+    trained each epoch once."""
+    step = int(newest.rsplit("_", 1)[1])
+    resumed = f"resumed from checkpoint {newest}: epoch 1, continuing after its step {step}"
+    assert resumed in said, said
+    assert f"checkpoint {run / 'epoch_0000'} is on storage and not in Ray's record" in said, said
+    assert [r["epoch"] for r in history(run)] == [0, 1]
+    recorded = load_result(Location.parse(str(run)))
+    assert sorted(Path(c.path).name for c, _ in recorded.best_checkpoints) == [
+        "epoch_0000",
+        "epoch_0001",
+    ]
+    assert [m["epoch"] for _, m in recorded.best_checkpoints] == [0, 1]
+    assert list((run / STEPS).iterdir()) == []  # gone once their epochs' checkpoints were in
 
 
 def _number(value: str) -> float | str:

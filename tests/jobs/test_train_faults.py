@@ -9,12 +9,12 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from helpers import armed_runtime_env, held_worker, history, in_background, train_job, wait_for
+from helpers import armed_runtime_env, held_worker, in_background, train_job, wait_for, went_on_from
 
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import METADATA, read_meta
-from pipeline.model.runs import SNAPSHOT, STEPS, latest_step_checkpoint, load_result
+from pipeline.model.runs import SNAPSHOT, STEPS, latest_step_checkpoint
 
 # 481 train images at 16 a step: a checkpoint every 10 steps of an epoch's 30. One worker: what
 # the test proves is not about several, and each worker is a process that imports torch and
@@ -53,24 +53,6 @@ def newest_step_checkpoint(run: Path) -> Path:
     return Path(newest.path)
 
 
-def goes_on_from(newest: Path, proc, run: Path) -> None:
-    """The job resumed from `newest`, the newest checkpoint on storage, recorded epoch 0's, and
-    trained each epoch once."""
-    assert proc.returncode == 0, proc.stdout
-    step = int(newest.name.rsplit("_", 1)[1])
-    resumed = f"resumed from checkpoint {newest}: epoch 1, continuing after its step {step}"
-    assert resumed in proc.stdout, proc.stdout
-    assert f"checkpoint {run / 'epoch_0000'} is on storage and not in Ray's record" in proc.stdout
-    assert [r["epoch"] for r in history(run)] == [0, 1]
-    recorded = load_result(Location.parse(str(run)))
-    assert sorted(Path(c.path).name for c, _ in recorded.best_checkpoints) == [
-        "epoch_0000",
-        "epoch_0001",
-    ]
-    assert [m["epoch"] for _, m in recorded.best_checkpoints] == [0, 1]
-    assert list((run / STEPS).iterdir()) == []  # gone once their epochs' checkpoints were in
-
-
 def test_a_job_stopped_while_an_upload_is_unrecorded_goes_on_from_it_when_submitted_again(
     cluster_2cpu, tiny_dataset, tmp_path
 ):
@@ -81,6 +63,6 @@ def test_a_job_stopped_while_an_upload_is_unrecorded_goes_on_from_it_when_submit
     assert cluster_2cpu.stop_job(submission_id) == "STOPPED"
     job.result()
     newest = newest_step_checkpoint(run)
-    goes_on_from(
-        newest, train_job(cluster_2cpu, tiny_dataset, tmp_path, "name=r", *STEPS_OF_TEN), run
-    )
+    proc = train_job(cluster_2cpu, tiny_dataset, tmp_path, "name=r", *STEPS_OF_TEN)
+    assert proc.returncode == 0, proc.stdout
+    went_on_from(str(newest), proc.stdout, run)
