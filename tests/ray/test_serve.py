@@ -130,8 +130,9 @@ class InProcessApp(ServeApp):
                         "look_back_period_s": 2,
                     },
                 },
-                # A request a killed replica leaves unanswered ends within the test.
-                http={"request_timeout_s": 10},
+                # A request a killed replica leaves unanswered ends within the test; one that
+                # a loaded machine keeps waiting does not (10 s failed 5 as the load began).
+                http={"request_timeout_s": 30},
             )
         )
         client = serve_start(
