@@ -40,10 +40,20 @@ def _dynamic_batch() -> tuple[dict[int, torch.export.Dim]]:
     return ({0: torch.export.Dim("batch", min=1)},)
 
 
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, *, opset: int) -> None:
+def export_onnx(
+    model: torch.nn.Module | torch.export.ExportedProgram,
+    example: torch.Tensor,
+    path: Path,
+    *,
+    opset: int,
+) -> None:
     """`model` (eval mode) as an ONNX file at `path`, of `opset`, with a dynamic batch dimension;
-    its weights inside the file unless they near protobuf's 2 GiB limit."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    its weights inside the file unless they near protobuf's 2 GiB limit. `model` may be the
+    program export_pt2 returned: the ONNX exporter then translates it, not tracing the network
+    again (what it would trace is that program: torch.export.export, strict=False)."""
+    program = isinstance(model, torch.export.ExportedProgram)
+    state = model.state_dict if program else model.state_dict()
+    weights = sum(t.numel() * t.element_size() for t in state.values())
     levels = {name: logging.getLogger(name).level for name in EXPORTER_LOGGERS}
     for name in EXPORTER_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -67,8 +77,11 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, *, op
             logging.getLogger(name).setLevel(level)
 
 
-def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> None:
-    """`model` (eval mode) as torch.export's program at `path`, with a dynamic batch dimension."""
+def export_pt2(
+    model: torch.nn.Module, example: torch.Tensor, path: Path
+) -> torch.export.ExportedProgram:
+    """`model` (eval mode) as torch.export's program at `path`, with a dynamic batch dimension;
+    returns the program."""
     try:
         program = torch.export.export(model, (example,), dynamic_shapes=_dynamic_batch())
     except Exception as e:  # data-dependent control flow, an unsupported construct, ...
@@ -76,6 +89,7 @@ def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Non
             f"the network does not export with torch.export: {type(e).__name__}: {e}"
         ) from None
     torch.export.save(program, str(path))
+    return program
 
 
 def timed(fn, *args, **kwargs) -> float:

@@ -203,8 +203,8 @@ def test_a_failed_parity_check_commits_nothing(trained, monkeypatch):
     Path(output.path).parent.mkdir(parents=True, exist_ok=True)
     real = formats.export_onnx
 
-    def mismatched(model, example, path, *, opset):
-        other = copy.deepcopy(model)
+    def mismatched(program, example, path, *, opset):  # the program export_pt2 made
+        other = copy.deepcopy(program)
         torch.manual_seed(0)
         with torch.no_grad():
             for p in other.parameters():
