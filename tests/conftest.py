@@ -30,22 +30,6 @@ import pytest
 import ray
 import tiers
 from cloud_stores import BUCKET
-from helpers import (
-    CLASSES,
-    MAIN_RUN_RECIPE,
-    SHARED_CLUSTERS,
-    armed_runtime_env,
-    generated_dataset,
-    held_worker,
-    in_background,
-    kill_worker,
-    latest_recorded,
-    local_ray,
-    png_bytes,
-    tracked,
-    train_job,
-    wait_for,
-)
 
 from harness import cpu_cost
 from harness.cloud_storage import AzuriteServer, GcsServer
@@ -136,6 +120,8 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="module")
 def ray_in_process():
     """An in-process Ray instance for library-level tests; stopped after the module."""
+    from helpers import local_ray
+
     local_ray()
     yield
     ray.shutdown()
@@ -146,6 +132,8 @@ def hf_dataset(tmp_path_factory):
     """A local dataset shaped like food101: 'image' + ClassLabel 'label', train/validation
     Parquet files, loaded through the same `load_dataset` call as the hub's."""
     datasets = pytest.importorskip("datasets")
+    from helpers import CLASSES, png_bytes
+
     root = tmp_path_factory.mktemp("hf")
     names = ["apple_pie", "pizza", "sushi", "ramen", "steak"]
     features = datasets.Features(
@@ -167,6 +155,8 @@ def hf_dataset(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory) -> Path:
     """3 classes of generated 32 px images: one step of 8 images an epoch, 3 val images."""
+    from helpers import generated_dataset
+
     out = tmp_path_factory.mktemp("small") / "dataset"
     generated_dataset(
         out,
@@ -183,6 +173,8 @@ def small_dataset(tmp_path_factory) -> Path:
 def tiny_dataset(tmp_path_factory) -> Path:
     """A preprocessed dataset of generated images: 4 classes, 32 px, several shards of several
     row groups; the val split has an odd number of rows (119), to catch padded evaluation."""
+    from helpers import generated_dataset
+
     out = tmp_path_factory.mktemp("tiny") / "dataset"
     manifest = generated_dataset(
         out,
@@ -207,9 +199,11 @@ def pytest_runtest_teardown(item, nextitem):
     tier and does not ask for it: xdist hands out the tests in the order collected, the jobs tier
     first, and an idle cluster costs about 4 CPU-seconds a minute while the other tiers run."""
     yield
-    for name in list(SHARED_CLUSTERS):
+    # Only helpers.py makes shared clusters: none where no test module has imported it.
+    shared = getattr(sys.modules.get("helpers"), "SHARED_CLUSTERS", {})
+    for name in list(shared):
         if nextitem is None or name not in nextitem.fixturenames:
-            SHARED_CLUSTERS.pop(name).stop()
+            shared.pop(name).stop()
     if nextitem is None or (
         tiers.tier(nextitem) != "jobs" and "cluster_2cpu" not in nextitem.fixturenames
     ):
@@ -279,6 +273,18 @@ def main_run(cluster_2cpu, tiny_dataset, tmp_path_factory, mlflow_server):
     over two micro-batches, so that both go through DDP, the kill and the resume, and it is
     tracked in `mlflow_server`. test_train checks one claim about it per test; test_infer
     classifies with it. Returns (the job's output, the run directory)."""
+    from helpers import (
+        MAIN_RUN_RECIPE,
+        armed_runtime_env,
+        held_worker,
+        in_background,
+        kill_worker,
+        latest_recorded,
+        tracked,
+        train_job,
+        wait_for,
+    )
+
     storage = tmp_path_factory.mktemp("runs")
     run = storage / "main"
     fault = tmp_path_factory.mktemp("fault")
