@@ -1,5 +1,6 @@
 """What a user meets first: each command's --help, and what each module imports."""
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -63,9 +64,12 @@ def test_chain_help_lists_steps_and_their_keys():
         assert all(f"  {key} (" in text for key, *_ in describe_keys(cls))
 
 
-def imported_by(module: str) -> set[str]:
-    code = f"import sys, {module}; print('\\n'.join(sys.modules))"
-    return set(run("-c", code).split())
+@functools.cache
+def imported_by(*modules: str) -> frozenset[str]:
+    """The modules a fresh interpreter holds once it has imported `modules`: the union of what
+    each loads alone, an import loading what is not loaded yet whatever came before it."""
+    code = f"import sys, {', '.join(modules)}; print('\\n'.join(sys.modules))"
+    return frozenset(run("-c", code).split())
 
 
 def test_inference_imports_no_training_code():
@@ -87,8 +91,9 @@ def test_serving_imports_neither_batch_inference_nor_training():
 def test_inference_reads_and_writes_import_no_torch():
     # Their tasks take no CPU and run in worker processes of their own: torch would cost each
     # one seconds of start-up, taken from the CPUs the predictor actors hold.
-    loaded = imported_by("pipeline.infer.inputs") | imported_by("pipeline.infer.predictions")
-    loaded |= imported_by("pipeline.infer.sink")
+    loaded = imported_by(
+        "pipeline.infer.inputs", "pipeline.infer.predictions", "pipeline.infer.sink"
+    )
     assert "ray.data" in loaded and not {m for m in loaded if m.startswith("torch")}
 
 
@@ -101,8 +106,7 @@ def test_training_driver_imports_neither_torchvision_nor_torchmetrics():
 def test_the_clients_import_no_onnx():
     # The chain and the job entrypoints run where the bundle's clients run; only the export
     # wing, on the cluster, loads the exporter and ONNX Runtime (and only when it exports).
-    loaded = imported_by("jobs.submit") | imported_by("jobs.export")
-    loaded |= imported_by("pipeline.export.exporter")
+    loaded = imported_by("jobs.submit") | imported_by("jobs.export", "pipeline.export.exporter")
     assert "pipeline.export.exporter" in loaded
     assert not {m for m in loaded if m.startswith(("onnx", "onnxruntime", "onnxscript"))}
 
