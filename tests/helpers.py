@@ -25,7 +25,13 @@ from pipeline.core.storage import Location
 from pipeline.data.dataset import read_manifest
 from pipeline.data.sources import render_synthetic
 from pipeline.model.checkpoint import CheckpointMeta, ModelInput
-from pipeline.model.runs import HISTORY_CSV, SNAPSHOT, STEPS, load_result
+from pipeline.model.runs import (
+    HISTORY_CSV,
+    SNAPSHOT,
+    STEPS,
+    latest_step_checkpoint,
+    load_result,
+)
 from pipeline.train.config import TrainConfig
 
 CLASSES = ("red_circle", "green_square", "blue_triangle")
@@ -121,6 +127,15 @@ def history(run: Path) -> list[dict]:
     """history.csv's rows, numbers as floats (the dataset version stays a name)."""
     with open(run / HISTORY_CSV) as f:
         return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def newest_step_checkpoint(run: Path) -> str:
+    """The newest whole checkpoint inside an epoch of `run`, taken before its restarted
+    workers could write one: epoch 1's step-20 checkpoint, or a later one where the loop went
+    on meanwhile. For went_on_from."""
+    newest = latest_step_checkpoint(Location.parse(str(run)))
+    assert newest is not None and newest.name >= "epoch_0001_step_000020", newest
+    return newest.path
 
 
 def went_on_from(newest: str, said: str, run: Path) -> None:

@@ -7,14 +7,21 @@ called in the test process: tests/ray/test_worker_kills.py.)"""
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
-from helpers import armed_runtime_env, held_worker, in_background, train_job, wait_for, went_on_from
+from helpers import (
+    armed_runtime_env,
+    held_worker,
+    in_background,
+    newest_step_checkpoint,
+    train_job,
+    wait_for,
+    went_on_from,
+)
 
 from pipeline.core import faults
 from pipeline.core.storage import Location
 from pipeline.model.checkpoint import METADATA, read_meta
-from pipeline.model.runs import SNAPSHOT, STEPS, latest_step_checkpoint
+from pipeline.model.runs import SNAPSHOT, STEPS
 
 # 481 train images at 16 a step: a checkpoint every 10 steps of an epoch's 30. One worker: what
 # the test proves is not about several, and each worker is a process that imports torch and
@@ -45,14 +52,6 @@ def held_upload_and_two_step_checkpoints(cluster, tiny_dataset, tmp_path, name: 
     return job, run
 
 
-def newest_step_checkpoint(run: Path) -> Path:
-    """The newest whole checkpoint inside an epoch of a run no process of which is training:
-    epoch 1's step-20 checkpoint, or a later one where the loop went on while it was stopped."""
-    newest = latest_step_checkpoint(Location.parse(str(run)))
-    assert newest is not None and newest.name >= "epoch_0001_step_000020", newest
-    return Path(newest.path)
-
-
 def test_a_job_stopped_while_an_upload_is_unrecorded_goes_on_from_it_when_submitted_again(
     cluster_2cpu, tiny_dataset, tmp_path
 ):
@@ -65,4 +64,4 @@ def test_a_job_stopped_while_an_upload_is_unrecorded_goes_on_from_it_when_submit
     newest = newest_step_checkpoint(run)
     proc = train_job(cluster_2cpu, tiny_dataset, tmp_path, "name=r", *STEPS_OF_TEN)
     assert proc.returncode == 0, proc.stdout
-    went_on_from(str(newest), proc.stdout, run)
+    went_on_from(newest, proc.stdout, run)
