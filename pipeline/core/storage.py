@@ -186,6 +186,10 @@ class Location:
 # and AWS_ACCESS_KEY_ID do to an s3:// one; pyarrow reads neither variable itself.
 GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 AZURE_KEY_ENV = "AZURE_STORAGE_ACCOUNT_KEY"
+# How long Google's client retries one GCS call before it fails, unless the URI says
+# (`retry_limit_seconds=`). Its own default is 15 minutes, and with `retry`'s attempts a node
+# that cannot reach GCS (no route, no credentials) held its job for over an hour.
+GCS_RETRY_LIMIT_S = 20
 
 
 def _with_environment(fs: pafs.FileSystem, uri: str) -> pafs.FileSystem:
@@ -193,13 +197,17 @@ def _with_environment(fs: pafs.FileSystem, uri: str) -> pafs.FileSystem:
     STORAGE_EMULATOR_HOST (`http://host:port`), gs:// goes to that emulator, unauthenticated,
     as Google's own clients do; with AZURE_STORAGE_ACCOUNT_KEY, abfs:// signs its requests with
     that key (Azurite's, or an account's that takes keys) instead of Azure's default credential
-    chain. The filesystem is rebuilt from its own arguments, the ones pickling uses."""
+    chain. Every gs:// call gives up after GCS_RETRY_LIMIT_S. The filesystem is rebuilt from its
+    own arguments, the ones pickling uses."""
     query = uri.partition("?")[2]
     host = os.environ.get(GCS_EMULATOR_ENV)
-    if isinstance(fs, pafs.GcsFileSystem) and host and "endpoint_override=" not in query:
-        scheme, _, authority = host.rstrip("/").rpartition("://")
+    if isinstance(fs, pafs.GcsFileSystem):
         options = fs.__reduce__()[1][0]
-        options.update(anonymous=True, scheme=scheme or "http", endpoint_override=authority)
+        if host and "endpoint_override=" not in query:
+            scheme, _, authority = host.rstrip("/").rpartition("://")
+            options.update(anonymous=True, scheme=scheme or "http", endpoint_override=authority)
+        if options["retry_time_limit"] is None:
+            options["retry_time_limit"] = datetime.timedelta(seconds=GCS_RETRY_LIMIT_S)
         return pafs.GcsFileSystem(**options)
     if isinstance(fs, pafs.AzureFileSystem) and "credential_kind=" not in query:
         options = fs.__reduce__()[1][0]

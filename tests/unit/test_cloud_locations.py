@@ -10,7 +10,8 @@ import pytest
 import torch
 from cloud_stores import BUCKET, environment
 
-from pipeline.core.errors import is_transient
+from pipeline.core import storage
+from pipeline.core.errors import EXIT_CODES, ClusterError, failure, is_transient
 from pipeline.core.storage import Location
 
 # Each store as a job's nodes see it: (the URI of a folder on it, the environment it needs).
@@ -78,7 +79,20 @@ def test_gcs_emulator_host_leaves_an_explicit_endpoint_alone(gcs):
     assert isinstance(Location.parse(f"gs://{BUCKET}").fs.handler.fs, pafs.GcsFileSystem)
 
 
-# --- the jobs, with everything on each store --------------------------------------------------
+def test_gcs_that_does_not_answer_fails_the_call_instead_of_holding_it(monkeypatch):
+    """Google's client retries a call for 15 minutes by default: a node that could not reach
+    GCS held its job for over an hour. Each call now gives up after the bundle's limit, and
+    fails as storage that kept failing (exit 3)."""
+    monkeypatch.setattr(storage, "ATTEMPTS", 1)  # the bundle's own retries: test_storage
+    monkeypatch.setattr(storage, "GCS_RETRY_LIMIT_S", 2)  # a test's wait, not 20 s
+    with environment({"STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}):  # nothing listens
+        location = Location.parse(f"gs://{BUCKET}/run")
+        assert location.fs.handler.fs.__reduce__()[1][0]["retry_time_limit"].seconds == 2
+        with pytest.raises(OSError) as unreachable:
+            location.list_dirs()
+    assert "UNAVAILABLE: Retry policy exhausted" in str(unreachable.value)
+    code, line = failure(unreachable.value)
+    assert code == EXIT_CODES[ClusterError] and line.startswith("storage: "), line
 
 
 def test_a_gcs_folder_without_a_marker_object_lists_and_deletes(gcs):
