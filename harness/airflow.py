@@ -34,6 +34,9 @@ class Airflow:
     def __init__(self, home: Path, env: dict[str, str]):
         self.cli = str(ensure_venv())
         self.home = home
+        # uv installs no bytecode, so where the environment forbids writing it, each airflow
+        # process compiled what it imports again (harness/mlflow_server.py measures it).
+        env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
         self.env = {
             **env,
             "AIRFLOW_HOME": str(home),
