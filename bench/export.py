@@ -39,10 +39,7 @@ def measure(size: int, batch_size: int, threads: int, seconds: float, rounds: in
     model = build_model(10, name="resnet18").eval()
     example = formats.example_batch(size)
     with tempfile.TemporaryDirectory() as tmp:
-        onnx_s = formats.timed(
-            formats.export_onnx, model, example, Path(tmp) / formats.ONNX, opset=18
-        )
-        pt2_s = formats.timed(formats.export_pt2, model, example, Path(tmp) / formats.PT2)
+        export_s = formats.export_both(model, example, Path(tmp), opset=18)
 
         def eager(x: np.ndarray) -> np.ndarray:
             with torch.inference_mode():
@@ -66,7 +63,7 @@ def measure(size: int, batch_size: int, threads: int, seconds: float, rounds: in
         "image_size": size,
         "batch_size": batch_size,
         "threads": threads,
-        "export_s": {"onnx": round(onnx_s, 2), "pt2": round(pt2_s, 2)},
+        "export_s": {name: round(s, 2) for name, s in export_s.items()},
         "images_per_s": median,
         "rounds": {name: [round(r, 1) for r in v] for name, v in per_round.items()},
         "vs_eager": {name: round(rate / eager_rate, 2) for name, rate in median.items()},

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-import time
 from pathlib import Path
 
 import ray
@@ -203,13 +202,7 @@ def export_checkpoint(cfg: ExportConfig, *, checkpoint: Location, output: Locati
     with tempfile.TemporaryDirectory(prefix="export-") as tmp:
         staged = Path(tmp)
         example = formats.example_batch(meta.model_input.image_size)
-        # One trace for both: the ONNX exporter translates the program torch.export made.
-        started = time.perf_counter()
-        program = formats.export_pt2(model, example, staged / formats.PT2)
-        pt2_s = time.perf_counter() - started
-        onnx_s = formats.timed(
-            formats.export_onnx, program, example, staged / formats.ONNX, opset=cfg.opset
-        )
+        export_s = formats.export_both(model, example, staged, opset=cfg.opset)
         runtimes = {
             formats.OnnxRuntime.name: formats.OnnxRuntime(staged / formats.ONNX, threads=cfg.cpus),
             formats.ExportedProgram.name: formats.ExportedProgram(staged / formats.PT2),
@@ -231,8 +224,10 @@ def export_checkpoint(cfg: ExportConfig, *, checkpoint: Location, output: Locati
             *(name, 100 * report[name]["top1_agreement"], report["images"]),
             report[name]["max_abs_prob_diff"],
         )
-    log.info("exported in %.1f s (ONNX) and %.1f s (torch.export)", onnx_s, pt2_s)
-    return summary | {"export_s": {"onnx": onnx_s, "pt2": pt2_s}, "parity": report}
+    log.info(
+        "exported in %.1f s (ONNX) and %.1f s (torch.export)", export_s["onnx"], export_s["pt2"]
+    )
+    return summary | {"export_s": export_s, "parity": report}
 
 
 def publish(staged: Path, output: Location) -> None:
