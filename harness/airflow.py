@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from harness.cluster import BUNDLE_ROOT
-from harness.venvs import uv_venv
+from harness.venvs import uv_venv, writing_bytecode
 
 AIRFLOW_VERSION = "3.3.2"
 DAGS_FOLDER = BUNDLE_ROOT / "examples" / "airflow"
@@ -34,11 +34,8 @@ class Airflow:
     def __init__(self, home: Path, env: dict[str, str]):
         self.cli = str(ensure_venv())
         self.home = home
-        # uv installs no bytecode, so where the environment forbids writing it, each airflow
-        # process compiled what it imports again (harness/mlflow_server.py measures it).
-        env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
         self.env = {
-            **env,
+            **writing_bytecode(env),
             "AIRFLOW_HOME": str(home),
             "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",

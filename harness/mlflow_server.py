@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from harness.cluster import BUNDLE_ROOT, ends_with_its_starter, free_port
-from harness.venvs import uv_venv
+from harness.venvs import uv_venv, writing_bytecode
 
 REQUIREMENTS = BUNDLE_ROOT / "requirements" / "tracking-server.txt"
 VENV = BUNDLE_ROOT / ".venv-mlflow"
@@ -63,13 +63,9 @@ class MLflowServer:
             *("--backend-store-uri", f"sqlite:///{self.directory / 'mlflow.db'}"),
             *("--artifacts-destination", str(self.directory / "artifacts")),
         ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        env = {k: v for k, v in writing_bytecode(os.environ).items() if not k.startswith("MLFLOW_")}
         # Its job runner (server-side jobs for GenAI features) would start three more processes.
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
-        # uv installs no bytecode: where the environment forbids writing it too, every start
-        # compiled mlflow's source again in both of its processes (20 CPU-s a start; 11.5 once
-        # the first has written it).
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
         with open(self.log, "a") as log:
             self._proc = subprocess.Popen(
                 command,

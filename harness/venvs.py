@@ -8,6 +8,7 @@ import hashlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -29,3 +30,11 @@ def uv_venv(venv: Path, pins: Path, *install: str) -> Path:
             subprocess.run([*command, *install], check=True, timeout=1800)
             stamp.touch()
     return venv / "bin"
+
+
+def writing_bytecode(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a process of a venv uv_venv built: uv installs no bytecode, so where the
+    environment forbids writing it (PYTHONDONTWRITEBYTECODE) every start compiled what it
+    imports again; without it, the first start writes it. An MLflow server start: 20.2 CPU-s,
+    11.5 once the first had written it."""
+    return {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
