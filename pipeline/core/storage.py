@@ -187,8 +187,8 @@ class Location:
 GCS_EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 AZURE_KEY_ENV = "AZURE_STORAGE_ACCOUNT_KEY"
 # How long Google's client retries one GCS call before it fails, unless the URI says
-# (`retry_limit_seconds=`). Its own default is 15 minutes, and with `retry`'s attempts a node
-# that cannot reach GCS (no route, no credentials) held its job for over an hour.
+# (`retry_limit_seconds=`). Its own default is 15 minutes, which with `retry`'s attempts could
+# hold the job of a node that cannot reach GCS (no route, no credentials) for over an hour.
 GCS_RETRY_LIMIT_S = 20
 
 

@@ -80,9 +80,9 @@ def test_gcs_emulator_host_leaves_an_explicit_endpoint_alone(gcs):
 
 
 def test_gcs_that_does_not_answer_fails_the_call_instead_of_holding_it(monkeypatch):
-    """Google's client retries a call for 15 minutes by default: a node that could not reach
-    GCS held its job for over an hour. Each call now gives up after the bundle's limit, and
-    fails as storage that kept failing (exit 3)."""
+    """Google's client retries a call for 15 minutes by default, which with the bundle's
+    attempts could hold a job over an hour where its node cannot reach GCS. Each call gives up
+    after the bundle's limit, and fails as storage that kept failing (exit 3)."""
     monkeypatch.setattr(storage, "ATTEMPTS", 1)  # the bundle's own retries: test_storage
     monkeypatch.setattr(storage, "GCS_RETRY_LIMIT_S", 2)  # a test's wait, not 20 s
     with environment({"STORAGE_EMULATOR_HOST": "http://127.0.0.1:1"}):  # nothing listens
